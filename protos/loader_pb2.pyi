@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("id", "name", "num_samples", "class_names")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    num_samples: int
+    class_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    MIN_IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ORDER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_ORDERS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    shards: _containers.RepeatedCompositeFieldContainer[Shard]
+    pipelines: _containers.RepeatedScalarFieldContainer[str]
+    custom_pipelines: bool
+    min_image_size: int
+    max_image_size: int
+    max_order_samples: int
+    max_inflight_orders: int
+    chunk_bytes: int
+    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetKeysRequest(_message.Message):
+    __slots__ = ("shard_id", "start", "count")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    start: int
+    count: int
+    def __init__(self, shard_id: _Optional[str] = ..., start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class GetKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Setup(_message.Message):
+    __slots__ = ("pipeline", "height", "width", "albumentations_json")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ALBUMENTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    height: int
+    width: int
+    albumentations_json: str
+    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
+
+class Order(_message.Message):
+    __slots__ = ("order_id", "shard_id", "indices", "seed", "epoch")
+    ORDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    order_id: int
+    shard_id: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    epoch: int
+    def __init__(self, order_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("setup", "order")
+    SETUP_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    setup: Setup
+    order: Order
+    def __init__(self, setup: _Optional[_Union[Setup, _Mapping]] = ..., order: _Optional[_Union[Order, _Mapping]] = ...) -> None: ...
+
+class SampleError(_message.Message):
+    __slots__ = ("position", "index", "key", "reason")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    index: int
+    key: str
+    reason: str
+    def __init__(self, position: _Optional[int] = ..., index: _Optional[int] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ChunkHeader(_message.Message):
+    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors")
+    ORDER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ORDER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    order_id: int
+    start: int
+    count: int
+    order_size: int
+    height: int
+    width: int
+    channels: int
+    labels: _containers.RepeatedScalarFieldContainer[int]
+    errors: _containers.RepeatedCompositeFieldContainer[SampleError]
+    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("header", "pixels")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    pixels: bytes
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., pixels: _Optional[bytes] = ...) -> None: ...

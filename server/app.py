@@ -1,0 +1,115 @@
+"""Build, run and stop a loader server: ``create_server``, ``serve`` and ``run``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from remoteloader.server.catalog import open_shards
+from remoteloader.server.config import ServerConfig
+from remoteloader.server.service import SERVICE, LoaderService
+from remoteloader.server.workers import Arena, WorkerPool
+
+log = logging.getLogger("remoteloader.server")
+
+
+class LoaderServer:
+    """A started loader server: the gRPC server, its service, workers and bound address."""
+
+    def __init__(self, config: ServerConfig, grpc_server: grpc.aio.Server, service: LoaderService,
+                 health_servicer: health.aio.HealthServicer, port: int):
+        self.config = config
+        self.grpc_server = grpc_server
+        self.service = service
+        self.health = health_servicer
+        self.port = port
+        self._stopped = False
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains: health NOT_SERVING, no new orders, in-flight work finishes; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        self.service.drain()
+        await self.grpc_server.stop(grace)
+        self.service.pool.close()
+        self.service.arena.close()
+
+
+async def create_server(config: ServerConfig) -> LoaderServer:
+    """Indexes the shards, starts the workers and binds the port (``port=0``: a free one)."""
+    started = time.perf_counter()
+    shards = open_shards(list(config.data))
+    arena = Arena(config.slots, config.slot_bytes)
+    pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels)
+    pool.start()
+    service = LoaderService(config, shards, pool, arena)
+    limit = config.max_message_bytes
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", 4 << 20),  # orders are small: max_order_samples x 10 bytes
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ])
+    server.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        pool.close()
+        arena.close()
+        raise OSError(f"cannot bind {config.host}:{config.port}: {exc}") from None
+    await server.start()
+    for name in (SERVICE, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    samples = sum(len(s) for s in shards)
+    log.info("serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
+             len(shards), samples, config.workers, time.perf_counter() - started)
+    log.info("listening on %s:%d", config.host, port)
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("bound to %s without authentication: anyone who can reach this port can read the data",
+                    config.host)
+    return LoaderServer(config, server, service, health_servicer, port)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Runs a server until SIGTERM or SIGINT, then drains and returns."""
+    server = await create_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.ensure_future(server.grpc_server.wait_for_termination())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("draining (grace %.0fs)", config.grace)
+    await server.stop()
+    serving.cancel()
+    log.info("stopped")
+
+
+def run(config: ServerConfig) -> None:
+    """Blocking entry: runs ``serve`` on uvloop when available."""
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))

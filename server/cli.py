@@ -1,0 +1,58 @@
+"""Command line: ``remoteloader serve|demo|pack`` and ``remoteloader-server``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from remoteloader.server import config as config_module
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    config_module.add_arguments(parser)
+    return parser
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """``remoteloader-server``: run one loader server."""
+    parser = _serve_parser(argparse.ArgumentParser(
+        prog="remoteloader-server", description="Serve image shards as augmented uint8 batches over gRPC."))
+    args = parser.parse_args(argv)
+    try:
+        config = config_module.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from remoteloader.server.app import run
+    from remoteloader.server.catalog import CatalogError
+
+    try:
+        run(config)
+    except (CatalogError, OSError) as exc:
+        print(f"remoteloader-server: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="remoteloader", description="Remote data feeding for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run a loader server (same flags as remoteloader-server)", add_help=False)
+    demo = sub.add_parser("demo", help="train a small CNN fed by two local loader servers")
+    from remoteloader.server import demo as demo_module
+
+    demo_module.add_arguments(demo)
+    pack = sub.add_parser("pack", help="write WebDataset tar shards from an ImageFolder tree")
+    from remoteloader.server import pack as pack_module
+
+    pack_module.add_arguments(pack)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":
+        return serve_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo_module.run(args)
+    return pack_module.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

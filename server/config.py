@@ -1,0 +1,163 @@
+"""Server configuration: one frozen dataclass, built from CLI flags or REMOTELOADER_* variables.
+
+Every field maps one-to-one onto a flag (``--chunk-bytes``) and an environment variable
+(``REMOTELOADER_CHUNK_BYTES``); a flag wins over the variable. Docker, compose, Kubernetes
+and the tests all build the same object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "REMOTELOADER_"
+MiB = 1 << 20
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A loader server's settings.
+
+    Data:
+        data: Paths of shards: ImageFolder trees, .tar files or folders of .tar files.
+    Network:
+        host: Address to bind (default 127.0.0.1; use 0.0.0.0 in a container).
+        port: TCP port; 0 picks a free one (the bound port is logged and returned).
+    Work:
+        workers: Decode/augment worker processes (default: the CPUs this process may use).
+        chunk_bytes: Pixel payload per streamed message (default 4 MiB, chosen by measurement).
+        slots: Shared chunk buffers, the bound on decoded pixels held by the server:
+            memory = slots x max(chunk_bytes, largest sample) (default 4 x workers + 4).
+        max_order_samples: Most samples in one order.
+        max_inflight_orders: Most orders one stream may have outstanding; more get
+            RESOURCE_EXHAUSTED.
+        min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
+        max_pixels: Largest image (width x height, read from the header) the server decodes.
+        allow_custom_pipelines: Accept albumentations pipelines serialized by clients
+            (A.to_dict; rebuilt from albumentations' registry only).
+    Lifecycle:
+        grace: Seconds in-flight work may take to finish after SIGTERM.
+        log_level: Python logging level name.
+    """
+
+    data: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 50051
+    workers: int = field(default_factory=default_workers)
+    chunk_bytes: int = 4 * MiB
+    slots: int = 0
+    max_order_samples: int = 1024
+    max_inflight_orders: int = 16
+    min_image_size: int = 8
+    max_image_size: int = 1024
+    max_pixels: int = 100_000_000
+    allow_custom_pipelines: bool = False
+    grace: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, (str, os.PathLike)):
+            object.__setattr__(self, "data", (str(self.data),))
+        object.__setattr__(self, "data", tuple(str(p) for p in self.data))
+        if not self.data:
+            raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
+        _positive(self, "workers", "chunk_bytes", "max_order_samples", "max_inflight_orders",
+                  "min_image_size", "max_image_size", "max_pixels")
+        if self.min_image_size > self.max_image_size:
+            raise ValueError(f"min_image_size={self.min_image_size} > max_image_size={self.max_image_size}")
+        if self.slots < 0:
+            raise ValueError(f"slots={self.slots}: expected >= 0 (0 means 4 x workers + 4)")
+        if self.slots == 0:
+            object.__setattr__(self, "slots", 4 * self.workers + 4)
+        if self.grace < 0:
+            raise ValueError(f"grace={self.grace}: expected seconds >= 0")
+
+    @property
+    def max_sample_bytes(self) -> int:
+        return self.max_image_size * self.max_image_size * 3
+
+    @property
+    def slot_bytes(self) -> int:
+        return max(self.chunk_bytes, self.max_sample_bytes)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest message the server sends: one slot of pixels plus its header."""
+        return self.slot_bytes + 1 * MiB
+
+
+def _positive(config: ServerConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ValueError(f"{name}={value}: expected a positive number")
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per ServerConfig field, defaulting to its REMOTELOADER_* variable."""
+    defaults = ServerConfig(data=("-",))
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        doc = _FIELD_HELP.get(f.name, "")
+        if f.name == "data":
+            parser.add_argument(flag, nargs="+", default=_env_list(env),
+                                help=f"{doc} [env {env}, space-separated]")
+        elif f.type in (bool, "bool"):
+            parser.add_argument(flag, type=_bool, nargs="?", const=True,
+                                default=_bool(os.environ[env]) if env in os.environ else getattr(defaults, f.name),
+                                help=f"{doc} [env {env}]")
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            default = os.environ.get(env)
+            parser.add_argument(flag, type=kind, default=kind(default) if default is not None else None,
+                                help=f"{doc} (default {getattr(defaults, f.name)}) [env {env}]")
+
+
+def from_args(args: argparse.Namespace) -> ServerConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
+              if getattr(args, f.name, None) is not None}
+    return ServerConfig(**values)
+
+
+def _env_list(name: str) -> list[str] | None:
+    value = os.environ.get(name)
+    return value.split() if value else None
+
+
+_FIELD_HELP = {
+    "data": "shard paths: ImageFolder trees, .tar files or folders of .tar files",
+    "host": "address to bind; 0.0.0.0 in a container",
+    "port": "TCP port; 0 picks a free one",
+    "workers": "decode/augment worker processes",
+    "chunk_bytes": "pixel bytes per streamed message",
+    "slots": "shared chunk buffers (memory = slots x max(chunk_bytes, largest sample)); 0: 4 x workers + 4",
+    "max_order_samples": "most samples in one order",
+    "max_inflight_orders": "most outstanding orders per stream",
+    "min_image_size": "smallest output side clients may ask for",
+    "max_image_size": "largest output side clients may ask for",
+    "max_pixels": "largest image (width x height) the server decodes",
+    "allow_custom_pipelines": "accept albumentations pipelines serialized by clients",
+    "grace": "seconds in-flight work may take to finish after SIGTERM",
+    "log_level": "logging level",
+}

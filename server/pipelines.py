@@ -1,0 +1,143 @@
+"""Augmentation pipelines: presets and client-sent albumentations pipelines, fused with decoding.
+
+A pipeline is an ``A.Compose`` whose randomness is reseeded for every sample from a 64-bit
+seed derived from (seed, epoch, shard, index), so the same order gives the same pixels on
+any server. When its first transform is a random-resized crop, the crop is chosen on the
+JPEG header's dimensions and the JPEG is decoded at the smallest DCT scale that keeps the
+crop at least the output size; a first resize likewise decodes no larger than it needs.
+The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
+draw the same random numbers, so they give the same pixels up to resampling rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # never phone home from a server
+
+import albumentations as A  # noqa: E402
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
+
+from remoteloader.server import decode as dec  # noqa: E402
+
+PRESETS = ("train", "eval")
+CUSTOM = "custom"
+EVAL_CROP_FRACTION = 0.875
+MAX_PIPELINE_JSON = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What a client asked for: a preset or a serialized albumentations pipeline, and a size."""
+
+    name: str
+    height: int
+    width: int
+    albumentations_json: str = ""
+
+
+class PipelineError(ValueError):
+    """A pipeline request the server cannot honour; the message lists what it offers."""
+
+
+def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
+    """Builds the albumentations pipeline for a spec; raises PipelineError for bad requests."""
+    h, w = spec.height, spec.width
+    if spec.name == "train":
+        return A.Compose([
+            A.RandomResizedCrop(size=(h, w), scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                                interpolation=cv2.INTER_LINEAR),
+            A.HorizontalFlip(p=0.5),
+        ])
+    if spec.name == "eval":
+        short = round(min(h, w) / EVAL_CROP_FRACTION)
+        return A.Compose([
+            A.SmallestMaxSize(max_size=short, interpolation=cv2.INTER_LINEAR),
+            A.CenterCrop(height=h, width=w),
+        ])
+    if spec.name != CUSTOM:
+        raise PipelineError(f"unknown pipeline {spec.name!r}; this server offers "
+                            f"{', '.join(PRESETS + ((CUSTOM,) if allow_custom else ()))}")
+    if not allow_custom:
+        raise PipelineError("this server does not accept custom albumentations pipelines "
+                            f"(start it with --allow-custom-pipelines); it offers {', '.join(PRESETS)}")
+    if len(spec.albumentations_json) > MAX_PIPELINE_JSON:
+        raise PipelineError(f"albumentations_json is {len(spec.albumentations_json)} bytes, "
+                            f"over the limit of {MAX_PIPELINE_JSON}")
+    try:
+        # from_dict only instantiates classes from albumentations' own registry: no code runs.
+        compose = A.from_dict(json.loads(spec.albumentations_json))
+    except Exception as exc:  # any malformed document is the client's error
+        raise PipelineError(f"cannot rebuild the albumentations pipeline: {type(exc).__name__}: {exc}") from None
+    if not isinstance(compose, A.Compose):
+        compose = A.Compose([compose])
+    return compose
+
+
+class Pipeline:
+    """Decode + augment one sample into a fixed-size RGB uint8 array."""
+
+    def __init__(self, spec: PipelineSpec, allow_custom: bool = False, max_pixels: int = 100_000_000):
+        self.spec = spec
+        self.max_pixels = max_pixels
+        self.compose = build_compose(spec, allow_custom)
+        transforms = list(self.compose.transforms)
+        first = transforms[0] if transforms else None
+        self._crop = first if isinstance(first, A.RandomResizedCrop) and first.p >= 1 else None
+        self._rest = A.Compose(transforms[1:]) if self._crop is not None else None
+        self._min_side = None  # decode at least this short side (SmallestMaxSize / Resize first)
+        if isinstance(first, A.SmallestMaxSize) and first.p >= 1 and first.max_size is not None:
+            size = first.max_size
+            self._min_side = size if isinstance(size, int) else max(size)
+        elif isinstance(first, A.Resize) and first.p >= 1:
+            self._min_side = max(first.height, first.width)
+
+    def check_output(self) -> None:
+        """Runs the pipeline on a test image and raises PipelineError unless the size is fixed."""
+        rng = np.random.default_rng(0)
+        for shape in ((self.spec.height * 2 + 7, self.spec.width * 2 + 3), (61, 97)):
+            image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+            self.compose.set_random_seed(0)
+            out = self.compose(image=image)["image"]
+            if out.shape != (self.spec.height, self.spec.width, 3) or out.dtype != np.uint8:
+                raise PipelineError(
+                    f"the pipeline turns a {shape[1]}x{shape[0]} image into shape {out.shape} "
+                    f"{out.dtype}; it must output uint8 of the requested size "
+                    f"{self.spec.height}x{self.spec.width}x3 for every input (end it with a "
+                    f"Resize or a crop of that size)")
+
+    def __call__(self, data: bytes, seed: int, fused: bool = True) -> np.ndarray:
+        fmt, height, width = dec.read_size(data, self.max_pixels)
+        self.compose.set_random_seed(seed)
+        if fused and self._crop is not None:
+            return self._fused_crop(data, fmt, height, width)
+        min_h = min_w = 0
+        if fused and self._min_side is not None:
+            scale = self._min_side / min(height, width)
+            min_h, min_w = math.ceil(height * scale), math.ceil(width * scale)
+        image = dec.decode(data, fmt, min_h, min_w)
+        return self.compose(image=image)["image"]
+
+    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int) -> np.ndarray:
+        crop = self._crop
+        params = crop.get_params()
+        params["shape"] = (height, width, 3)
+        x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
+        out_h, out_w = crop.size
+        # Smallest decode that keeps the crop at least the output size.
+        min_h = math.ceil(height * out_h / max(y2 - y1, 1))
+        min_w = math.ceil(width * out_w / max(x2 - x1, 1))
+        image = dec.decode(data, fmt, min(min_h, height), min(min_w, width))
+        dh, dw = image.shape[:2]
+        if (dh, dw) != (height, width):
+            sy, sx = dh / height, dw / width
+            x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
+            y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
+        region = image[y1:y2, x1:x2]
+        if region.shape[:2] != (out_h, out_w):
+            region = cv2.resize(region, (out_w, out_h), interpolation=crop.interpolation)
+        return self._rest(image=region)["image"] if self._rest.transforms else region

@@ -1,0 +1,241 @@
+"""The gRPC service: Describe, GetKeys and the order/chunk Stream."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import NamedTuple
+
+import grpc
+import numpy as np
+
+from remoteloader.protos import codec, loader_pb2
+from remoteloader.server.catalog import Shard
+from remoteloader.server.config import ServerConfig
+from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
+from remoteloader.server.workers import Arena, Task, WorkerPool
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+SERVICE = "remoteloader.v1.Loader"
+MAX_KEYS_PER_CALL = 10_000
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+class OutChunk(NamedTuple):
+    header: loader_pb2.ChunkHeader
+    pixels: memoryview
+
+
+def serialize_chunk(chunk: OutChunk) -> bytes:
+    return codec.encode_chunk(chunk.header, chunk.pixels)
+
+
+def sample_seeds(seed: int, epoch: int, shard_key: int, indices: np.ndarray) -> list[int]:
+    """64-bit per-sample seeds from (seed, epoch, shard, index): splitmix64 over a mix."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(epoch) * np.uint64(0xBF58476D1CE4E5B9)
+        x = indices.astype(np.uint64) * np.uint64(0x94D049BB133111EB) ^ x ^ np.uint64(shard_key)
+        for _ in range(2):
+            x = x + np.uint64(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            x = x ^ (x >> np.uint64(31))
+    return [int(v) for v in x]
+
+
+class LoaderService:
+    """Serves the shards of one server through a worker pool."""
+
+    def __init__(self, config: ServerConfig, shards: list[Shard], pool: WorkerPool, arena: Arena):
+        self.config = config
+        self.shards = {s.id: s for s in shards}
+        self._shard_keys = {s.id: int(hashlib.sha256(s.id.encode()).hexdigest()[:16], 16) for s in shards}
+        self.pool = pool
+        self.arena = arena
+        self._pipelines: dict[PipelineSpec, Pipeline] = {}
+        self._draining = asyncio.Event()
+        self.active_streams = 0
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                self.Describe, request_deserializer=loader_pb2.DescribeRequest.FromString,
+                response_serializer=loader_pb2.DescribeResponse.SerializeToString),
+            "GetKeys": grpc.unary_unary_rpc_method_handler(
+                self.GetKeys, request_deserializer=loader_pb2.GetKeysRequest.FromString,
+                response_serializer=loader_pb2.GetKeysResponse.SerializeToString),
+            "Stream": grpc.stream_stream_rpc_method_handler(
+                self.Stream, request_deserializer=loader_pb2.StreamRequest.FromString,
+                response_serializer=serialize_chunk),
+        })
+
+    def drain(self) -> None:
+        """Stops taking new orders; streams finish what they hold, then end UNAVAILABLE."""
+        self._draining.set()
+
+    async def Describe(self, request, context) -> loader_pb2.DescribeResponse:
+        c = self.config
+        return loader_pb2.DescribeResponse(
+            version=VERSION,
+            shards=[loader_pb2.Shard(id=s.id, name=s.name, num_samples=len(s), class_names=s.class_names)
+                    for s in self.shards.values()],
+            pipelines=list(PRESETS), custom_pipelines=c.allow_custom_pipelines,
+            min_image_size=c.min_image_size, max_image_size=c.max_image_size,
+            max_order_samples=c.max_order_samples, max_inflight_orders=c.max_inflight_orders,
+            chunk_bytes=c.chunk_bytes)
+
+    async def GetKeys(self, request, context) -> loader_pb2.GetKeysResponse:
+        shard = self.shards.get(request.shard_id)
+        if shard is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no shard {request.shard_id!r} on this server")
+        if request.count > MAX_KEYS_PER_CALL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"count={request.count} is over the limit of {MAX_KEYS_PER_CALL} keys per call")
+        end = min(request.start + request.count, len(shard))
+        return loader_pb2.GetKeysResponse(keys=[shard.key(i) for i in range(request.start, end)])
+
+    def _pipeline(self, setup: loader_pb2.Setup) -> Pipeline:
+        c = self.config
+        for name, value in (("height", setup.height), ("width", setup.width)):
+            if not c.min_image_size <= value <= c.max_image_size:
+                raise PipelineError(f"{name}={value} is outside the sizes this server offers: "
+                                    f"{c.min_image_size}..{c.max_image_size}")
+        spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
+        pipeline = self._pipelines.get(spec)
+        if pipeline is None:
+            pipeline = Pipeline(spec, c.allow_custom_pipelines, c.max_pixels)
+            pipeline.check_output()
+            if len(self._pipelines) > 64:
+                self._pipelines.clear()
+            self._pipelines[spec] = pipeline
+        return pipeline
+
+    async def Stream(self, request_iterator, context):
+        peer = context.peer()
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first.WhichOneof("kind") != "setup":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a stream must be a Setup")
+        try:
+            pipeline = self._pipeline(first.setup)
+        except PipelineError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        spec = pipeline.spec
+        queue: asyncio.Queue = asyncio.Queue()
+        state = {"inflight": 0}
+        self.active_streams += 1
+        log.info("stream opened by %s: pipeline %s %dx%d", peer, spec.name, spec.height, spec.width)
+        reader = asyncio.create_task(self._read_orders(context, spec, queue, state))
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], grpc.StatusCode):
+                    await context.abort(*item)
+                await self._write_chunk(context, spec, item, state)
+        finally:
+            self.active_streams -= 1
+            reader.cancel()
+            # Slots still being written by a worker go back only when the worker is done.
+            while not queue.empty():
+                item = queue.get_nowait()
+                if isinstance(item, _Pending):
+                    item.future.add_done_callback(lambda _f, slot=item.slot: self.arena.release(slot))
+
+    async def _read_orders(self, context, spec: PipelineSpec, queue: asyncio.Queue, state: dict) -> None:
+        c = self.config
+        sample_bytes = spec.height * spec.width * 3
+        per_chunk = max(1, c.chunk_bytes // sample_bytes)
+        drain = asyncio.ensure_future(self._draining.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(context.read())
+                done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    read.cancel()
+                    queue.put_nowait((grpc.StatusCode.UNAVAILABLE,
+                                      "server is draining (SIGTERM); send unfinished orders elsewhere"))
+                    return
+                request = read.result()
+                if request is grpc.aio.EOF:
+                    queue.put_nowait(None)
+                    return
+                error = self._check_order(request, state)
+                if error:
+                    queue.put_nowait(error)
+                    return
+                order = request.order
+                shard = self.shards[order.shard_id]
+                indices = np.asarray(order.indices, dtype=np.int64)
+                seeds = sample_seeds(order.seed, order.epoch, self._shard_keys[shard.id], indices)
+                state["inflight"] += 1
+                for start in range(0, len(indices), per_chunk):
+                    count = min(per_chunk, len(indices) - start)
+                    slot = await self.arena.acquire()
+                    locations = [tuple(shard.locate(int(i))) for i in indices[start:start + count]]
+                    future = self.pool.submit(Task(slot, (spec.name, spec.height, spec.width, spec.albumentations_json),
+                                                   locations, seeds[start:start + count]))
+                    queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # surface server bugs as a stream error, never a hang
+            log.exception("stream reader failed")
+            queue.put_nowait((grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
+        finally:
+            drain.cancel()
+
+    def _check_order(self, request, state: dict):
+        c = self.config
+        if request.WhichOneof("kind") != "order":
+            return grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a stream may be a Setup"
+        order = request.order
+        if order.shard_id not in self.shards:
+            return grpc.StatusCode.INVALID_ARGUMENT, (f"order {order.order_id}: no shard {order.shard_id!r} on this "
+                                                      f"server; it holds {', '.join(self.shards)}")
+        n = len(order.indices)
+        if not 0 < n <= c.max_order_samples:
+            return grpc.StatusCode.INVALID_ARGUMENT, (f"order {order.order_id} has {n} samples; "
+                                                      f"expected 1..{c.max_order_samples} (max_order_samples)")
+        size = len(self.shards[order.shard_id])
+        if max(order.indices) >= size:
+            return grpc.StatusCode.INVALID_ARGUMENT, (f"order {order.order_id}: index {max(order.indices)} is out of "
+                                                      f"range for shard {order.shard_id} of {size} samples")
+        if state["inflight"] >= c.max_inflight_orders:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, (f"more than max_inflight_orders={c.max_inflight_orders} "
+                                                        f"orders in flight on one stream")
+        return None
+
+    async def _write_chunk(self, context, spec: PipelineSpec, item: "_Pending", state: dict) -> None:
+        try:
+            errors = await item.future
+            indices = item.indices[item.start:item.start + item.count]
+            header = loader_pb2.ChunkHeader(
+                order_id=item.order.order_id, start=item.start, count=item.count, order_size=len(item.indices),
+                height=spec.height, width=spec.width, channels=3, labels=item.shard.labels[indices].tolist(),
+                errors=[loader_pb2.SampleError(position=item.start + pos, index=int(indices[pos]),
+                                               key=item.shard.key(int(indices[pos])), reason=reason)
+                        for pos, reason in errors])
+            nbytes = item.count * spec.height * spec.width * 3
+            await context.write(OutChunk(header, self.arena.view(item.slot, nbytes)))
+        finally:
+            if item.future.done():
+                self.arena.release(item.slot)
+            else:
+                item.future.add_done_callback(lambda _f, slot=item.slot: self.arena.release(slot))
+        if item.start + item.count == len(item.indices):
+            state["inflight"] -= 1
+
+
+class _Pending(NamedTuple):
+    order: loader_pb2.Order
+    shard: Shard
+    indices: np.ndarray
+    start: int
+    count: int
+    slot: int
+    future: asyncio.Future

@@ -1,0 +1,75 @@
+"""The body of one decode/augment worker process (see workers.WorkerPool)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+from collections import OrderedDict
+
+import cv2
+import numpy as np
+
+from remoteloader.server.decode import DecodeError
+from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
+
+_MAX_PIPELINES = 16
+_MAX_FILE_BYTES = 256 << 20
+
+
+def read_sample(path: str, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        if length < 0:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_FILE_BYTES:
+                raise DecodeError(f"file is {size} bytes, over the limit of {_MAX_FILE_BYTES}")
+            return f.read()
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise DecodeError(f"short read: {len(data)} of {length} bytes at offset {offset}")
+    return data
+
+
+def main(conn, arena_path: str, slots: int, slot_bytes: int, allow_custom: bool, max_pixels: int) -> None:
+    # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    cv2.setNumThreads(1)
+    with open(arena_path, "r+b") as f:
+        arena = mmap.mmap(f.fileno(), slots * slot_bytes)
+    pipelines: OrderedDict[tuple, Pipeline | str] = OrderedDict()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        task_id, slot, spec, locations, seeds = message
+        name, height, width, albu_json = spec
+        pipeline = pipelines.get(spec)
+        if pipeline is None:
+            try:
+                pipeline = Pipeline(PipelineSpec(name, height, width, albu_json), allow_custom, max_pixels)
+            except PipelineError as exc:
+                pipeline = f"pipeline error: {exc}"
+            pipelines[spec] = pipeline
+            if len(pipelines) > _MAX_PIPELINES:
+                pipelines.popitem(last=False)
+        out = np.ndarray((len(locations), height, width, 3), np.uint8,
+                         buffer=arena, offset=slot * slot_bytes)
+        errors = []
+        for i, ((path, offset, length), seed) in enumerate(zip(locations, seeds)):
+            try:
+                if isinstance(pipeline, str):
+                    raise DecodeError(pipeline)
+                out[i] = pipeline(read_sample(path, offset, length), seed)
+            except (DecodeError, OSError) as exc:
+                out[i] = 0
+                errors.append((i, str(exc)))
+            except Exception as exc:  # a transform failing on odd input must not kill the worker
+                out[i] = 0
+                errors.append((i, f"{type(exc).__name__}: {exc}"))
+        del out
+        conn.send((task_id, errors))

@@ -1,0 +1,175 @@
+"""A pool of persistent decode/augment processes writing into a shared buffer arena.
+
+The arena is one shared memory file cut into fixed-size slots; a task names a slot and
+the samples to render into it, a worker writes each sample's pixels straight into its
+place and answers with the per-sample errors only. Pixels never pass through pickling.
+Tasks go to the worker with the fewest outstanding ones over its own pipe, so when a
+worker dies the pool knows exactly which tasks to fail, and starts a new worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import multiprocessing as mp
+import os
+import tempfile
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Task:
+    """Render ``len(locations)`` samples into ``slot`` at ``height x width x 3`` each."""
+
+    slot: int
+    pipeline: tuple  # (name, height, width, albumentations_json)
+    locations: list  # [(path, offset, length)]
+    seeds: list  # [int], one per sample
+
+
+class Arena:
+    """Shared memory cut into ``count`` slots of ``slot_bytes``, backed by a /dev/shm file."""
+
+    def __init__(self, count: int, slot_bytes: int):
+        self.count = count
+        self.slot_bytes = slot_bytes
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="remoteloader-", dir=directory)
+        try:
+            os.ftruncate(fd, count * slot_bytes)
+            self._mmap = mmap.mmap(fd, count * slot_bytes)
+        finally:
+            os.close(fd)
+        self.buffer = memoryview(self._mmap)
+        self._free = asyncio.Queue()
+        for slot in range(count):
+            self._free.put_nowait(slot)
+
+    async def acquire(self) -> int:
+        return await self._free.get()
+
+    def release(self, slot: int) -> None:
+        self._free.put_nowait(slot)
+
+    def view(self, slot: int, nbytes: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return self.buffer[start:start + nbytes]
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class WorkerPool:
+    """Persistent worker processes fed over pipes, driven from the asyncio loop.
+
+    Args:
+        arena: The shared slots the workers write into.
+        workers: Number of processes.
+        allow_custom: Whether workers may build client-sent albumentations pipelines.
+        max_pixels: Decode size cap passed to the pipelines.
+    """
+
+    def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int):
+        self.arena = arena
+        self.size = workers
+        self._settings = (arena.path, arena.count, arena.slot_bytes, allow_custom, max_pixels)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["remoteloader.server.worker"])
+        self._ctx = ctx
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._workers: list[_Worker] = []
+        self._next_id = 0
+        self._closed = False
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._workers = [self._spawn() for _ in range(self.size)]
+
+    def _spawn(self) -> "_Worker":
+        parent, child = self._ctx.Pipe()
+        from remoteloader.server import worker as worker_module
+
+        process = self._ctx.Process(target=worker_module.main, args=(child, *self._settings),
+                                    name="remoteloader-worker", daemon=True)
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        self._loop.add_reader(parent.fileno(), self._on_readable, worker)
+        return worker
+
+    @property
+    def outstanding(self) -> int:
+        return sum(len(w.pending) for w in self._workers)
+
+    def submit(self, task: Task) -> asyncio.Future:
+        """Sends a task to the least busy worker; the future gives [(position, reason)]."""
+        if self._closed:
+            raise RuntimeError("worker pool is closed")
+        worker = min(self._workers, key=lambda w: len(w.pending))
+        self._next_id += 1
+        future = self._loop.create_future()
+        worker.pending[self._next_id] = (future, len(task.locations))
+        worker.conn.send((self._next_id, task.slot, task.pipeline, task.locations, task.seeds))
+        return future
+
+    def _on_readable(self, worker: "_Worker") -> None:
+        try:
+            task_id, errors = worker.conn.recv()
+        except (EOFError, OSError):
+            self._on_death(worker)
+            return
+        entry = worker.pending.pop(task_id, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(errors)
+
+    def _on_death(self, worker: "_Worker") -> None:
+        self._loop.remove_reader(worker.conn.fileno())
+        worker.conn.close()
+        worker.process.join(timeout=1)
+        code = worker.process.exitcode
+        for future, count in worker.pending.values():
+            if not future.done():
+                future.set_result([(i, f"decode worker died (exit code {code})") for i in range(count)])
+        worker.pending.clear()
+        if self._closed:
+            return
+        log.error("decode worker pid %s died with exit code %s; starting a new one", worker.process.pid, code)
+        index = self._workers.index(worker)
+        self._workers[index] = self._spawn()
+
+    def close(self) -> None:
+        """Stops the workers (idempotent); outstanding tasks are failed."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                self._loop.remove_reader(worker.conn.fileno())
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=5)
+            for future, count in worker.pending.values():
+                if not future.done():
+                    future.set_result([(i, "server shutting down") for i in range(count)])
+            worker.conn.close()
+
+
+@dataclass
+class _Worker:
+    process: mp.Process
+    conn: object
+    pending: dict = None
+
+    def __post_init__(self):
+        self.pending = {}
