@@ -1,0 +1,6 @@
+"""The training side of remoteloader: ``from remoteloader.client import RemoteLoader``."""
+
+from remoteloader.client.engine import LoaderError, SampleFailure
+from remoteloader.client.loader import RemoteLoader
+
+__all__ = ["LoaderError", "RemoteLoader", "SampleFailure"]

@@ -1,0 +1,68 @@
+"""The global sample space: the union of every server's shards, deduplicated by shard id.
+
+Global sample ids number the distinct shards sorted by id, so they depend only on which
+data exists, not on which servers are up or in what order they were listed. Labels are
+remapped from each shard's own class list onto the sorted union of class names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ShardInfo:
+    id: str
+    name: str
+    num_samples: int
+    class_names: list[str]
+    offset: int = 0  # first global id
+    owners: list[str] = field(default_factory=list)  # server addresses holding it
+    label_map: np.ndarray | None = None  # shard-local label -> global label
+
+
+class Catalog:
+    def __init__(self, describes: dict[str, object]):
+        shards: dict[str, ShardInfo] = {}
+        for address, describe in describes.items():
+            for s in describe.shards:
+                info = shards.get(s.id)
+                if info is None:
+                    info = shards[s.id] = ShardInfo(s.id, s.name, int(s.num_samples), list(s.class_names))
+                elif info.num_samples != s.num_samples:
+                    raise ValueError(f"shard {s.id} ({s.name}) has {s.num_samples} samples on {address} "
+                                     f"but {info.num_samples} on {info.owners[0]}")
+                info.owners.append(address)
+        if not shards:
+            raise ValueError(f"the servers {', '.join(describes)} hold no shards")
+        self.shards = [shards[k] for k in sorted(shards)]
+        self.class_names = sorted({c for s in self.shards for c in s.class_names})
+        index = {c: i for i, c in enumerate(self.class_names)}
+        offset = 0
+        for s in self.shards:
+            s.offset = offset
+            offset += s.num_samples
+            if s.class_names:
+                s.label_map = np.asarray([index[c] for c in s.class_names], dtype=np.int64)
+        self.num_samples = offset
+        self._starts = np.asarray([s.offset for s in self.shards], dtype=np.int64)
+
+    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+        """Index into ``self.shards`` of each global id."""
+        return np.searchsorted(self._starts, ids, side="right") - 1
+
+    def locate(self, global_id: int) -> tuple[ShardInfo, int]:
+        if not 0 <= global_id < self.num_samples:
+            raise IndexError(f"sample id {global_id} out of range 0..{self.num_samples - 1}")
+        s = self.shards[int(self.shard_of(np.asarray([global_id]))[0])]
+        return s, global_id - s.offset
+
+    def global_labels(self, shard: ShardInfo, local: np.ndarray) -> np.ndarray:
+        if shard.label_map is None:
+            return local
+        out = np.full(local.shape, -1, dtype=np.int64)
+        ok = (local >= 0) & (local < len(shard.label_map))
+        out[ok] = shard.label_map[local[ok]]
+        return out

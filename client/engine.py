@@ -1,0 +1,314 @@
+"""Scheduling and reassembly, on the client's I/O event loop.
+
+Each batch of the plan is split by owning shard into orders. Orders wait in one FIFO and
+go to the least-loaded live server that owns their shard, at most ``max_inflight`` per
+server (credits: the memory bound). Chunks are copied once, straight into their rows of
+the batch buffer. When a server fails, its unfinished orders return to the front of the
+FIFO, for another owner or for the same server once it is back; an order is complete
+only when all its samples have arrived, so nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from remoteloader.client.catalog import Catalog, ShardInfo
+from remoteloader.client.link import Link, describe_error, is_fatal
+from remoteloader.protos import loader_pb2
+
+log = logging.getLogger("remoteloader.client")
+
+END = object()  # end of an epoch, in the output queue
+
+
+class LoaderError(RuntimeError):
+    """A batch cannot be delivered; the message names the server(s) and samples."""
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """A sample a server could not decode or augment."""
+
+    sample_id: int
+    key: str
+    reason: str
+    server: str
+
+
+@dataclass
+class Batch:
+    seq: int
+    ids: np.ndarray
+    images: torch.Tensor  # uint8 NHWC, filled in place
+    pixels: np.ndarray  # numpy view of images
+    labels: np.ndarray
+    remaining: int
+    failures: list[SampleFailure] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class _Order:
+    order_id: int
+    batch: Batch
+    shard: ShardInfo
+    positions: np.ndarray  # rows of the batch
+    local: np.ndarray  # shard-local indices
+    epoch: int
+    received: int = 0
+    cancelled: bool = False
+    link: Link | None = None
+
+
+class Engine:
+    """Owns the links and runs one epoch at a time; lives on the I/O loop thread."""
+
+    def __init__(self, links: dict[str, Link], catalog: Catalog, setup: loader_pb2.Setup, *, seed: int,
+                 prefetch: int, ordered: bool, reconnect_timeout: float, allocate):
+        self.links = links
+        self.catalog = catalog
+        self.setup = setup
+        self.seed = seed
+        self.prefetch = prefetch
+        self.ordered = ordered
+        self.reconnect_timeout = reconnect_timeout
+        self.allocate = allocate  # (n, h, w) -> uint8 tensor NHWC
+        self.out: queue.Queue = queue.Queue()
+        self.order_size = min(link.describe.max_order_samples for link in links.values())
+        self._order_ids = itertools.count(1)
+        self._pending: deque[_Order] = deque()
+        self._reconnecting: dict[str, asyncio.Task] = {}
+        self._streams_open = False
+        self._run: _Run | None = None
+
+    # ---- epochs ---------------------------------------------------------------------
+    async def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int) -> None:
+        self.cancel_epoch()
+        if not self._streams_open:
+            for link in self.links.values():
+                await link.open_stream(self.setup)
+            self._streams_open = True
+        self.out = queue.Queue()
+        self._run = _Run(epoch, batches, first_seq, self.out)
+        if first_seq >= len(batches):
+            self.out.put(END)
+            return
+        self._dispatch()
+
+    def cancel_epoch(self) -> None:
+        """Abandons the current epoch (the consumer stopped early); in-flight work is dropped."""
+        if self._run is None:
+            return
+        self._run.cancelled = True
+        for order in self._pending:
+            order.cancelled = True
+        self._pending.clear()
+        for link in self.links.values():
+            for order in link.inflight.values():
+                order.cancelled = True
+        self._run = None
+
+    def consumed(self) -> None:
+        if self._run is not None:
+            self._run.consumed += 1
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        run = self._run
+        h, w = self.setup.height, self.setup.width
+        while run.next_dispatch < len(run.batches) and run.next_dispatch - run.first_seq - run.consumed < self.prefetch:
+            seq = run.next_dispatch
+            run.next_dispatch += 1
+            ids = run.batches[seq]
+            images = self.allocate(len(ids), h, w)
+            batch = Batch(seq, ids, images, images.numpy(), np.full(len(ids), -1, np.int64), len(ids))
+            shard_idx = self.catalog.shard_of(ids)
+            for s in np.unique(shard_idx):
+                shard = self.catalog.shards[int(s)]
+                positions = np.flatnonzero(shard_idx == s)
+                local = ids[positions] - shard.offset
+                for start in range(0, len(positions), self.order_size):
+                    self._pending.append(_Order(next(self._order_ids), batch, shard, positions[start:start + self.order_size],
+                                                local[start:start + self.order_size], run.epoch))
+        self._pump()
+
+    # ---- scheduling -----------------------------------------------------------------
+    def _pump(self) -> None:
+        while self._pending:
+            ready = [l for l in self.links.values() if l.credits > 0]
+            if not ready:
+                break
+            ready.sort(key=lambda l: len(l.inflight) / l.max_inflight)
+            sent = False
+            for link in ready:
+                for i, order in enumerate(self._pending):
+                    if order.shard.id in link.shard_ids:
+                        del self._pending[i]
+                        self._send(link, order)
+                        sent = True
+                        break
+                if sent:
+                    break
+            if not sent:
+                break
+        self._check_stranded()
+
+    def _send(self, link: Link, order: _Order) -> None:
+        order.link = link
+        order.received = 0
+        link.inflight[order.order_id] = order
+        link.send(loader_pb2.Order(order_id=order.order_id, shard_id=order.shard.id, indices=order.local.tolist(),
+                                   seed=self.seed, epoch=order.epoch))
+
+    # ---- receiving ------------------------------------------------------------------
+    def on_chunk(self, link: Link, chunk) -> None:
+        header, pixels = chunk
+        order = link.inflight.get(header.order_id)
+        n = len(order.positions) if order is not None else 0
+        h, w = self.setup.height, self.setup.width
+        expected = header.count * h * w * 3
+        if (order is None or header.start + header.count > n or header.count == 0 or header.height != h
+                or header.width != w or header.channels != 3 or len(pixels) != expected
+                or len(header.labels) != header.count):
+            link._fail(ConnectionError(
+                f"malformed chunk from {link.address} (order {header.order_id}, start {header.start}, "
+                f"count {header.count}, {len(pixels)} pixel bytes, expected {expected})"))
+            return
+        link.bytes_received += len(pixels)
+        if not order.cancelled:
+            batch = order.batch
+            rows = order.positions[header.start:header.start + header.count]
+            block = np.frombuffer(pixels, dtype=np.uint8).reshape(header.count, h, w, 3)
+            if rows[-1] - rows[0] == len(rows) - 1:  # contiguous rows: one slice copy
+                batch.pixels[rows[0]:rows[-1] + 1] = block
+            else:
+                batch.pixels[rows] = block
+            batch.labels[rows] = self.catalog.global_labels(order.shard, np.asarray(header.labels, dtype=np.int64))
+            batch.nbytes += len(pixels)
+            for e in header.errors:
+                if header.start <= e.position < header.start + header.count:
+                    row = order.positions[e.position]
+                    batch.failures.append(SampleFailure(int(batch.ids[row]), e.key, e.reason, link.address))
+        order.received += header.count
+        if order.received == n:
+            del link.inflight[order.order_id]
+            link.samples_received += n
+            if not order.cancelled:
+                order.batch.remaining -= n
+                if order.batch.remaining == 0:
+                    self._run.complete(order.batch, self.ordered)
+            self._pump()
+
+    # ---- failures -------------------------------------------------------------------
+    def on_link_down(self, link: Link, exc: Exception) -> None:
+        orders = [o for o in link.inflight.values() if not o.cancelled]
+        link.inflight.clear()
+        if is_fatal(exc):
+            self.fail(LoaderError(f"loader server {link.address} refused the request: {describe_error(exc)}"))
+            return
+        log.warning("loader server %s failed (%s); %d order(s) go back to the queue",
+                    link.address, describe_error(exc), len(orders))
+        for order in sorted(orders, key=lambda o: o.order_id, reverse=True):
+            self._pending.appendleft(order)
+        if link.address not in self._reconnecting:
+            self._reconnecting[link.address] = asyncio.ensure_future(self._reconnect(link))
+        self._pump()
+
+    async def _reconnect(self, link: Link) -> None:
+        delay = 0.1
+        deadline = link.down_since + self.reconnect_timeout
+        try:
+            while time.monotonic() < deadline and link.state == "down":
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 2.0)
+                try:
+                    await link.reset_channels()
+                    link.connect_timeout = max(0.5, min(link.connect_timeout, deadline - time.monotonic()))
+                    await link.fetch_describe()
+                    await link.open_stream(self.setup)
+                except Exception as exc:  # still down; try again until the deadline
+                    link.last_error = describe_error(exc)
+                    continue
+                link.reconnects += 1
+                log.info("loader server %s is back", link.address)
+                self._pump()
+                return
+            link.state = "dead" if link.state == "down" else link.state
+            self._check_stranded()
+        finally:
+            self._reconnecting.pop(link.address, None)
+
+    def _check_stranded(self) -> None:
+        """Fails the epoch when pending work has no owner that is up or coming back."""
+        if not self._pending:
+            return
+        hopeful = {a for a, l in self.links.items() if l.state == "up" or a in self._reconnecting}
+        for order in self._pending:
+            if not any(owner in hopeful for owner in order.shard.owners):
+                owners = [self.links[o] for o in order.shard.owners if o in self.links]
+                detail = "; ".join(f"{l.address}: {l.last_error or l.state}" for l in owners)
+                ids = order.batch.ids[order.positions]
+                self.fail(LoaderError(
+                    f"no loader server can serve shard {order.shard.name} ({order.shard.id}): every server holding "
+                    f"it stayed unreachable for more than reconnect_timeout={self.reconnect_timeout:g}s ({detail}); "
+                    f"{len(ids)} sample(s) of batch {order.batch.seq} could not be served, ids "
+                    f"{_abbrev(ids.tolist())}"))
+                return
+
+    def fail(self, error: BaseException) -> None:
+        run = self._run
+        if run is not None and not run.cancelled:
+            run.cancelled = True
+            self.out.put(error)
+            self.cancel_epoch()
+
+    async def close(self) -> None:
+        self.cancel_epoch()
+        for task in list(self._reconnecting.values()):
+            task.cancel()
+        for link in self.links.values():
+            await link.close()
+
+
+class _Run:
+    def __init__(self, epoch: int, batches: list[np.ndarray], first_seq: int, out: queue.Queue):
+        self.epoch = epoch
+        self.batches = batches
+        self.first_seq = first_seq
+        self.next_dispatch = first_seq
+        self.next_deliver = first_seq
+        self.consumed = 0
+        self.delivered = 0
+        self.ready: dict[int, Batch] = {}
+        self.out = out
+        self.cancelled = False
+
+    def complete(self, batch: Batch, ordered: bool) -> None:
+        if self.cancelled:
+            return
+        if not ordered:
+            self._emit(batch)
+            return
+        self.ready[batch.seq] = batch
+        while self.next_deliver in self.ready:
+            self._emit(self.ready.pop(self.next_deliver))
+            self.next_deliver += 1
+
+    def _emit(self, batch: Batch) -> None:
+        self.out.put(batch)
+        self.delivered += 1
+        if self.delivered == len(self.batches) - self.first_seq:
+            self.out.put(END)
+
+
+def _abbrev(items: list, limit: int = 20) -> str:
+    return str(items) if len(items) <= limit else f"{items[:limit]}... ({len(items)} in all)"

@@ -1,0 +1,433 @@
+"""RemoteLoader: the training-side iterable that wires discovery, plan, scheduling and delivery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from remoteloader.client import plan as plan_module
+from remoteloader.client.catalog import Catalog
+from remoteloader.client.discovery import discover
+from remoteloader.client.engine import END, Batch, Engine, LoaderError, SampleFailure
+from remoteloader.client.link import Link
+from remoteloader.protos import loader_pb2
+
+ON_ERROR = ("raise", "warn", "skip")
+_KEY_BLOCK = 1024
+
+
+class RemoteLoader:
+    """Batches of augmented images streamed from loader servers, as an ordinary iterable.
+
+    Example:
+        loader = RemoteLoader("127.0.0.1:50051,127.0.0.1:50052", batch_size=256, image_size=224)
+        for epoch in range(10):
+            loader.set_epoch(epoch)
+            for images, labels in loader:
+                ...
+
+    Args:
+        address: Servers: ``"host:port"``, a comma-separated string or a list of them; a
+            DNS name expands to every address it resolves to.
+    Batches:
+        batch_size: Samples per batch (default 256).
+        image_size: Output size, an int or (height, width) (default 224).
+        pipeline: ``"train"`` (random resized crop + flip), ``"eval"`` (resize + center
+            crop), or an albumentations pipeline (``A.Compose``, or its ``A.to_dict``), which
+            the servers must allow (default "train").
+        shuffle: Shuffle the union of all servers' samples every epoch (default True).
+        seed: Seeds the shuffle and every sample's augmentation (default 0).
+        drop_last: Drop the last incomplete batch (default True).
+        sampler: An iterable of global sample ids replacing shuffle (e.g. weighted); its
+            ``set_epoch`` is called if it has one (default None).
+        rank / world_size: This process's part of each epoch; default to torch.distributed's
+            when it is initialized, else 0 / 1. Every rank gets the same number of batches.
+    Output:
+        device: ``"cpu"`` or ``"cuda[:i]"`` (default "cpu").
+        normalize: (mean, std) per channel on the 0..1 scale; when given, images come out as
+            ``dtype`` NCHW (channels_last memory) normalized; otherwise uint8 NHWC.
+        dtype: Floating dtype of normalized images (default torch.float32).
+        return_ids: Yield (images, labels, ids) with the global sample ids (default False).
+        ordered: Yield batches in plan order (reproducible, default True) or as they complete.
+        on_error: What to do with samples a server could not decode: "raise" (default),
+            "warn" or "skip" (the batch comes without them), or a callable taking a list of
+            SampleFailure that returns nothing (then the batch is kept as is, zeros in place).
+    Flow control:
+        prefetch: Batches requested ahead of the training loop (default 4); client memory is
+            about (prefetch + 1) x batch bytes.
+        max_inflight: Orders outstanding per server (default 4); server-side memory for the
+            stream is about max_inflight x order bytes.
+        connect_timeout: Seconds to wait for each server at start (default 10).
+        reconnect_timeout: Seconds a failed server may take to come back before its
+            unserved samples raise an error, when no other server holds its shards (default 60).
+    """
+
+    def __init__(self, address: str | Iterable[str], *, batch_size: int = 256, image_size: int | Sequence[int] = 224,
+                 pipeline: Any = "train", shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                 sampler: Iterable[int] | None = None, rank: int | None = None, world_size: int | None = None,
+                 device: str | torch.device = "cpu", normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+                 dtype: torch.dtype = torch.float32, return_ids: bool = False, ordered: bool = True,
+                 on_error: str | Callable[[list[SampleFailure]], None] = "raise", prefetch: int = 4,
+                 max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0):
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
+        self.batch_size = batch_size
+        self.image_size = _size(image_size)
+        self._setup = _setup(pipeline, self.image_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.sampler = sampler
+        self.rank, self.world_size = _rank_world(rank, world_size)
+        self.device = _device(device)
+        self.normalize = _normalize(normalize)
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype}: expected a floating dtype (torch.float32, bfloat16, float16)")
+        self.dtype = dtype
+        self.return_ids = bool(return_ids)
+        self.ordered = bool(ordered)
+        if not callable(on_error) and on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: expected one of {', '.join(ON_ERROR)} or a callable")
+        self.on_error = on_error
+        for name, value in (("prefetch", prefetch), ("max_inflight", max_inflight)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}: expected a positive int")
+        self.prefetch = prefetch
+        for name, value in (("connect_timeout", connect_timeout), ("reconnect_timeout", reconnect_timeout)):
+            if not value >= 0:
+                raise ValueError(f"{name}={value!r}: expected seconds >= 0")
+        self._epoch = 0
+        self._epoch_set = False
+        self._position = 0  # batches of the current epoch already yielded
+        self._resume: tuple[int, int] | None = None
+        self._closed = False
+        self._stats = {"batches": 0, "images": 0, "bytes": 0, "wait_s": 0.0, "start": None, "busy_s": 0.0}
+        self._keys: dict[tuple[str, int], list[str]] = {}
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
+        self._thread.start()
+        try:
+            addresses = discover(address)
+            self._links = {a: Link(a, None, connect_timeout, max_inflight) for a in addresses}
+            describes = self._call(self._describe_all(), timeout=connect_timeout + 5)
+            self.catalog = Catalog(describes)
+            self._check_offer(describes)
+            self._engine = Engine(self._links, self.catalog, self._setup, seed=self.seed, prefetch=prefetch,
+                                  ordered=self.ordered, reconnect_timeout=reconnect_timeout, allocate=_allocate)
+            for link in self._links.values():
+                link.engine = self._engine
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the public surface ------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Samples in the union of all servers' shards."""
+        return self.catalog.num_samples
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.catalog.class_names)
+
+    @property
+    def servers(self) -> list[str]:
+        return list(self._links)
+
+    def __len__(self) -> int:
+        n = len(self.sampler) if self.sampler is not None and hasattr(self.sampler, "__len__") else self.num_samples
+        return plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch the next iteration plays (each iteration otherwise advances by one)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch={epoch!r}: expected an int >= 0")
+        self._epoch = epoch
+        self._epoch_set = True
+        self._resume = None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def plan(self, epoch: int | None = None) -> list[np.ndarray]:
+        """This rank's batches of global sample ids for an epoch (a pure function)."""
+        return plan_module.epoch_plan(self.num_samples, self.batch_size, shuffle=self.shuffle, seed=self.seed,
+                                      epoch=self._epoch if epoch is None else epoch, rank=self.rank,
+                                      world_size=self.world_size, drop_last=self.drop_last, sampler=self.sampler)
+
+    def sample_key(self, sample_id: int) -> str:
+        """The sample's key on its server, e.g. ``"dog/0001.jpg"``."""
+        shard, local = self.catalog.locate(int(sample_id))
+        block = local // _KEY_BLOCK
+        keys = self._keys.get((shard.id, block))
+        if keys is None:
+            link = next(self._links[o] for o in shard.owners)
+            keys = self._call(link.get_keys(shard.id, block * _KEY_BLOCK, _KEY_BLOCK), timeout=30)
+            self._keys[(shard.id, block)] = keys
+        return keys[local % _KEY_BLOCK]
+
+    def state_dict(self) -> dict:
+        """A small JSON-serializable position: resume with load_state_dict in a fresh loader."""
+        return {"version": 1, "seed": self.seed, "epoch": self._epoch, "position": self._position,
+                "num_samples": self.num_samples, "batch_size": self.batch_size, "world_size": self.world_size,
+                "rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues at the saved position: the rest of that epoch is bitwise the same."""
+        state = json.loads(json.dumps(state))
+        for key in ("seed", "num_samples", "batch_size", "world_size", "rank"):
+            mine = self.seed if key == "seed" else getattr(self, key) if key != "num_samples" else self.num_samples
+            if state.get(key) != mine:
+                raise ValueError(f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
+                                 f"a resumed epoch is only identical with the same {key}")
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._resume = (self._epoch, self._position)
+        self._epoch_set = True
+
+    def stats(self) -> dict:
+        """Throughput, the time the loop waited for data, and per-server counters."""
+        s = self._stats
+        elapsed = (time.perf_counter() - s["start"]) if s["start"] else 0.0
+        per_server = {a: {"orders": l.orders_sent, "samples": l.samples_received, "bytes": l.bytes_received,
+                          "failures": l.failures, "reconnects": l.reconnects, "state": l.state}
+                      for a, l in self._links.items()}
+        return {"batches": s["batches"], "images": s["images"], "bytes": s["bytes"], "elapsed_s": elapsed,
+                "images_per_s": s["images"] / elapsed if elapsed else 0.0,
+                "bytes_per_s": s["bytes"] / elapsed if elapsed else 0.0,
+                "wait_s": s["wait_s"], "wait_fraction": s["wait_s"] / elapsed if elapsed else 0.0,
+                "servers": per_server}
+
+    def __iter__(self) -> Iterator:
+        if self._closed:
+            raise RuntimeError("RemoteLoader is closed")
+        epoch = self._epoch
+        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self._resume = None
+        batches = self.plan(epoch)
+        self._call(self._engine.start_epoch(epoch, batches, start), timeout=None)
+        self._position = start
+        return self._iterate(epoch, batches)
+
+    def _iterate(self, epoch: int, batches: list[np.ndarray]) -> Iterator:
+        out = self._engine.out
+        finished = False
+        try:
+            while True:
+                waited = time.perf_counter()
+                if self._stats["start"] is None:
+                    self._stats["start"] = waited
+                item = self._get(out)
+                self._stats["wait_s"] += time.perf_counter() - waited
+                if item is END:
+                    finished = True
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                self._loop.call_soon_threadsafe(self._engine.consumed)
+                self._position += 1
+                result = self._deliver(item)
+                if result is not None:
+                    yield result
+        finally:
+            if not finished:
+                self._loop.call_soon_threadsafe(self._engine.cancel_epoch)
+            elif not self._epoch_set or self._epoch == epoch:
+                self._epoch = epoch + 1
+                self._position = 0
+            self._epoch_set = False
+
+    def _get(self, out):
+        while True:
+            try:
+                return out.get(timeout=1.0)
+            except Exception:
+                if not self._thread.is_alive():
+                    raise LoaderError("the RemoteLoader I/O thread stopped") from None
+
+    def _deliver(self, batch: Batch):
+        images, labels, ids = batch.images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids)
+        if batch.failures:
+            keep = self._handle_failures(batch)
+            if keep is not None:
+                images, labels, ids = images[keep], labels[keep], ids[keep]
+                if len(ids) == 0:
+                    return None
+        self._stats["batches"] += 1
+        self._stats["images"] += len(ids)
+        self._stats["bytes"] += batch.nbytes
+        images = self._to_output(images)
+        labels = labels.to(self.device, non_blocking=True) if self.device.type != "cpu" else labels
+        return (images, labels, ids) if self.return_ids else (images, labels)
+
+    def _handle_failures(self, batch: Batch):
+        failures = batch.failures
+        if callable(self.on_error):
+            self.on_error(list(failures))
+            return None
+        text = "; ".join(f"id {f.sample_id} {f.key!r} on {f.server}: {f.reason}" for f in failures[:10])
+        more = f" (and {len(failures) - 10} more)" if len(failures) > 10 else ""
+        if self.on_error == "raise":
+            raise LoaderError(f"{len(failures)} sample(s) of batch {batch.seq} could not be served: {text}{more}. "
+                              f"Pass on_error='skip' or 'warn' to train without them.")
+        if self.on_error == "warn":
+            warnings.warn(f"skipping {len(failures)} sample(s) that could not be served: {text}{more}", stacklevel=4)
+        bad = {f.sample_id for f in failures}
+        return torch.from_numpy(np.asarray([i not in bad for i in batch.ids.tolist()]))
+
+    def _to_output(self, images: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cpu":
+            images = images.to(self.device, non_blocking=False)
+        if self.normalize is None:
+            return images
+        mean, std = (torch.tensor(v, dtype=torch.float32, device=images.device).view(1, 3, 1, 1) * 255
+                     for v in self.normalize)
+        # NHWC memory viewed as NCHW is already channels_last: no copy until the dtype change.
+        x = images.permute(0, 3, 1, 2).to(torch.float32)
+        return ((x - mean) / std).to(self.dtype).contiguous(memory_format=torch.channels_last)
+
+    def close(self) -> None:
+        """Stops the I/O thread and closes the connections (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._shutdown(), timeout=10)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> "RemoteLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _call(self, coro, timeout: float | None):
+        future = asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop)
+        return future.result(timeout)
+
+    async def _shutdown(self) -> None:
+        if getattr(self, "_engine", None) is not None:
+            await self._engine.close()
+        else:
+            await asyncio.gather(*(l.close() for l in getattr(self, "_links", {}).values()), return_exceptions=True)
+        # Let gRPC's own tasks see their calls cancelled before the loop stops.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    async def _describe_all(self) -> dict:
+        results = await asyncio.gather(*(l.fetch_describe() for l in self._links.values()), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return {a: r for a, r in zip(self._links, results)}
+
+    def _check_offer(self, describes: dict) -> None:
+        h, w = self.image_size
+        for address, d in describes.items():
+            if self._setup.pipeline == "custom":
+                if not d.custom_pipelines:
+                    raise ValueError(f"loader server {address} does not accept custom albumentations pipelines "
+                                     f"(start it with --allow-custom-pipelines); it offers {', '.join(d.pipelines)}")
+            elif self._setup.pipeline not in d.pipelines:
+                raise ValueError(f"pipeline={self._setup.pipeline!r}: loader server {address} offers "
+                                 f"{', '.join(d.pipelines)}")
+            if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
+                raise ValueError(f"image_size={h}x{w}: loader server {address} offers sizes "
+                                 f"{d.min_image_size}..{d.max_image_size}")
+
+
+async def _wrap(coro):
+    return await coro
+
+
+def _allocate(n: int, h: int, w: int) -> torch.Tensor:
+    return torch.empty((n, h, w, 3), dtype=torch.uint8)
+
+
+def _size(image_size) -> tuple[int, int]:
+    if isinstance(image_size, int):
+        image_size = (image_size, image_size)
+    size = tuple(image_size)
+    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+        raise ValueError(f"image_size={image_size!r}: expected a positive int or (height, width)")
+    return size
+
+
+def _setup(pipeline, size: tuple[int, int]) -> loader_pb2.Setup:
+    h, w = size
+    if isinstance(pipeline, str):
+        if pipeline == "custom":
+            raise ValueError("pipeline='custom': pass the albumentations pipeline itself (A.Compose or A.to_dict)")
+        return loader_pb2.Setup(pipeline=pipeline, height=h, width=w)
+    if isinstance(pipeline, dict):
+        document = pipeline
+    elif type(pipeline).__module__.startswith("albumentations"):
+        import albumentations as A  # only when the user already uses it
+
+        document = A.to_dict(pipeline)
+    else:
+        raise ValueError(f"pipeline={pipeline!r}: expected 'train', 'eval', an albumentations pipeline or its "
+                         f"A.to_dict() dictionary")
+    return loader_pb2.Setup(pipeline="custom", height=h, width=w, albumentations_json=json.dumps(document))
+
+
+def _rank_world(rank, world_size) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if not isinstance(world_size, int) or world_size <= 0:
+        raise ValueError(f"world_size={world_size!r}: expected a positive int")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: expected 0..{world_size - 1} for world_size={world_size}")
+    return rank, world_size
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but torch.cuda.is_available() is False: this torch build "
+                         f"({torch.__version__}) has no usable GPU here; pass device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r}: expected 'cpu' or 'cuda'")
+    return device
+
+
+def _normalize(normalize):
+    if normalize is None:
+        return None
+    try:
+        mean, std = normalize
+        mean, std = [float(v) for v in mean], [float(v) for v in std]
+    except (TypeError, ValueError):
+        raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each") from None
+    if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std) or not all(map(math.isfinite, mean + std)):
+        raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each, std > 0")
+    return mean, std
