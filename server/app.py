@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 
 import grpc
@@ -80,7 +81,6 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     samples = sum(len(s) for s in shards)
     log.info("serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
              len(shards), samples, config.workers, time.perf_counter() - started)
-    log.info("listening on %s:%d", config.host, port)
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("bound to %s without authentication: anyone who can reach this port can read the data",
                     config.host)
@@ -90,6 +90,8 @@ async def create_server(config: ServerConfig) -> LoaderServer:
 async def serve(config: ServerConfig) -> None:
     """Runs a server until SIGTERM or SIGINT, then drains and returns."""
     server = await create_server(config)
+    # The readiness line, whatever the log level: tools and tests wait for it.
+    print(f"remoteloader-server listening on {config.host}:{server.port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

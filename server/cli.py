@@ -45,12 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     from remoteloader.server import pack as pack_module
 
     pack_module.add_arguments(pack)
+    probe = sub.add_parser("probe", help="exit 0 when a loader server's gRPC health is SERVING")
+    from remoteloader.server import probe as probe_module
+
+    probe_module.add_arguments(probe)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
         return serve_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo_module.run(args)
+    if args.command == "probe":
+        return probe_module.run(args)
     return pack_module.run(args)
 
 
