@@ -11,10 +11,12 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from remoteloader.server.catalog import open_shards
+import numpy as np
+
+from remoteloader.server.catalog import SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.service import SERVICE, LoaderService
-from remoteloader.server.workers import Arena, WorkerPool
+from remoteloader.server.workers import Arena, SampleCache, WorkerPool
 
 log = logging.getLogger("remoteloader.server")
 
@@ -46,16 +48,26 @@ class LoaderServer:
         await self.grpc_server.stop(grace)
         self.service.pool.close()
         self.service.arena.close()
+        if self.service.cache is not None:
+            self.service.cache.close()
 
 
 async def create_server(config: ServerConfig) -> LoaderServer:
     """Indexes the shards, starts the workers and binds the port (``port=0``: a free one)."""
     started = time.perf_counter()
     shards = open_shards(list(config.data))
+    if config.synthetic:
+        shards.append(SyntheticShard(config.synthetic))
     arena = Arena(config.slots, config.slot_bytes)
-    pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels)
-    pool.start()
-    service = LoaderService(config, shards, pool, arena)
+    cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
+    pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache)
+    if config.synthetic:
+        # Transport benchmark: fill the slots once with noise; nothing is decoded.
+        np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
+            0, 256, arena.size, dtype=np.uint8)
+    else:
+        pool.start()
+    service = LoaderService(config, shards, pool, arena, cache)
     limit = config.max_message_bytes
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", limit),

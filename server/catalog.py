@@ -65,6 +65,7 @@ class ImageFolderShard(Shard):
         classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
         keys: list[str] = []
         labels: list[int] = []
+        sizes: list[int] = []
         digest = hashlib.sha256()
         for label, cls in enumerate(classes):
             entries = sorted((e.name, e.stat().st_size) for e in os.scandir(root / cls)
@@ -73,15 +74,18 @@ class ImageFolderShard(Shard):
                 key = f"{cls}/{name}"
                 keys.append(key)
                 labels.append(label)
+                sizes.append(size)
                 digest.update(f"{key}\0{size}\n".encode())
         if not keys:
             raise CatalogError(f"{root} holds no images: expected an ImageFolder tree "
                                f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}, "
                                f"or WebDataset .tar shards")
+        self._sizes = np.asarray(sizes, dtype=np.int64)
         super().__init__(root.name, keys, np.asarray(labels), classes, "if-" + digest.hexdigest()[:24])
 
     def locate(self, index: int) -> Location:
-        return Location(os.path.join(self.root, self.key(index)), 0, -1)
+        # The size was read at indexing time; the worker checks it still matches.
+        return Location(os.path.join(self.root, self.key(index)), 0, int(self._sizes[index]))
 
 
 class TarShard(Shard):
@@ -121,6 +125,18 @@ class TarShard(Shard):
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
+
+
+class SyntheticShard(Shard):
+    """``count`` samples that exist only as labels: for measuring the transport alone."""
+
+    def __init__(self, count: int, num_classes: int = 10):
+        labels = np.arange(count, dtype=np.int64) % num_classes
+        super().__init__(f"synthetic-{count}", [f"synthetic/{i}" for i in range(count)], labels,
+                         [f"class{c:02d}" for c in range(num_classes)], f"syn-{count}")
+
+    def locate(self, index: int) -> Location:
+        return Location("", 0, 0)
 
 
 def open_shards(paths: list[str]) -> list[Shard]:

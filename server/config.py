@@ -44,6 +44,13 @@ class ServerConfig:
         max_pixels: Largest image (width x height, read from the header) the server decodes.
         allow_custom_pipelines: Accept albumentations pipelines serialized by clients
             (A.to_dict; rebuilt from albumentations' registry only).
+        cache_bytes: RAM (shared memory) for caching encoded samples after their first
+            read; filled until full, never evicted (default 0: off).
+        max_rate: Most images per second this server renders (default 0: unlimited); for
+            sharing a machine, and for tests of uneven servers.
+    Benchmarking:
+        synthetic: Serve this many generated samples whose pixels are never decoded, to
+            measure the transport alone (default 0: off; --data is then not needed).
     Lifecycle:
         grace: Seconds in-flight work may take to finish after SIGTERM.
         log_level: Python logging level name.
@@ -61,6 +68,9 @@ class ServerConfig:
     max_image_size: int = 1024
     max_pixels: int = 100_000_000
     allow_custom_pipelines: bool = False
+    cache_bytes: int = 0
+    max_rate: float = 0.0
+    synthetic: int = 0
     grace: float = 30.0
     log_level: str = "INFO"
 
@@ -68,7 +78,7 @@ class ServerConfig:
         if isinstance(self.data, (str, os.PathLike)):
             object.__setattr__(self, "data", (str(self.data),))
         object.__setattr__(self, "data", tuple(str(p) for p in self.data))
-        if not self.data:
+        if not self.data and not self.synthetic:
             raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
@@ -80,6 +90,9 @@ class ServerConfig:
             raise ValueError(f"slots={self.slots}: expected >= 0 (0 means 4 x workers + 4)")
         if self.slots == 0:
             object.__setattr__(self, "slots", 4 * self.workers + 4)
+        for name in ("cache_bytes", "max_rate", "synthetic"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: expected >= 0 (0 turns it off)")
         if self.grace < 0:
             raise ValueError(f"grace={self.grace}: expected seconds >= 0")
 
@@ -158,6 +171,9 @@ _FIELD_HELP = {
     "max_image_size": "largest output side clients may ask for",
     "max_pixels": "largest image (width x height) the server decodes",
     "allow_custom_pipelines": "accept albumentations pipelines serialized by clients",
+    "cache_bytes": "shared memory for caching encoded samples after their first read (0: off)",
+    "max_rate": "most images per second this server renders (0: unlimited)",
+    "synthetic": "serve this many generated samples without decoding, to measure the transport (0: off)",
     "grace": "seconds in-flight work may take to finish after SIGTERM",
     "log_level": "logging level",
 }

@@ -14,7 +14,7 @@ from remoteloader.protos import codec, loader_pb2
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
-from remoteloader.server.workers import Arena, Task, WorkerPool
+from remoteloader.server.workers import Arena, SampleCache, Task, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,11 @@ def sample_seeds(seed: int, epoch: int, shard_key: int, indices: np.ndarray) -> 
 class LoaderService:
     """Serves the shards of one server through a worker pool."""
 
-    def __init__(self, config: ServerConfig, shards: list[Shard], pool: WorkerPool, arena: Arena):
+    def __init__(self, config: ServerConfig, shards: list[Shard], pool: WorkerPool | None, arena: Arena,
+                 cache: SampleCache | None = None):
         self.config = config
+        self.cache = cache
+        self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.shards = {s.id: s for s in shards}
         self._shard_keys = {s.id: int(hashlib.sha256(s.id.encode()).hexdigest()[:16], 16) for s in shards}
         self.pool = pool
@@ -176,10 +179,10 @@ class LoaderService:
                 state["inflight"] += 1
                 for start in range(0, len(indices), per_chunk):
                     count = min(per_chunk, len(indices) - start)
+                    if self.limiter is not None:
+                        await self.limiter.take(count)
                     slot = await self.arena.acquire()
-                    locations = [tuple(shard.locate(int(i))) for i in indices[start:start + count]]
-                    future = self.pool.submit(Task(slot, (spec.name, spec.height, spec.width, spec.albumentations_json),
-                                                   locations, seeds[start:start + count]))
+                    future = self._render(spec, shard, indices[start:start + count], seeds[start:start + count], slot)
                     queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future))
         except asyncio.CancelledError:
             pass
@@ -188,6 +191,30 @@ class LoaderService:
             queue.put_nowait((grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
         finally:
             drain.cancel()
+
+    def _render(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int],
+                slot: int) -> asyncio.Future:
+        """Starts rendering samples into a slot; the future gives [(position, reason)]."""
+        if self.config.synthetic:  # transport benchmark: the slot already holds pixels
+            future = asyncio.get_running_loop().create_future()
+            future.set_result([])
+            return future
+        locations, fills = [], []
+        for pos, index in enumerate(indices.tolist()):
+            path, offset, length = shard.locate(index)
+            mode, cache_offset = (self.cache.plan(shard.id, index, length) if self.cache is not None else (0, 0))
+            if mode == 1:
+                fills.append((pos, index, cache_offset))
+            locations.append((path, offset, length, mode, cache_offset))
+        future = self.pool.submit(Task(slot, (spec.name, spec.height, spec.width, spec.albumentations_json),
+                                       locations, seeds))
+        if fills:
+            def mark(f: asyncio.Future) -> None:
+                failed = {pos for pos, _ in f.result()} if not f.cancelled() else None
+                for pos, index, cache_offset in fills:
+                    self.cache.filled(shard.id, index, cache_offset, failed is not None and pos not in failed)
+            future.add_done_callback(mark)
+        return future
 
     def _check_order(self, request, state: dict):
         c = self.config
@@ -229,6 +256,22 @@ class LoaderService:
                 item.future.add_done_callback(lambda _f, slot=item.slot: self.arena.release(slot))
         if item.start + item.count == len(item.indices):
             state["inflight"] -= 1
+
+
+class RateLimiter:
+    """Spaces out work so that at most ``rate`` samples per second start, server-wide."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self._next = 0.0
+
+    async def take(self, count: int) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(now, self._next)
+        self._next = start + count / self.rate
+        if start > now:
+            await asyncio.sleep(start - now)
 
 
 class _Pending(NamedTuple):

@@ -18,26 +18,30 @@ _MAX_FILE_BYTES = 256 << 20
 
 
 def read_sample(path: str, offset: int, length: int) -> bytes:
+    """Reads ``length`` bytes at ``offset`` (a whole file when offset is 0 and it has that size)."""
+    if length > _MAX_FILE_BYTES:
+        raise DecodeError(f"sample is {length} bytes, over the limit of {_MAX_FILE_BYTES}")
     with open(path, "rb") as f:
-        if length < 0:
-            size = os.fstat(f.fileno()).st_size
-            if size > _MAX_FILE_BYTES:
-                raise DecodeError(f"file is {size} bytes, over the limit of {_MAX_FILE_BYTES}")
-            return f.read()
-        f.seek(offset)
-        data = f.read(length)
+        if offset:
+            f.seek(offset)
+        data = f.read(length + 1 if offset == 0 else length)
     if len(data) != length:
-        raise DecodeError(f"short read: {len(data)} of {length} bytes at offset {offset}")
+        raise DecodeError(f"file changed since the server indexed it: read {len(data)} bytes, expected {length}")
     return data
 
 
-def main(conn, arena_path: str, slots: int, slot_bytes: int, allow_custom: bool, max_pixels: int) -> None:
+def main(conn, arena_path: str, slots: int, slot_bytes: int, allow_custom: bool, max_pixels: int,
+         cache_path: str, cache_bytes: int) -> None:
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cv2.setNumThreads(1)
     with open(arena_path, "r+b") as f:
         arena = mmap.mmap(f.fileno(), slots * slot_bytes)
+    cache = None
+    if cache_path:
+        with open(cache_path, "r+b") as f:
+            cache = mmap.mmap(f.fileno(), cache_bytes)
     pipelines: OrderedDict[tuple, Pipeline | str] = OrderedDict()
     while True:
         try:
@@ -60,11 +64,17 @@ def main(conn, arena_path: str, slots: int, slot_bytes: int, allow_custom: bool,
         out = np.ndarray((len(locations), height, width, 3), np.uint8,
                          buffer=arena, offset=slot * slot_bytes)
         errors = []
-        for i, ((path, offset, length), seed) in enumerate(zip(locations, seeds)):
+        for i, ((path, offset, length, cache_mode, cache_offset), seed) in enumerate(zip(locations, seeds)):
             try:
                 if isinstance(pipeline, str):
                     raise DecodeError(pipeline)
-                out[i] = pipeline(read_sample(path, offset, length), seed)
+                if cache_mode == 2:
+                    data = cache[cache_offset:cache_offset + length]
+                else:
+                    data = read_sample(path, offset, length)
+                    if cache_mode == 1:
+                        cache[cache_offset:cache_offset + length] = data
+                out[i] = pipeline(data, seed)
             except (DecodeError, OSError) as exc:
                 out[i] = 0
                 errors.append((i, str(exc)))

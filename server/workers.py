@@ -17,6 +17,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -26,24 +28,38 @@ class Task:
 
     slot: int
     pipeline: tuple  # (name, height, width, albumentations_json)
-    locations: list  # [(path, offset, length)]
+    locations: list  # [(path, offset, length, cache_mode, cache_offset)]
     seeds: list  # [int], one per sample
 
 
-class Arena:
-    """Shared memory cut into ``count`` slots of ``slot_bytes``, backed by a /dev/shm file."""
+class SharedFile:
+    """A shared memory file (in /dev/shm) that worker processes map by path."""
 
-    def __init__(self, count: int, slot_bytes: int):
-        self.count = count
-        self.slot_bytes = slot_bytes
+    def __init__(self, size: int, prefix: str):
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="remoteloader-", dir=directory)
+        fd, self.path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        self.size = size
         try:
-            os.ftruncate(fd, count * slot_bytes)
-            self._mmap = mmap.mmap(fd, count * slot_bytes)
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self.buffer = memoryview(self._mmap)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class Arena(SharedFile):
+    """Shared memory cut into ``count`` slots of ``slot_bytes`` for decoded chunks."""
+
+    def __init__(self, count: int, slot_bytes: int):
+        super().__init__(count * slot_bytes, "remoteloader-slots-")
+        self.count = count
+        self.slot_bytes = slot_bytes
         self._free = asyncio.Queue()
         for slot in range(count):
             self._free.put_nowait(slot)
@@ -58,11 +74,38 @@ class Arena:
         start = slot * self.slot_bytes
         return self.buffer[start:start + nbytes]
 
-    def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+
+class SampleCache(SharedFile):
+    """Encoded samples kept in shared memory after their first read; filled, never evicted.
+
+    Per shard, one int64 per sample says where its bytes are (-1: not cached, -2: being
+    filled), so the index costs 8 bytes per sample whatever the cache holds.
+    """
+
+    NONE, FILLING = -1, -2
+
+    def __init__(self, capacity: int, shard_sizes: dict[str, int]):
+        super().__init__(capacity, "remoteloader-cache-")
+        self.used = 0
+        self.hits = 0
+        self._where = {shard: np.full(n, self.NONE, dtype=np.int64) for shard, n in shard_sizes.items()}
+
+    def plan(self, shard: str, index: int, length: int) -> tuple[int, int]:
+        """(mode, offset) for a read: 2 = read from cache, 1 = fill at offset, 0 = plain read."""
+        where = self._where[shard]
+        state = int(where[index])
+        if state >= 0:
+            self.hits += 1
+            return 2, state
+        if state == self.NONE and 0 < length <= self.size - self.used:
+            where[index] = self.FILLING
+            offset = self.used
+            self.used += length
+            return 1, offset
+        return 0, 0
+
+    def filled(self, shard: str, index: int, offset: int, ok: bool) -> None:
+        self._where[shard][index] = offset if ok else self.NONE
 
 
 class WorkerPool:
@@ -75,10 +118,12 @@ class WorkerPool:
         max_pixels: Decode size cap passed to the pipelines.
     """
 
-    def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int):
+    def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int,
+                 cache: "SampleCache | None" = None):
         self.arena = arena
         self.size = workers
-        self._settings = (arena.path, arena.count, arena.slot_bytes, allow_custom, max_pixels)
+        self._settings = (arena.path, arena.count, arena.slot_bytes, allow_custom, max_pixels,
+                          cache.path if cache else "", cache.size if cache else 0)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker"])
         self._ctx = ctx

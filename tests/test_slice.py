@@ -208,7 +208,7 @@ def test_pixels_belong_to_the_sample_their_id_names(data, eval_reference):
         errors = np.abs(references - image.astype(np.float32)).mean(axis=(1, 2, 3))
         nearest = names[int(errors.argmin())]
         assert nearest == keys[i], f"sample {i} ({keys[i]}) looks like {nearest}"
-        assert errors[names.index(keys[i])] < 12, f"sample {i} ({keys[i]}) is far from its file"
+        assert errors[names.index(keys[i])] < 10, f"sample {i} ({keys[i]}) is far from its file"
 
 
 # ---- output ---------------------------------------------------------------------------
