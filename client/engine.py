@@ -83,20 +83,22 @@ class Engine:
         self.reconnect_timeout = reconnect_timeout
         self.allocate = allocate  # (n, h, w) -> uint8 tensor NHWC
         self.out: queue.Queue = queue.Queue()
-        self.order_size = min(link.describe.max_order_samples for link in links.values())
+        self.order_size = 1
         self._order_ids = itertools.count(1)
         self._pending: deque[_Order] = deque()
         self._reconnecting: dict[str, asyncio.Task] = {}
-        self._streams_open = False
         self._run: _Run | None = None
 
     # ---- epochs ---------------------------------------------------------------------
-    async def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int) -> None:
+    async def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int,
+                          catalog: Catalog | None = None) -> None:
         self.cancel_epoch()
-        if not self._streams_open:
-            for link in self.links.values():
+        if catalog is not None:
+            self.catalog = catalog
+        self.order_size = min(l.describe.max_order_samples for l in self.links.values() if l.describe)
+        for link in self.links.values():
+            if link.state == "new":
                 await link.open_stream(self.setup)
-            self._streams_open = True
         self.out = queue.Queue()
         self._run = _Run(epoch, batches, first_seq, self.out)
         if first_seq >= len(batches):

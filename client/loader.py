@@ -115,16 +115,14 @@ class RemoteLoader:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
         self._thread.start()
+        self._address = address
+        self._connect_timeout = connect_timeout
+        self._max_inflight = max_inflight
+        self._links: dict[str, Link] = {}
         try:
-            addresses = discover(address)
-            self._links = {a: Link(a, None, connect_timeout, max_inflight) for a in addresses}
-            describes = self._call(self._describe_all(), timeout=connect_timeout + 5)
-            self.catalog = Catalog(describes)
-            self._check_offer(describes)
-            self._engine = Engine(self._links, self.catalog, self._setup, seed=self.seed, prefetch=prefetch,
+            self._engine = Engine(self._links, None, self._setup, seed=self.seed, prefetch=prefetch,
                                   ordered=self.ordered, reconnect_timeout=reconnect_timeout, allocate=_allocate)
-            for link in self._links.values():
-                link.engine = self._engine
+            self.catalog = self._discover()
         except BaseException:
             self.close()
             raise
@@ -214,8 +212,10 @@ class RemoteLoader:
         epoch = self._epoch
         start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
+        self._call(_noop(self._engine.cancel_epoch), timeout=10)
+        self.catalog = self._discover()
         batches = self.plan(epoch)
-        self._call(self._engine.start_epoch(epoch, batches, start), timeout=None)
+        self._call(self._engine.start_epoch(epoch, batches, start, self.catalog), timeout=None)
         self._position = start
         return self._iterate(epoch, batches)
 
@@ -338,12 +338,27 @@ class RemoteLoader:
             task.cancel()
         await asyncio.gather(*others, return_exceptions=True)
 
-    async def _describe_all(self) -> dict:
-        results = await asyncio.gather(*(l.fetch_describe() for l in self._links.values()), return_exceptions=True)
+    def _discover(self) -> Catalog:
+        """Resolves the address again and describes servers not seen before.
+
+        Called at start-up and before every epoch, so servers added behind a DNS name join
+        at the next epoch. Servers that no longer resolve are kept: they may be restarting.
+        """
+        new = [a for a in discover(self._address) if a not in self._links]
+        if new:
+            links = [Link(a, self._engine, self._connect_timeout, self._max_inflight) for a in new]
+            self._check_offer(self._call(self._describe_all(links), timeout=self._connect_timeout + 5))
+            return Catalog({a: l.describe for a, l in self._links.items()})
+        return self.catalog
+
+    async def _describe_all(self, links: list[Link]) -> dict:
+        results = await asyncio.gather(*(l.fetch_describe() for l in links), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            await asyncio.gather(*(l.close() for l in links), return_exceptions=True)
             raise errors[0]
-        return {a: r for a, r in zip(self._links, results)}
+        self._links.update((l.address, l) for l in links)  # on the loop thread, which reads it
+        return {l.address: l.describe for l in links}
 
     def _check_offer(self, describes: dict) -> None:
         h, w = self.image_size
@@ -362,6 +377,10 @@ class RemoteLoader:
 
 async def _wrap(coro):
     return await coro
+
+
+async def _noop(function):
+    function()
 
 
 def _allocate(n: int, h: int, w: int) -> torch.Tensor:
