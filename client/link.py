@@ -30,6 +30,8 @@ def channel_options(max_receive: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_send_message_length", 16 * MiB),
+        # Large HTTP/2 frames: a 4 MiB chunk arrives in a few frames, not 256 of 16 KiB.
+        ("grpc.http2.max_frame_size", 16 * MiB - 1),
         # Notice a dead peer within seconds, not at the next TCP timeout.
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import mmap
 import threading
 import time
 import warnings
@@ -384,7 +385,21 @@ async def _noop(function):
 
 
 def _allocate(n: int, h: int, w: int) -> torch.Tensor:
-    return torch.empty((n, h, w, 3), dtype=torch.uint8)
+    """A fresh uint8 NHWC batch in its own anonymous mapping, backed by huge pages if possible.
+
+    Receiving into fresh 4 KiB pages costs a page fault every 4 KiB, which made the copy
+    of received pixels run at under 2 GB/s; with transparent huge pages it runs at memory
+    speed. The mapping is freed when the last tensor using it is.
+    """
+    nbytes = n * h * w * 3
+    if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty((n, h, w, 3), dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    return torch.from_numpy(np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3))
 
 
 def _size(image_size) -> tuple[int, int]:
