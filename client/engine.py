@@ -19,8 +19,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-
 from remoteloader.client.catalog import Catalog, ShardInfo
 from remoteloader.client.link import Link, describe_error, is_fatal
 from remoteloader.protos import loader_pb2
@@ -48,7 +46,7 @@ class SampleFailure:
 class Batch:
     seq: int
     ids: np.ndarray
-    images: torch.Tensor  # uint8 NHWC, filled in place
+    images: object  # torch.Tensor, uint8 NHWC, filled in place
     pixels: np.ndarray  # numpy view of images
     labels: np.ndarray
     remaining: int
@@ -73,7 +71,7 @@ class Engine:
     """Owns the links and runs one epoch at a time; lives on the I/O loop thread."""
 
     def __init__(self, links: dict[str, Link], catalog: Catalog, setup: loader_pb2.Setup, *, seed: int,
-                 prefetch: int, ordered: bool, reconnect_timeout: float, allocate):
+                 prefetch: int, ordered: bool, reconnect_timeout: float, delivery):
         self.links = links
         self.catalog = catalog
         self.setup = setup
@@ -81,7 +79,7 @@ class Engine:
         self.prefetch = prefetch
         self.ordered = ordered
         self.reconnect_timeout = reconnect_timeout
-        self.allocate = allocate  # (n, h, w) -> uint8 tensor NHWC
+        self.delivery = delivery  # allocate(n, h, w) -> uint8 NHWC tensor or None; release(tensor)
         self.out: queue.Queue = queue.Queue()
         self.order_size = 1
         self._order_ids = itertools.count(1)
@@ -111,6 +109,9 @@ class Engine:
         if self._run is None:
             return
         self._run.cancelled = True
+        for batch in self._run.open.values():  # never handed out: their buffers are free again
+            self.delivery.release(batch.images)
+        self._run.open.clear()
         for order in self._pending:
             order.cancelled = True
         self._pending.clear()
@@ -124,15 +125,22 @@ class Engine:
             self._run.consumed += 1
             self._dispatch()
 
+    def buffer_freed(self) -> None:
+        if self._run is not None and not self._run.cancelled:
+            self._dispatch()
+
     def _dispatch(self) -> None:
         run = self._run
         h, w = self.setup.height, self.setup.width
         while run.next_dispatch < len(run.batches) and run.next_dispatch - run.first_seq - run.consumed < self.prefetch:
             seq = run.next_dispatch
-            run.next_dispatch += 1
             ids = run.batches[seq]
-            images = self.allocate(len(ids), h, w)
+            images = self.delivery.allocate(len(ids), h, w)
+            if images is None:  # every pinned buffer is in use: resume when one comes back
+                break
+            run.next_dispatch += 1
             batch = Batch(seq, ids, images, images.numpy(), np.full(len(ids), -1, np.int64), len(ids))
+            run.open[seq] = batch
             shard_idx = self.catalog.shard_of(ids)
             for s in np.unique(shard_idx):
                 shard = self.catalog.shards[int(s)]
@@ -291,6 +299,7 @@ class _Run:
         self.consumed = 0
         self.delivered = 0
         self.ready: dict[int, Batch] = {}
+        self.open: dict[int, Batch] = {}  # dispatched, not yet handed out
         self.out = out
         self.cancelled = False
 
@@ -306,6 +315,7 @@ class _Run:
             self.next_deliver += 1
 
     def _emit(self, batch: Batch) -> None:
+        self.open.pop(batch.seq, None)
         self.out.put(batch)
         self.delivered += 1
         if self.delivered == len(self.batches) - self.first_seq:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import mmap
 import threading
 import time
 import warnings
@@ -17,6 +16,7 @@ import torch
 from remoteloader.client import plan as plan_module
 from remoteloader.client.catalog import Catalog
 from remoteloader.client.discovery import discover
+from remoteloader.client.device import CudaDelivery, Delivered, HostDelivery
 from remoteloader.client.engine import END, Batch, Engine, LoaderError, SampleFailure
 from remoteloader.client.link import Link
 from remoteloader.protos import loader_pb2
@@ -121,8 +121,14 @@ class RemoteLoader:
         self._max_inflight = max_inflight
         self._links: dict[str, Link] = {}
         try:
+            if self.device.type == "cuda":
+                h, w = self.image_size
+                self._delivery = CudaDelivery(self.device, self.normalize, self.dtype, batch_size * h * w * 3,
+                                              prefetch, on_free=self._buffer_freed)
+            else:
+                self._delivery = HostDelivery(self.normalize, self.dtype)
             self._engine = Engine(self._links, None, self._setup, seed=self.seed, prefetch=prefetch,
-                                  ordered=self.ordered, reconnect_timeout=reconnect_timeout, allocate=_allocate)
+                                  ordered=self.ordered, reconnect_timeout=reconnect_timeout, delivery=self._delivery)
             self.catalog = self._discover()
         except BaseException:
             self.close()
@@ -218,10 +224,10 @@ class RemoteLoader:
         batches = self.plan(epoch)
         self._call(self._engine.start_epoch(epoch, batches, start, self.catalog), timeout=None)
         self._position = start
-        return self._iterate(epoch, batches)
+        return self._iterate(epoch, self._engine.out)
 
-    def _iterate(self, epoch: int, batches: list[np.ndarray]) -> Iterator:
-        out = self._engine.out
+    def _iterate(self, epoch: int, source) -> Iterator:
+        out = self._delivery.start(source)
         finished = False
         try:
             while True:
@@ -242,7 +248,7 @@ class RemoteLoader:
                     yield result
         finally:
             if not finished:
-                self._loop.call_soon_threadsafe(self._engine.cancel_epoch)
+                self._abandon(source, out)
             elif not self._epoch_set or self._epoch == epoch:
                 self._epoch = epoch + 1
                 self._position = 0
@@ -256,22 +262,40 @@ class RemoteLoader:
                 if not self._thread.is_alive():
                     raise LoaderError("the RemoteLoader I/O thread stopped") from None
 
-    def _deliver(self, batch: Batch):
-        images, labels, ids = batch.images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids)
-        if batch.failures:
-            keep = self._handle_failures(batch)
+    def _abandon(self, source, out) -> None:
+        """The consumer stopped mid-epoch: stop the work and give every buffer back."""
+        self._call(_noop(self._engine.cancel_epoch), timeout=10)
+        self._delivery.close()
+        for q in (source, out):
+            while True:
+                try:
+                    item = q.get_nowait()
+                except Exception:
+                    break
+                if isinstance(item, Batch):
+                    self._delivery.release(item.images)
+
+    def _buffer_freed(self) -> None:
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._engine.buffer_freed)
+
+    def _deliver(self, item):
+        delivered = item if isinstance(item, Delivered) else self._delivery.convert(item)
+        self._delivery.hand_over(delivered)
+        images, labels, ids = delivered.images, delivered.labels, delivered.ids
+        if delivered.failures:
+            keep = self._handle_failures(delivered)
             if keep is not None:
-                images, labels, ids = images[keep], labels[keep], ids[keep]
+                keep_on = keep.to(images.device)
+                images, labels, ids = images[keep_on], labels[keep_on], ids[keep]
                 if len(ids) == 0:
                     return None
         self._stats["batches"] += 1
         self._stats["images"] += len(ids)
-        self._stats["bytes"] += batch.nbytes
-        images = self._to_output(images)
-        labels = labels.to(self.device, non_blocking=True) if self.device.type != "cpu" else labels
+        self._stats["bytes"] += delivered.nbytes
         return (images, labels, ids) if self.return_ids else (images, labels)
 
-    def _handle_failures(self, batch: Batch):
+    def _handle_failures(self, batch: Delivered):
         failures = batch.failures
         if callable(self.on_error):
             self.on_error(list(failures))
@@ -284,24 +308,15 @@ class RemoteLoader:
         if self.on_error == "warn":
             warnings.warn(f"skipping {len(failures)} sample(s) that could not be served: {text}{more}", stacklevel=4)
         bad = {f.sample_id for f in failures}
-        return torch.from_numpy(np.asarray([i not in bad for i in batch.ids.tolist()]))
-
-    def _to_output(self, images: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cpu":
-            images = images.to(self.device, non_blocking=False)
-        if self.normalize is None:
-            return images
-        mean, std = (torch.tensor(v, dtype=torch.float32, device=images.device).view(1, 3, 1, 1) * 255
-                     for v in self.normalize)
-        # NHWC memory viewed as NCHW is already channels_last: no copy until the dtype change.
-        x = images.permute(0, 3, 1, 2).to(torch.float32)
-        return ((x - mean) / std).to(self.dtype).contiguous(memory_format=torch.channels_last)
+        return torch.tensor([i not in bad for i in batch.ids.tolist()], dtype=torch.bool)
 
     def close(self) -> None:
         """Stops the I/O thread and closes the connections (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_delivery", None) is not None:
+            self._delivery.close()
         try:
             self._call(self._shutdown(), timeout=10)
         except Exception:
@@ -382,24 +397,6 @@ async def _wrap(coro):
 
 async def _noop(function):
     function()
-
-
-def _allocate(n: int, h: int, w: int) -> torch.Tensor:
-    """A fresh uint8 NHWC batch in its own anonymous mapping, backed by huge pages if possible.
-
-    Receiving into fresh 4 KiB pages costs a page fault every 4 KiB, which made the copy
-    of received pixels run at under 2 GB/s; with transparent huge pages it runs at memory
-    speed. The mapping is freed when the last tensor using it is.
-    """
-    nbytes = n * h * w * 3
-    if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty((n, h, w, 3), dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass
-    return torch.from_numpy(np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3))
 
 
 def _size(image_size) -> tuple[int, int]:
