@@ -97,6 +97,10 @@ class Engine:
         for link in self.links.values():
             if link.state == "new":
                 await link.open_stream(self.setup)
+            elif link.state == "dead":  # gave up last epoch: it gets another reconnect_timeout
+                link.state = "down"
+                link.down_since = time.monotonic()
+                self._reconnecting[link.address] = asyncio.ensure_future(self._reconnect(link))
         self.out = queue.Queue()
         self._run = _Run(epoch, batches, first_seq, self.out)
         if first_seq >= len(batches):

@@ -101,14 +101,25 @@ def test_default_on_error_raises_naming_key_and_reason_and_server_stays_up(data)
 
 
 def test_loader_error_is_raised_by_the_batch_holding_the_bad_sample(data):
-    with loader_for(data, shuffle=False, batch_size=2) as loader:
-        keys = [loader.sample_key(i) for i in range(loader.num_samples)]
-        first_bad = min(keys.index(k) for k in BAD)
+    with loader_for(data, shuffle=True, seed=0, batch_size=2) as loader:
+        bad_ids = {i for i in range(loader.num_samples) if loader.sample_key(i) in BAD}
+        assert len(bad_ids) == len(BAD)
+
+        def first_bad_batch(epoch):
+            return next(k for k, b in enumerate(loader.plan(epoch)) if bad_ids & set(b.tolist()))
+
+        epoch = next(e for e in range(50) if first_bad_batch(e) >= 2)  # good batches come first
+        loader.set_epoch(epoch)
+        plan = loader.plan(epoch)
+        first = first_bad_batch(epoch)
         served = []
-        with pytest.raises(LoaderError, match="|".join(BAD)):
+        with pytest.raises(LoaderError) as info:
             for _images, _labels, ids in loader:
                 served.extend(ids.tolist())
-    assert served == list(range(first_bad - first_bad % 2))
+    assert served == np.concatenate(plan[:first]).tolist()
+    named = [k for k in BAD if k in str(info.value)]
+    culprits = {loader.sample_key(i) for i in plan[first].tolist()} & set(BAD)
+    assert set(named) == culprits
 
 
 def test_skip_delivers_every_good_sample_once_and_no_bad_one(data, eval_reference):

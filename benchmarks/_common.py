@@ -1,0 +1,382 @@
+"""Helpers for the benchmarks: an ImageNet-like JPEG ImageFolder, process CPU accounting, a server.
+
+Nothing here downloads anything. The dataset is generated: photo-like RGB images (a colour
+gradient, 1/f-ish structure at several scales, busy and calm regions of fine texture,
+shapes with sharp and defocused edges, small clutter, mild sensor noise), encoded by
+OpenCV at quality 90, so that JPEG file sizes and decode costs resemble ImageNet photos
+(~100-150 KB for 500x375) rather than flat synthetic images (a few KB) or pure noise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import cv2
+import numpy as np
+
+GENERATOR_VERSION = 1
+MANIFEST = ".remoteloader-bench.json"
+NUM_CLASSES = 10
+DEFAULT_DATA = pathlib.Path.home() / ".cache" / "remoteloader-bench" / "imagenet-like"
+_NAME = re.compile(r"^img_(\d{6})\.jpg$")
+
+
+# ---- the dataset ---------------------------------------------------------------------------
+
+def _field(rng: np.random.Generator, h: int, w: int, cell: int, channels: int = 1) -> np.ndarray:
+    """Smooth random field with features about ``cell`` pixels wide (bicubic-upsampled noise)."""
+    gh, gw = h // cell + 3, w // cell + 3
+    small = rng.standard_normal((gh, gw, channels)).astype(np.float32)
+    big = cv2.resize(small, (gw * cell, gh * cell), interpolation=cv2.INTER_CUBIC)
+    if big.ndim == 2:
+        big = big[..., None]
+    oy, ox = (int(v) for v in rng.integers(0, cell, 2))
+    return big[oy:oy + h, ox:ox + w]
+
+
+def make_photo(rng: np.random.Generator, h: int, w: int, detail: float = 5.0, noise: float = 3.0) -> np.ndarray:
+    """A photo-like RGB uint8 image (see the module docstring)."""
+    c0, c1 = rng.uniform(30, 225, 3).astype(np.float32), rng.uniform(30, 225, 3).astype(np.float32)
+    angle = rng.uniform(0, 2 * np.pi)
+    t = (np.linspace(0, 1, w, dtype=np.float32)[None, :] * np.float32(np.cos(angle))
+         + np.linspace(0, 1, h, dtype=np.float32)[:, None] * np.float32(np.sin(angle)))
+    t = (t - t.min()) / (np.ptp(t) + 1e-6)
+    img = c0 + (c1 - c0) * t[..., None]
+    # Coarse structure: luminance, plus weaker chroma.
+    mix = ((rng.normal(0, 0.25, 3) + 1.0) / 2).astype(np.float32)
+    coarse = sum(_field(rng, h, w, c) * a for c, a in ((120, 35), (60, 25), (30, 18)))
+    chroma = sum(_field(rng, h, w, c, 3) * a for c, a in ((120, 12), (60, 8)))
+    img = img + coarse * mix + chroma
+    # Fine texture, strong where a smooth "busy" mask says so (foliage, fur) and weak elsewhere (sky).
+    busy = np.clip(_field(rng, h, w, 90)[..., 0] * 0.8 + rng.uniform(-0.3, 0.6), 0, 1)[..., None]
+    texture = sum(_field(rng, h, w, c) * a for c, a in ((12, 10), (6, 10), (3, 12), (2, 10), (1, 8)))
+    img = img + texture * (0.25 + busy) * detail
+    # Objects: ellipses, polygons and bars, sharp or out of focus, each shaded and textured.
+    for _ in range(int(rng.integers(3, 9))):
+        layer = np.zeros((h, w), np.uint8)
+        kind = int(rng.integers(0, 3))
+        cx, cy = int(rng.uniform(0, w)), int(rng.uniform(0, h))
+        s = max(2, int(rng.uniform(0.05, 0.35) * min(h, w)))
+        if kind == 0:
+            axes = (s, max(1, int(s * rng.uniform(0.3, 1.5))))
+            cv2.ellipse(layer, (cx, cy), axes, float(rng.uniform(0, 180)), 0, 360, 255, -1, cv2.LINE_AA)
+        elif kind == 1:
+            pts = (np.array([cx, cy]) + rng.normal(0, s, (int(rng.integers(3, 7)), 2))).astype(np.int32)
+            cv2.fillPoly(layer, [pts], 255, cv2.LINE_AA)
+        else:
+            end = (int(cx + rng.normal(0, 3 * s)), int(cy + rng.normal(0, 3 * s)))
+            cv2.line(layer, (cx, cy), end, 255, int(rng.integers(2, 10)), cv2.LINE_AA)
+        if rng.random() < 0.4:
+            k = int(rng.integers(1, 5)) * 2 + 1
+            layer = cv2.GaussianBlur(layer, (k, k), 0)
+        alpha = layer.astype(np.float32)[..., None] / 255
+        color = rng.uniform(20, 235, 3).astype(np.float32)
+        shade = _field(rng, h, w, int(rng.choice([20, 40]))) * 20 + texture * rng.uniform(0.2, 1.2) * detail
+        img = img * (1 - alpha) + (color + shade) * alpha
+    # Clutter: small sharp strokes and blobs in darker/lighter tones of what is under them.
+    over = np.clip(img, 0, 255)
+    base = over.copy()
+    for _ in range(int(rng.integers(20, 120))):
+        cx, cy = int(rng.uniform(0, w)), int(rng.uniform(0, h))
+        col = tuple(float(v) for v in np.clip(base[cy, cx] * rng.uniform(0.4, 1.6) + rng.normal(0, 20, 3), 0, 255))
+        if rng.random() < 0.5:
+            end = (int(cx + rng.normal(0, 25)), int(cy + rng.normal(0, 25)))
+            cv2.line(over, (cx, cy), end, col, int(rng.integers(1, 4)), cv2.LINE_AA)
+        else:
+            r = int(rng.integers(2, 14))
+            cv2.ellipse(over, (cx, cy), (r, max(1, int(r * rng.uniform(0.3, 1)))), float(rng.uniform(0, 180)),
+                        0, 360, col, -1, cv2.LINE_AA)
+    a = np.float32(rng.uniform(0.5, 0.9))
+    img = base * (1 - a) + over * a
+    img += rng.normal(0, noise, img.shape).astype(np.float32)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def image_spec(seed: int, index: int) -> tuple[int, int, float]:
+    """(height, width, detail) of image ``index``: ~500x375-ish, about one in five portrait."""
+    rng = np.random.default_rng([seed, index, 1])
+    long_side = int(rng.integers(480, 521))
+    short_side = int(long_side * rng.choice([2 / 3, 0.75, 0.75, 0.75, 0.8]) * rng.uniform(0.97, 1.03))
+    detail = 5.0 * float(rng.lognormal(0.0, 0.2))
+    if rng.random() < 0.2:
+        return long_side, short_side, detail
+    return short_side, long_side, detail
+
+
+def sample_path(root: pathlib.Path, index: int) -> pathlib.Path:
+    return root / f"class_{index % NUM_CLASSES:02d}" / f"img_{index:06d}.jpg"
+
+
+def _write_one(job: tuple[str, int, int, int]) -> int:
+    root, seed, quality, index = job
+    h, w, detail = image_spec(seed, index)
+    rng = np.random.default_rng([seed, index, 2])
+    rgb = make_photo(rng, h, w, detail)
+    ok, buf = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise RuntimeError("OpenCV failed to encode a JPEG")
+    path = sample_path(pathlib.Path(root), index)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(buf.tobytes())
+    os.replace(tmp, path)  # never leave a half-written JPEG behind (Ctrl-C)
+    return len(buf)
+
+
+def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int = 90, processes: int = 1) -> pathlib.Path:
+    """Creates or updates ``root`` to hold exactly images 0..count-1 (deterministic per index).
+
+    Images are a pure function of (generator version, seed, quality, index), so a cached
+    directory is extended or trimmed rather than rebuilt when ``count`` changes. A
+    non-empty directory without our manifest is refused, never modified.
+    """
+    root = pathlib.Path(root).expanduser()
+    manifest_path = root / MANIFEST
+    wanted = {"generator": GENERATOR_VERSION, "seed": seed, "quality": quality}
+    manifest = None
+    if manifest_path.exists():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except ValueError:
+            manifest = None
+    if manifest is None and root.exists() and any(root.iterdir()):
+        raise SystemExit(f"{root} exists and was not made by this benchmark (no {MANIFEST}); "
+                         f"pass --data pointing at an empty or new directory")
+    root.mkdir(parents=True, exist_ok=True)
+    stale = manifest is not None and {k: manifest.get(k) for k in wanted} != wanted
+    existing: set[int] = set()
+    for d in root.iterdir():
+        if not d.is_dir() or not d.name.startswith("class_"):
+            continue
+        for f in d.iterdir():
+            if f.name.startswith(".") and f.name.endswith(".tmp"):
+                f.unlink()  # left by an interrupted run
+                continue
+            m = _NAME.match(f.name)
+            if not m:
+                continue
+            index = int(m.group(1))
+            if stale or index >= count or f.parent.name != f"class_{index % NUM_CLASSES:02d}" or f.stat().st_size == 0:
+                f.unlink()
+            else:
+                existing.add(index)
+    for c in range(NUM_CLASSES):
+        (root / f"class_{c:02d}").mkdir(exist_ok=True)
+    manifest_path.write_text(json.dumps({**wanted, "count": count, "complete": False}))
+    missing = [i for i in range(count) if i not in existing]
+    if missing:
+        print(f"generating {len(missing)} JPEGs in {root} ({processes} processes) ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        jobs = [(str(root), seed, quality, i) for i in missing]
+        done = 0
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with ctx.Pool(max(1, processes)) as pool:
+            for _ in pool.imap_unordered(_write_one, jobs, chunksize=8):
+                done += 1
+                if done % 250 == 0 or done == len(jobs):
+                    print(f"  {done}/{len(jobs)} ({time.perf_counter() - started:.0f}s)", file=sys.stderr, flush=True)
+    manifest_path.write_text(json.dumps({**wanted, "count": count, "complete": True}))
+    return root
+
+
+def list_samples(root: pathlib.Path) -> tuple[list[tuple[str, int]], list[str]]:
+    """ImageFolder order (sorted classes, sorted files), as the server and torchvision index it."""
+    classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+    samples = []
+    for label, cls in enumerate(classes):
+        for name in sorted(e.name for e in os.scandir(root / cls) if e.is_file() and e.name.lower().endswith(".jpg")):
+            samples.append((str(root / cls / name), label))
+    return samples, classes
+
+
+def dataset_stats(samples: list[tuple[str, int]]) -> dict:
+    """File sizes (KB) and image dimensions (read from the headers with PIL)."""
+    from PIL import Image
+
+    sizes = np.array([os.path.getsize(p) for p, _ in samples], dtype=np.float64) / 1000
+    dims = []
+    for p, _ in samples:
+        with Image.open(p) as im:
+            dims.append(im.size)  # (w, h)
+    dims = np.array(dims)
+    portrait = int((dims[:, 1] > dims[:, 0]).sum())
+    return {
+        "images": len(samples), "total_mb": float(sizes.sum() / 1000),
+        "kb_mean": float(sizes.mean()), "kb_median": float(np.median(sizes)),
+        "kb_p5": float(np.percentile(sizes, 5)), "kb_p95": float(np.percentile(sizes, 95)),
+        "kb_min": float(sizes.min()), "kb_max": float(sizes.max()),
+        "mean_width": float(dims[:, 0].mean()), "mean_height": float(dims[:, 1].mean()),
+        "portrait": portrait, "landscape": len(samples) - portrait,
+        "bits_per_pixel": float((sizes * 8000).sum() / (dims[:, 0] * dims[:, 1]).sum()),
+    }
+
+
+def default_cores() -> int:
+    """The CPUs this process may run on (what the server's --workers defaults to)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# ---- CPU accounting over process trees -------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (ppid, user+system CPU seconds) for every process we can read."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2:].split()
+        # fields[0] is state (field 3); ppid is field 4; utime, stime are fields 14, 15.
+        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
+    return table
+
+
+def tree_cpu(roots: list[int], exclude: tuple[int, ...] = ()) -> dict[int, float]:
+    """CPU seconds of each root's process tree (the root and all its live descendants).
+
+    A descendant under a pid in ``exclude`` is counted only in the tree of that pid (when
+    it is a root itself), so the caller's tree can leave out the server's.
+    """
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out = {}
+    for root in roots:
+        total, stack = 0.0, [root]
+        while stack:
+            pid = stack.pop()
+            if pid not in table:
+                continue
+            total += table[pid][1]
+            stack.extend(c for c in children.get(pid, ()) if c not in exclude or c == root)
+        out[root] = total
+    return out
+
+
+def tree_pids(root: int) -> list[int]:
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        if pid in table:
+            out.append(pid)
+            stack.extend(children.get(pid, ()))
+    return out
+
+
+# ---- a loader server subprocess ----------------------------------------------------------
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def server_command() -> list[str]:
+    """The ``remoteloader-server`` console script of this interpreter, or its equivalent."""
+    script = pathlib.Path(sys.executable).with_name("remoteloader-server")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from remoteloader.server.cli import serve_main; sys.exit(serve_main())"]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the benchmark dies, even by SIGKILL
+    except OSError:
+        pass
+
+
+class Server:
+    """``remoteloader-server`` on 127.0.0.1 with a free port, in its own process group."""
+
+    def __init__(self, data: pathlib.Path, workers: int, log_path: pathlib.Path, ready_timeout: float = 120.0):
+        self.log_path = log_path
+        argv = server_command() + ["--data", str(data), "--host", "127.0.0.1", "--port", "0",
+                                   "--workers", str(workers), "--grace", "2", "--log-level", "INFO"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        env["NO_ALBUMENTATIONS_UPDATE"] = "1"
+        self._log = open(log_path, "wb")
+        linux = sys.platform.startswith("linux")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent if linux else None)
+        self.address = None
+        deadline = time.monotonic() + ready_timeout
+        while self.address is None:
+            text = log_path.read_text(errors="replace")
+            m = _LISTENING.search(text)
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                break
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"remoteloader-server exited with code {self.proc.returncode} before it was "
+                                   f"ready:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"remoteloader-server was not listening after {ready_timeout:.0f}s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM (drain), then SIGKILL the whole process group (workers, forkserver); idempotent.
+
+        The server is not reaped until its group has been killed, so the group id cannot
+        have been reused by anything else when ``killpg`` runs.
+        """
+        if self.proc.returncode is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    break
+                if info is not None:
+                    break
+                time.sleep(0.05)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what this server started
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        if not self._log.closed:
+            self._log.close()

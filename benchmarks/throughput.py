@@ -1,0 +1,549 @@
+"""Images/s delivered to a training loop: RemoteLoader vs. torch DataLoader (PIL and OpenCV).
+
+    python benchmarks/throughput.py [--images N] [--epochs E] [--batch-size B] [--workers K]
+                                    [--data DIR] [--json PATH] [--profile]
+
+One run, on the same cores, measures three loaders that produce the same thing (random
+resized crop to 224x224, scale 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 RGB):
+
+  remote  RemoteLoader fed by one local ``remoteloader-server`` (--workers K, 127.0.0.1)
+  pil     torch DataLoader(num_workers=K): PIL open/convert, torchvision's RandomResizedCrop
+          algorithm re-implemented on PIL, flip, pil_to_tensor, default collate
+  opencv  torch DataLoader(num_workers=K): cv2.imread + cvtColor, albumentations
+          RandomResizedCrop + HorizontalFlip + ToTensorV2, default collate
+
+Epochs alternate (remote, pil, opencv, remote, ...) after one warm-up epoch per loader, so
+drift and neighbours' load hit all three alike. Every epoch is read to the end, so no
+loader has work in flight while another is timed; the CPU time the server's processes use
+during the other loaders' epochs is reported to show it. ``--profile`` adds a per-sample
+cost breakdown of the server's "train" pipeline, measured in this process on one core.
+See benchmarks/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import os
+import pathlib
+import platform
+import pstats
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+import albumentations as A  # noqa: E402
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from albumentations.pytorch import ToTensorV2  # noqa: E402
+from PIL import Image  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
+
+LOADERS = ("remote", "pil", "opencv")
+TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL", "opencv": "DataLoader + OpenCV/albumentations"}
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+
+
+# ---- baseline datasets ---------------------------------------------------------------------
+
+def torchvision_rrc_params(width: int, height: int, scale=SCALE, ratio=RATIO) -> tuple[int, int, int, int]:
+    """torchvision.transforms.RandomResizedCrop.get_params, verbatim in behaviour: (top, left, h, w)."""
+    area = height * width
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            i = torch.randint(0, height - h + 1, size=(1,)).item()
+            j = torch.randint(0, width - w + 1, size=(1,)).item()
+            return i, j, h, w
+    in_ratio = float(width) / float(height)  # fallback: central crop
+    if in_ratio < min(ratio):
+        w = width
+        h = int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        h = height
+        w = int(round(h * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def pil_to_tensor(pic: Image.Image) -> torch.Tensor:
+    """torchvision.transforms.functional.pil_to_tensor for RGB: HWC uint8 viewed as CHW."""
+    img = torch.as_tensor(np.array(pic, copy=True))
+    return img.view(pic.size[1], pic.size[0], 3).permute((2, 0, 1))
+
+
+class PILTrainSet(Dataset):
+    """ImageFolder + RandomResizedCrop(size) + RandomHorizontalFlip() + PILToTensor(), torchvision-style."""
+
+    def __init__(self, samples: list[tuple[str, int]], size: int):
+        self.samples = samples
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        with open(path, "rb") as f:  # torchvision.datasets.folder.pil_loader
+            img = Image.open(f)
+            img = img.convert("RGB")
+        top, left, h, w = torchvision_rrc_params(*img.size)
+        # F.resized_crop on PIL: crop, then resize (BILINEAR; PIL always antialiases).
+        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
+        if torch.rand(1) < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        return pil_to_tensor(img), label
+
+
+def albumentations_train(size: int) -> A.Compose:
+    return A.Compose([
+        A.RandomResizedCrop(size=(size, size), scale=SCALE, ratio=RATIO, interpolation=cv2.INTER_LINEAR),
+        A.HorizontalFlip(p=0.5),
+        ToTensorV2(),
+    ])
+
+
+class OpenCVTrainSet(Dataset):
+    """ImageFolder read with cv2.imread + cvtColor, augmented by albumentations."""
+
+    def __init__(self, samples: list[tuple[str, int]], size: int):
+        self.samples = samples
+        self.transform = albumentations_train(size)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        img = cv2.imread(path, cv2.IMREAD_COLOR)
+        if img is None:
+            raise OSError(f"OpenCV cannot read {path}")
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+        return self.transform(image=img)["image"], label
+
+
+def _worker_init(_worker_id: int) -> None:
+    # One OpenCV thread per worker, as in the server's workers; and a distinct albumentations
+    # stream per worker (a Compose seeded in the parent would repeat itself in every fork).
+    cv2.setNumThreads(1)
+    info = get_worker_info()
+    transform = getattr(info.dataset, "transform", None)
+    if transform is not None:
+        transform.set_random_seed(torch.initial_seed() % 2**32)
+
+
+def make_dataloader(dataset: Dataset, batch_size: int, workers: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
+                      persistent_workers=workers > 0, worker_init_fn=_worker_init)
+
+
+def shutdown_dataloader(loader: DataLoader) -> None:
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        try:
+            iterator._shutdown_workers()
+        except Exception:
+            pass
+    loader._iterator = None
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+class Meter:
+    """CPU seconds of this process's tree (without the server) and of the server's tree."""
+
+    def __init__(self, server_pid: int | None):
+        self.me = os.getpid()
+        self.server = server_pid
+
+    def snapshot(self) -> tuple[float, float]:
+        roots = [self.me] + ([self.server] if self.server else [])
+        cpu = _common.tree_cpu(roots, exclude=(self.server,) if self.server else ())
+        return cpu[self.me], cpu.get(self.server, 0.0) if self.server else 0.0
+
+
+def run_epoch(name: str, loader, epoch: int, meter: Meter, expect_batch: int, size: int) -> dict:
+    """Iterates one whole epoch; the loop only touches each batch (shape, label sum)."""
+    if name == "remote":
+        loader.set_epoch(epoch)
+    cpu0, srv0 = meter.snapshot()
+    t0 = time.perf_counter()
+    first = None
+    images = batches = label_sum = 0
+    iterator = iter(loader)
+    try:
+        for batch_images, labels in iterator:
+            if first is None:
+                first = time.perf_counter() - t0
+                _check_batch(name, batch_images, labels, expect_batch, size)
+            images += batch_images.shape[0]
+            label_sum += int(labels.sum())
+            batches += 1
+    finally:
+        close = getattr(iterator, "close", None)  # a generator left early cancels its epoch
+        if close is not None:
+            close()
+    wall = time.perf_counter() - t0
+    cpu1, srv1 = meter.snapshot()
+    return {"loader": name, "epoch": epoch, "images": images, "batches": batches, "wall_s": wall,
+            "images_per_s": images / wall if wall > 0 else 0.0, "first_batch_s": first or 0.0,
+            "cpu_s": (cpu1 - cpu0) + (srv1 - srv0), "server_cpu_s": srv1 - srv0, "label_sum": label_sum}
+
+
+def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: int, size: int) -> None:
+    shape = (batch, size, size, 3) if name == "remote" else (batch, 3, size, size)
+    if tuple(images.shape) != shape or images.dtype != torch.uint8:
+        raise RuntimeError(f"{name}: got a batch of {tuple(images.shape)} {images.dtype}, expected {shape} uint8")
+    if labels.shape != (batch,) or int(labels.min()) < 0 or int(labels.max()) >= _common.NUM_CLASSES:
+        raise RuntimeError(f"{name}: bad labels {labels[:8].tolist()}...")
+    if float(images[:4].float().std()) < 1.0:
+        raise RuntimeError(f"{name}: the first images of the batch are flat (all zeros?)")
+
+
+def summarize(records: list[dict], cores: int) -> dict:
+    rates = [r["images_per_s"] for r in records]
+    cpu_ms = [1000 * r["cpu_s"] / r["images"] for r in records if r["images"]]
+    util = [r["cpu_s"] / r["wall_s"] / cores for r in records if r["wall_s"] > 0]
+    return {"epochs": len(records), "images_per_epoch": records[0]["images"] if records else 0,
+            "median_images_per_s": statistics.median(rates) if rates else 0.0,
+            "min_images_per_s": min(rates, default=0.0), "max_images_per_s": max(rates, default=0.0),
+            "median_cpu_ms_per_image": statistics.median(cpu_ms) if cpu_ms else 0.0,
+            "median_cpu_utilization": statistics.median(util) if util else 0.0,
+            "median_first_batch_s": statistics.median(r["first_batch_s"] for r in records) if records else 0.0,
+            "server_cpu_s": sum(r["server_cpu_s"] for r in records)}
+
+
+def markdown_table(summary: dict[str, dict], order: list[str]) -> str:
+    lines = ["| loader | timed epochs x images | median img/s | min-max img/s | CPU ms/img | CPU use | "
+             "first batch s | server CPU s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name in order:
+        s = summary[name]
+        lines.append(f"| {TITLES[name]} | {s['epochs']} x {s['images_per_epoch']} | {s['median_images_per_s']:.0f} | "
+                     f"{s['min_images_per_s']:.0f}-{s['max_images_per_s']:.0f} | {s['median_cpu_ms_per_image']:.2f} | "
+                     f"{100 * s['median_cpu_utilization']:.0f}% | {s['median_first_batch_s']:.2f} | "
+                     f"{s['server_cpu_s']:.2f} |")
+    return "\n".join(lines)
+
+
+# ---- profile of the server's pipeline --------------------------------------------------------
+
+def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int) -> dict:
+    """Per-sample cost of the server's "train" pipeline by stage, in this process, one thread.
+
+    Reproduces ``worker.main``'s loop (read_sample, then ``Pipeline.__call__``) with the
+    stages timed separately, then times the real ``Pipeline`` end to end, and the two
+    baseline pipelines, on the same files.
+    """
+    from remoteloader.server import decode as dec
+    from remoteloader.server.pipelines import Pipeline, PipelineSpec
+    from remoteloader.server.service import sample_seeds
+    from remoteloader.server.worker import read_sample
+
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    chosen = rng.sample(samples, min(count, len(samples)))
+    paths = [p for p, _ in chosen]
+    sizes = [os.path.getsize(p) for p in paths]  # the catalog indexes sizes; workers check them
+    seeds = sample_seeds(0, 0, 0x1234, np.arange(len(paths)))
+    pipeline = Pipeline(PipelineSpec("train", size, size))
+    crop = pipeline._crop
+    out = np.empty((len(paths), size, size, 3), np.uint8)  # stands for the shared arena slot
+    stages = ["read", "header", "set_random_seed", "crop params", "decode (DCT-scaled)", "crop + resize",
+              "flip (A.Compose)", "copy into slot"]
+    ns = dict.fromkeys(stages, 0)
+    decoded_px = full_px = 0
+    scaled = 0
+    for data_pass in range(2):  # the first pass warms caches and lazy initialisation
+        if data_pass == 1:
+            ns = dict.fromkeys(stages, 0)
+            decoded_px = full_px = scaled = 0
+        for i, (path, seed) in enumerate(zip(paths, seeds)):
+            t = time.perf_counter_ns()
+            data = read_sample(path, 0, sizes[i])
+            t1 = time.perf_counter_ns(); ns["read"] += t1 - t; t = t1
+            fmt, height, width = dec.read_size(data, pipeline.max_pixels)
+            t1 = time.perf_counter_ns(); ns["header"] += t1 - t; t = t1
+            pipeline.compose.set_random_seed(seed)
+            t1 = time.perf_counter_ns(); ns["set_random_seed"] += t1 - t; t = t1
+            params = crop.get_params()
+            params["shape"] = (height, width, 3)
+            x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
+            min_h = math.ceil(height * size / max(y2 - y1, 1))
+            min_w = math.ceil(width * size / max(x2 - x1, 1))
+            t1 = time.perf_counter_ns(); ns["crop params"] += t1 - t; t = t1
+            image = dec.decode(data, fmt, min(min_h, height), min(min_w, width))
+            t1 = time.perf_counter_ns(); ns["decode (DCT-scaled)"] += t1 - t; t = t1
+            dh, dw = image.shape[:2]
+            if (dh, dw) != (height, width):
+                sy, sx = dh / height, dw / width
+                x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
+                y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
+                scaled += 1
+            region = image[y1:y2, x1:x2]
+            if region.shape[:2] != (size, size):
+                region = cv2.resize(region, (size, size), interpolation=crop.interpolation)
+            t1 = time.perf_counter_ns(); ns["crop + resize"] += t1 - t; t = t1
+            result = pipeline._rest(image=region)["image"]
+            t1 = time.perf_counter_ns(); ns["flip (A.Compose)"] += t1 - t; t = t1
+            out[i] = result
+            t1 = time.perf_counter_ns(); ns["copy into slot"] += t1 - t
+            decoded_px += dh * dw
+            full_px += height * width
+    n = len(paths)
+    breakdown = {k: v / n / 1000 for k, v in ns.items()}  # us per sample
+
+    blobs = [read_sample(p, 0, n) for p, n in zip(paths, sizes)]
+
+    def per_sample(fn) -> float:
+        fn(0)  # warm
+        t = time.perf_counter_ns()
+        for i in range(n):
+            fn(i)
+        return (time.perf_counter_ns() - t) / n / 1000
+
+    def end_to_end(i):
+        out[i] = pipeline(read_sample(paths[i], 0, sizes[i]), seeds[i])
+
+    flip = A.HorizontalFlip(p=1.0)
+    tile = out[0].copy()
+    pil_set, cv_set = PILTrainSet(chosen, size), OpenCVTrainSet(chosen, size)
+    cv_set.transform.set_random_seed(0)
+    torch.manual_seed(0)
+    compare = {
+        "server pipeline, end to end (read + Pipeline.__call__ + copy)": per_sample(end_to_end),
+        "  Pipeline.__call__ on bytes in memory": per_sample(lambda i: pipeline(blobs[i], seeds[i])),
+        "  simplejpeg full-size decode (fastdct)": per_sample(
+            lambda i: dec.decode(blobs[i], "jpeg")),
+        "  simplejpeg header only": per_sample(lambda i: dec.read_size(blobs[i], 10**9)),
+        "  set_random_seed: 1 np default_rng + 1 random.Random": per_sample(
+            lambda i: (np.random.default_rng(seeds[i]), random.Random(seeds[i]))),
+        "  horizontal flip alone (cv2.flip, 224x224)": per_sample(lambda i: cv2.flip(tile, 1)),
+        "  HorizontalFlip(p=1) transform called directly": per_sample(lambda i: flip(image=tile)),
+        "DataLoader+PIL sample (open, convert, crop, resize, flip, to tensor)": per_sample(lambda i: pil_set[i]),
+        "  PIL open + convert('RGB') (full decode)": per_sample(
+            lambda i: Image.open(io.BytesIO(blobs[i])).convert("RGB")),
+        "DataLoader+OpenCV sample (imread, cvtColor, albumentations)": per_sample(lambda i: cv_set[i]),
+        "  cv2.imread (full decode)": per_sample(lambda i: cv2.imread(paths[i], cv2.IMREAD_COLOR)),
+    }
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        end_to_end(i)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+    return {"samples": n, "breakdown_us": breakdown, "breakdown_total_us": sum(breakdown.values()),
+            "dct_scaled_fraction": scaled / n, "decoded_pixel_fraction": decoded_px / full_px,
+            "compare_us": compare, "cprofile_top": text.getvalue()}
+
+
+def print_profile(p: dict) -> None:
+    total = p["breakdown_total_us"]
+    print(f"\n## Server pipeline, per-sample cost (one core, in-process, {p['samples']} samples)\n")
+    print("| stage | us/sample | share |")
+    print("|---|---:|---:|")
+    for stage, us in p["breakdown_us"].items():
+        print(f"| {stage} | {us:.0f} | {100 * us / total:.1f}% |")
+    print(f"| **total** | **{total:.0f}** | 100% |")
+    print(f"\nDCT-scaled decodes: {100 * p['dct_scaled_fraction']:.0f}% of samples; pixels decoded: "
+          f"{100 * p['decoded_pixel_fraction']:.0f}% of full size.\n")
+    print("| for comparison | us/sample |")
+    print("|---|---:|")
+    for what, us in p["compare_us"].items():
+        print(f"| {what} | {us:.0f} |")
+    print("\ncProfile of the server pipeline loop (top 15 by own time):\n")
+    print("\n".join(line for line in p["cprofile_top"].splitlines() if line.strip())[:6000])
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    cores = _common.default_cores()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=2000, help="images in the dataset (default 2000)")
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per loader (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed epochs per loader first (default 1)")
+    parser.add_argument("--batch-size", type=int, default=256, help="batch size (default 256)")
+    parser.add_argument("--image-size", type=int, default=224, help="output side (default 224)")
+    parser.add_argument("--workers", type=int, default=cores,
+                        help=f"server workers and DataLoader num_workers (default: the {cores} usable cores)")
+    parser.add_argument("--data", type=pathlib.Path, default=_common.DEFAULT_DATA,
+                        help=f"cached ImageFolder (default {_common.DEFAULT_DATA})")
+    parser.add_argument("--loaders", default=",".join(LOADERS),
+                        help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
+    parser.add_argument("--json", type=pathlib.Path, help="also write every measurement to this JSON file")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a per-sample cost breakdown of the server's train pipeline")
+    parser.add_argument("--profile-samples", type=int, default=400, help="samples for --profile (default 400)")
+    args = parser.parse_args(argv)
+    args.loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    bad = [x for x in args.loaders if x not in LOADERS]
+    if bad or not args.loaders:
+        parser.error(f"--loaders: unknown {bad}; choose from {', '.join(LOADERS)}")
+    for name in ("images", "epochs", "batch_size", "image_size", "workers"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.images < args.batch_size:
+        parser.error(f"--images {args.images} < --batch-size {args.batch_size}: with drop_last an epoch "
+                     f"would have no batch")
+    return args
+
+
+def _raise_exit(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cores = _common.default_cores()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_exit)  # run the cleanup below on kill/hang-up too
+
+    root = _common.ensure_dataset(args.data, args.images, processes=cores)
+    samples, classes = _common.list_samples(root)
+    if len(samples) != args.images:
+        raise SystemExit(f"{root} holds {len(samples)} images, expected {args.images}")
+    stats = _common.dataset_stats(samples)
+    load = os.getloadavg()
+    print(f"# remoteloader throughput benchmark\n")
+    print(f"data: {root}: {stats['images']} JPEGs in {len(classes)} classes, {stats['total_mb']:.0f} MB; "
+          f"file size mean {stats['kb_mean']:.0f} KB, median {stats['kb_median']:.0f}, p5-p95 "
+          f"{stats['kb_p5']:.0f}-{stats['kb_p95']:.0f}, min-max {stats['kb_min']:.0f}-{stats['kb_max']:.0f}; "
+          f"mean {stats['mean_width']:.0f}x{stats['mean_height']:.0f} px ({stats['portrait']} portrait), "
+          f"{stats['bits_per_pixel']:.2f} bits/px")
+    print(f"host: {cores} usable cores ({os.cpu_count()} online), load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}; python {platform.python_version()}, torch {torch.__version__}, "
+          f"Pillow {Image.__version__}, OpenCV {cv2.__version__}, albumentations {A.__version__}")
+    print(f"config: batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.workers} workers per loader, "
+          f"{args.warmup} warm-up + {args.epochs} timed epochs per loader, loaders {', '.join(args.loaders)}")
+    if load[0] > 0.5 * cores:
+        print(f"warning: load average {load[0]:.1f} on {cores} cores: other processes compete; "
+              f"images/s will be noisy (CPU ms/img much less so)")
+    sys.stdout.flush()
+
+    server = remote = None
+    dataloaders: dict[str, DataLoader] = {}
+    log_dir = tempfile.mkdtemp(prefix="remoteloader-bench-")
+    records: list[dict] = []
+    try:
+        if "remote" in args.loaders:
+            started = time.perf_counter()
+            server = _common.Server(root, args.workers, pathlib.Path(log_dir) / "server.log")
+            print(f"server: {server.address} (pid {server.pid}, {args.workers} workers), ready in "
+                  f"{time.perf_counter() - started:.1f}s; log {server.log_path}", flush=True)
+        meter = Meter(server.pid if server else None)
+        expect = args.batch_size
+        if "pil" in args.loaders:
+            dataloaders["pil"] = make_dataloader(PILTrainSet(samples, args.image_size), args.batch_size, args.workers)
+        if "opencv" in args.loaders:
+            dataloaders["opencv"] = make_dataloader(OpenCVTrainSet(samples, args.image_size), args.batch_size,
+                                                    args.workers)
+        loaders: dict[str, object] = dict(dataloaders)
+        # Warm-up. The DataLoaders fork their (persistent) workers here, before the
+        # RemoteLoader starts gRPC threads in this process: forking after that is unsafe.
+        epoch_no = {name: 0 for name in args.loaders}
+        for name in ("pil", "opencv"):
+            for _ in range(args.warmup if name in loaders else 0):
+                r = run_epoch(name, loaders[name], epoch_no[name], meter, expect, args.image_size)
+                epoch_no[name] += 1
+                print(f"warm-up {name}: {r['images_per_s']:.0f} img/s", flush=True)
+        if server is not None:
+            from remoteloader.client.loader import RemoteLoader
+
+            remote = RemoteLoader(server.address, batch_size=args.batch_size, image_size=args.image_size,
+                                  pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0)
+            if remote.num_samples != len(samples):
+                raise RuntimeError(f"the server serves {remote.num_samples} samples, expected {len(samples)}")
+            loaders["remote"] = remote
+            for _ in range(args.warmup):
+                r = run_epoch("remote", remote, epoch_no["remote"], meter, expect, args.image_size)
+                epoch_no["remote"] += 1
+                print(f"warm-up remote: {r['images_per_s']:.0f} img/s", flush=True)
+        order = [n for n in LOADERS if n in loaders]
+        for round_no in range(args.epochs):
+            for name in order:
+                if server is not None and server.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited (code {server.proc.returncode}):\n{server.log_tail()}")
+                r = run_epoch(name, loaders[name], epoch_no[name], meter, expect, args.image_size)
+                epoch_no[name] += 1
+                r["round"] = round_no
+                records.append(r)
+                print(f"round {round_no + 1}/{args.epochs} {name:>6}: {r['images_per_s']:7.0f} img/s  "
+                      f"{r['wall_s']:6.2f}s  CPU {1000 * r['cpu_s'] / r['images']:.2f} ms/img  "
+                      f"server CPU {r['server_cpu_s']:.2f}s", flush=True)
+        if server is not None and server.proc.poll() is not None:
+            raise RuntimeError(f"the server exited (code {server.proc.returncode}):\n{server.log_tail()}")
+    except KeyboardInterrupt:
+        print("\ninterrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        if remote is not None:
+            remote.close()
+        for dl in dataloaders.values():
+            shutdown_dataloader(dl)
+        if server is not None:
+            server.stop()
+
+    summary = {name: summarize([r for r in records if r["loader"] == name], cores) for name in order}
+    print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} uint8, {args.workers} workers "
+          f"per loader, {cores} cores; median of {args.epochs} epochs)\n")
+    print(markdown_table(summary, order))
+    ratios = {}
+    if "remote" in summary:
+        for other in ("pil", "opencv"):
+            if other in summary and summary[other]["median_images_per_s"] > 0:
+                ratios[f"remote/{other}"] = summary["remote"]["median_images_per_s"] / summary[other]["median_images_per_s"]
+                cpu = summary[other]["median_cpu_ms_per_image"] / max(summary["remote"]["median_cpu_ms_per_image"], 1e-9)
+                ratios[f"cpu {other}/remote"] = cpu
+                print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s "
+                      f"({cpu:.2f}x less CPU per image)", end="")
+        print()
+    idle = {n: s["server_cpu_s"] for n, s in summary.items() if n != "remote"}
+    if idle:
+        print(f"\nserver CPU while the other loaders ran: "
+              + ", ".join(f"{n} {v:.2f}s" for n, v in idle.items())
+              + " (should be ~0: nothing leaks across epochs)")
+
+    profile = None
+    if args.profile:
+        profile = profile_pipeline(samples, args.image_size, args.profile_samples)
+        print_profile(profile)
+
+    if args.json:
+        document = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                    "host": {"cores": cores, "cpu_count": os.cpu_count(), "load_average_start": load,
+                             "python": platform.python_version(), "torch": torch.__version__,
+                             "pillow": Image.__version__, "opencv": cv2.__version__,
+                             "albumentations": A.__version__, "platform": platform.platform()},
+                    "dataset": stats, "epochs": records, "summary": summary, "ratios": ratios, "profile": profile}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
