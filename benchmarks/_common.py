@@ -249,40 +249,31 @@ def _proc_table() -> dict[int, tuple[int, float]]:
     return table
 
 
-def tree_cpu(roots: list[int], exclude: tuple[int, ...] = ()) -> dict[int, float]:
-    """CPU seconds of each root's process tree (the root and all its live descendants).
-
-    A descendant under a pid in ``exclude`` is counted only in the tree of that pid (when
-    it is a root itself), so the caller's tree can leave out the server's.
+def cpu_split(me: int, server: int | None) -> dict[str, float]:
+    """CPU seconds so far of: this process (all its threads), its other descendants
+    (DataLoader workers), the server's main process, and the server's descendants
+    (forkserver and decode workers). Processes that have exited are not counted.
     """
     table = _proc_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
-    out = {}
-    for root in roots:
-        total, stack = 0.0, [root]
+
+    def below(root: int, skip: int | None) -> float:
+        total, stack = 0.0, list(children.get(root, ()))
         while stack:
             pid = stack.pop()
-            if pid not in table:
+            if pid == skip or pid not in table:
                 continue
             total += table[pid][1]
-            stack.extend(c for c in children.get(pid, ()) if c not in exclude or c == root)
-        out[root] = total
-    return out
-
-
-def tree_pids(root: int) -> list[int]:
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    out, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        if pid in table:
-            out.append(pid)
             stack.extend(children.get(pid, ()))
+        return total
+
+    out = {"client": table.get(me, (0, 0.0))[1], "client_children": below(me, server),
+           "server_main": 0.0, "server_workers": 0.0}
+    if server is not None:
+        out["server_main"] = table.get(server, (0, 0.0))[1]
+        out["server_workers"] = below(server, None)
     return out
 
 

@@ -167,33 +167,25 @@ def shutdown_dataloader(loader: DataLoader) -> None:
 
 # ---- measuring -----------------------------------------------------------------------------
 
-class Meter:
-    """CPU seconds of this process's tree (without the server) and of the server's tree."""
-
-    def __init__(self, server_pid: int | None):
-        self.me = os.getpid()
-        self.server = server_pid
-
-    def snapshot(self) -> tuple[float, float]:
-        roots = [self.me] + ([self.server] if self.server else [])
-        cpu = _common.tree_cpu(roots, exclude=(self.server,) if self.server else ())
-        return cpu[self.me], cpu.get(self.server, 0.0) if self.server else 0.0
+CPU_PARTS = ("client", "client_children", "server_main", "server_workers")
 
 
-def run_epoch(name: str, loader, epoch: int, meter: Meter, expect_batch: int, size: int) -> dict:
+def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batch: int, size: int,
+              expect_images: int) -> dict:
     """Iterates one whole epoch; the loop only touches each batch (shape, label sum)."""
     if name == "remote":
         loader.set_epoch(epoch)
-    cpu0, srv0 = meter.snapshot()
+    me = os.getpid()
+    cpu0 = _common.cpu_split(me, server_pid)
     t0 = time.perf_counter()
-    first = None
+    first = sample = None
     images = batches = label_sum = 0
     iterator = iter(loader)
     try:
         for batch_images, labels in iterator:
             if first is None:
                 first = time.perf_counter() - t0
-                _check_batch(name, batch_images, labels, expect_batch, size)
+                sample = (batch_images, labels)  # checked after the clock stops
             images += batch_images.shape[0]
             label_sum += int(labels.sum())
             batches += 1
@@ -202,10 +194,18 @@ def run_epoch(name: str, loader, epoch: int, meter: Meter, expect_batch: int, si
         if close is not None:
             close()
     wall = time.perf_counter() - t0
-    cpu1, srv1 = meter.snapshot()
+    cpu1 = _common.cpu_split(me, server_pid)
+    cpu = {k: cpu1[k] - cpu0[k] for k in CPU_PARTS}
+    if sample is None:
+        raise RuntimeError(f"{name}: epoch {epoch} delivered no batch")
+    _check_batch(name, *sample, expect_batch, size)
+    del sample
+    if images != expect_images:
+        raise RuntimeError(f"{name}: epoch {epoch} delivered {images} images, expected {expect_images}")
     return {"loader": name, "epoch": epoch, "images": images, "batches": batches, "wall_s": wall,
             "images_per_s": images / wall if wall > 0 else 0.0, "first_batch_s": first or 0.0,
-            "cpu_s": (cpu1 - cpu0) + (srv1 - srv0), "server_cpu_s": srv1 - srv0, "label_sum": label_sum}
+            "cpu_s": sum(cpu.values()), "cpu_parts_s": cpu,
+            "server_cpu_s": cpu["server_main"] + cpu["server_workers"], "label_sum": label_sum}
 
 
 def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: int, size: int) -> None:
@@ -220,6 +220,8 @@ def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: i
 
 def summarize(records: list[dict], cores: int) -> dict:
     rates = [r["images_per_s"] for r in records]
+    parts = {k: statistics.median(1000 * r["cpu_parts_s"][k] / r["images"] for r in records) if records else 0.0
+             for k in CPU_PARTS}
     cpu_ms = [1000 * r["cpu_s"] / r["images"] for r in records if r["images"]]
     util = [r["cpu_s"] / r["wall_s"] / cores for r in records if r["wall_s"] > 0]
     return {"epochs": len(records), "images_per_epoch": records[0]["images"] if records else 0,
@@ -228,7 +230,7 @@ def summarize(records: list[dict], cores: int) -> dict:
             "median_cpu_ms_per_image": statistics.median(cpu_ms) if cpu_ms else 0.0,
             "median_cpu_utilization": statistics.median(util) if util else 0.0,
             "median_first_batch_s": statistics.median(r["first_batch_s"] for r in records) if records else 0.0,
-            "server_cpu_s": sum(r["server_cpu_s"] for r in records)}
+            "server_cpu_s": sum(r["server_cpu_s"] for r in records), "median_cpu_ms_per_image_by_part": parts}
 
 
 def markdown_table(summary: dict[str, dict], order: list[str]) -> str:
@@ -246,12 +248,39 @@ def markdown_table(summary: dict[str, dict], order: list[str]) -> str:
 
 # ---- profile of the server's pipeline --------------------------------------------------------
 
-def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int) -> dict:
+def _pow2_fused(pipeline, dec, data: bytes, seed: int) -> np.ndarray:
+    """Pipeline._fused_crop with the DCT scale restricted to 1, 1/2, 1/4, 1/8 (a suggested fix)."""
+    fmt, height, width = dec.read_size(data, pipeline.max_pixels)
+    pipeline.compose.set_random_seed(seed)
+    crop = pipeline._crop
+    params = crop.get_params()
+    params["shape"] = (height, width, 3)
+    x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
+    out_h, out_w = crop.size
+    need = max(out_h / max(y2 - y1, 1), out_w / max(x2 - x1, 1))
+    f = 1.0
+    while f > 1 / 8 and f / 2 >= need:
+        f /= 2
+    image = dec.decode(data, fmt, math.ceil(height * f) if f < 1 else 0, math.ceil(width * f) if f < 1 else 0)
+    dh, dw = image.shape[:2]
+    if (dh, dw) != (height, width):
+        sy, sx = dh / height, dw / width
+        x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
+        y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
+    region = image[y1:y2, x1:x2]
+    if region.shape[:2] != (out_h, out_w):
+        region = cv2.resize(region, (out_w, out_h), interpolation=crop.interpolation)
+    return pipeline._rest(image=region)["image"]
+
+
+def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int, repeats: int = 3) -> dict:
     """Per-sample cost of the server's "train" pipeline by stage, in this process, one thread.
 
-    Reproduces ``worker.main``'s loop (read_sample, then ``Pipeline.__call__``) with the
-    stages timed separately, then times the real ``Pipeline`` end to end, and the two
-    baseline pipelines, on the same files.
+    Reproduces ``worker.main``'s loop (read_sample, then ``Pipeline.__call__`` and the copy
+    into the slot) with each stage timed, then times the real ``Pipeline`` end to end, a
+    few variants and the two baseline pipelines on the same files. Every figure is the
+    mean over samples of the fastest of ``repeats`` passes per sample (after a warm-up
+    pass), which keeps other processes' load out of it as far as possible.
     """
     from remoteloader.server import decode as dec
     from remoteloader.server.pipelines import Pipeline, PipelineSpec
@@ -260,66 +289,78 @@ def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int) -> d
 
     cv2.setNumThreads(1)
     torch.set_num_threads(1)
-    rng = random.Random(0)
-    chosen = rng.sample(samples, min(count, len(samples)))
+    chosen = random.Random(0).sample(samples, min(count, len(samples)))
     paths = [p for p, _ in chosen]
     sizes = [os.path.getsize(p) for p in paths]  # the catalog indexes sizes; workers check them
-    seeds = sample_seeds(0, 0, 0x1234, np.arange(len(paths)))
+    n = len(paths)
+    seeds = sample_seeds(0, 0, 0x1234, np.arange(n))
     pipeline = Pipeline(PipelineSpec("train", size, size))
     crop = pipeline._crop
-    out = np.empty((len(paths), size, size, 3), np.uint8)  # stands for the shared arena slot
-    stages = ["read", "header", "set_random_seed", "crop params", "decode (DCT-scaled)", "crop + resize",
-              "flip (A.Compose)", "copy into slot"]
-    ns = dict.fromkeys(stages, 0)
-    decoded_px = full_px = 0
-    scaled = 0
-    for data_pass in range(2):  # the first pass warms caches and lazy initialisation
-        if data_pass == 1:
-            ns = dict.fromkeys(stages, 0)
-            decoded_px = full_px = scaled = 0
+    out = np.empty((n, size, size, 3), np.uint8)  # stands for the shared arena slot
+    stages = ["read file", "JPEG header", "set_random_seed", "crop params", "decode (DCT-scaled)",
+              "crop + resize", "flip (A.Compose)", "copy into slot"]
+    best = {k: np.full(n, np.inf) for k in stages}
+    full_decode = np.full(n, np.inf)
+    scales = np.ones(n)
+    decoded_px = np.zeros(n)
+    full_px = np.zeros(n)
+    for _ in range(repeats + 1):  # pass 0 warms caches and lazy initialisation, and counts too
         for i, (path, seed) in enumerate(zip(paths, seeds)):
-            t = time.perf_counter_ns()
+            t0 = time.perf_counter_ns()
             data = read_sample(path, 0, sizes[i])
-            t1 = time.perf_counter_ns(); ns["read"] += t1 - t; t = t1
+            t1 = time.perf_counter_ns()
             fmt, height, width = dec.read_size(data, pipeline.max_pixels)
-            t1 = time.perf_counter_ns(); ns["header"] += t1 - t; t = t1
+            t2 = time.perf_counter_ns()
             pipeline.compose.set_random_seed(seed)
-            t1 = time.perf_counter_ns(); ns["set_random_seed"] += t1 - t; t = t1
+            t3 = time.perf_counter_ns()
             params = crop.get_params()
             params["shape"] = (height, width, 3)
             x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
             min_h = math.ceil(height * size / max(y2 - y1, 1))
             min_w = math.ceil(width * size / max(x2 - x1, 1))
-            t1 = time.perf_counter_ns(); ns["crop params"] += t1 - t; t = t1
+            t4 = time.perf_counter_ns()
             image = dec.decode(data, fmt, min(min_h, height), min(min_w, width))
-            t1 = time.perf_counter_ns(); ns["decode (DCT-scaled)"] += t1 - t; t = t1
+            t5 = time.perf_counter_ns()
             dh, dw = image.shape[:2]
             if (dh, dw) != (height, width):
                 sy, sx = dh / height, dw / width
                 x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
                 y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
-                scaled += 1
             region = image[y1:y2, x1:x2]
             if region.shape[:2] != (size, size):
                 region = cv2.resize(region, (size, size), interpolation=crop.interpolation)
-            t1 = time.perf_counter_ns(); ns["crop + resize"] += t1 - t; t = t1
+            t6 = time.perf_counter_ns()
             result = pipeline._rest(image=region)["image"]
-            t1 = time.perf_counter_ns(); ns["flip (A.Compose)"] += t1 - t; t = t1
+            t7 = time.perf_counter_ns()
             out[i] = result
-            t1 = time.perf_counter_ns(); ns["copy into slot"] += t1 - t
-            decoded_px += dh * dw
-            full_px += height * width
-    n = len(paths)
-    breakdown = {k: v / n / 1000 for k, v in ns.items()}  # us per sample
+            t8 = time.perf_counter_ns()
+            dec.decode(data, fmt)  # full size, for the comparison by scale
+            t9 = time.perf_counter_ns()
+            for k, v in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7)):
+                best[k][i] = min(best[k][i], v / 1000)
+            full_decode[i] = min(full_decode[i], (t9 - t8) / 1000)
+            scales[i] = dh / height
+            decoded_px[i] = dh * dw
+            full_px[i] = height * width
+    breakdown = {k: float(v.mean()) for k, v in best.items()}
+    by_scale = {}
+    for f in sorted(set(np.round(scales * 8) / 8), reverse=True):
+        sel = np.round(scales * 8) / 8 == f
+        by_scale[f"{int(round(f * 8))}/8"] = {
+            "samples": int(sel.sum()), "decode_us": float(best["decode (DCT-scaled)"][sel].mean()),
+            "full_decode_us": float(full_decode[sel].mean())}
 
-    blobs = [read_sample(p, 0, n) for p, n in zip(paths, sizes)]
+    blobs = [read_sample(p, 0, k) for p, k in zip(paths, sizes)]
 
     def per_sample(fn) -> float:
-        fn(0)  # warm
-        t = time.perf_counter_ns()
-        for i in range(n):
-            fn(i)
-        return (time.perf_counter_ns() - t) / n / 1000
+        times = np.full(n, np.inf)
+        for rep in range(repeats + 1):
+            for i in range(n):
+                t = time.perf_counter_ns()
+                fn(i)
+                if rep:
+                    times[i] = min(times[i], time.perf_counter_ns() - t)
+        return float(times.mean() / 1000)
 
     def end_to_end(i):
         out[i] = pipeline(read_sample(paths[i], 0, sizes[i]), seeds[i])
@@ -330,20 +371,23 @@ def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int) -> d
     cv_set.transform.set_random_seed(0)
     torch.manual_seed(0)
     compare = {
-        "server pipeline, end to end (read + Pipeline.__call__ + copy)": per_sample(end_to_end),
-        "  Pipeline.__call__ on bytes in memory": per_sample(lambda i: pipeline(blobs[i], seeds[i])),
-        "  simplejpeg full-size decode (fastdct)": per_sample(
-            lambda i: dec.decode(blobs[i], "jpeg")),
-        "  simplejpeg header only": per_sample(lambda i: dec.read_size(blobs[i], 10**9)),
-        "  set_random_seed: 1 np default_rng + 1 random.Random": per_sample(
+        "server worker loop, end to end (read + Pipeline + copy)": per_sample(end_to_end),
+        "Pipeline.__call__, bytes in memory (fused, as shipped)": per_sample(lambda i: pipeline(blobs[i], seeds[i])),
+        "  same, plain path (fused=False: full decode + A.RandomResizedCrop)": per_sample(
+            lambda i: pipeline(blobs[i], seeds[i], fused=False)),
+        "  same, fused with DCT scales 1/2, 1/4, 1/8 only": per_sample(
+            lambda i: _pow2_fused(pipeline, dec, blobs[i], seeds[i])),
+        "  simplejpeg full-size decode (server flags)": per_sample(lambda i: dec.decode(blobs[i], "jpeg")),
+        "  set_random_seed: one np default_rng + one random.Random": per_sample(
             lambda i: (np.random.default_rng(seeds[i]), random.Random(seeds[i]))),
-        "  horizontal flip alone (cv2.flip, 224x224)": per_sample(lambda i: cv2.flip(tile, 1)),
-        "  HorizontalFlip(p=1) transform called directly": per_sample(lambda i: flip(image=tile)),
+        "  cv2.flip alone (224x224)": per_sample(lambda i: cv2.flip(tile, 1)),
+        "  A.HorizontalFlip(p=1) called directly": per_sample(lambda i: flip(image=tile)),
         "DataLoader+PIL sample (open, convert, crop, resize, flip, to tensor)": per_sample(lambda i: pil_set[i]),
-        "  PIL open + convert('RGB') (full decode)": per_sample(
+        "  PIL open + convert('RGB') from memory (full decode)": per_sample(
             lambda i: Image.open(io.BytesIO(blobs[i])).convert("RGB")),
         "DataLoader+OpenCV sample (imread, cvtColor, albumentations)": per_sample(lambda i: cv_set[i]),
-        "  cv2.imread (full decode)": per_sample(lambda i: cv2.imread(paths[i], cv2.IMREAD_COLOR)),
+        "  cv2.imdecode from memory (full decode, BGR)": per_sample(
+            lambda i: cv2.imdecode(np.frombuffer(blobs[i], np.uint8), cv2.IMREAD_COLOR)),
     }
     prof = cProfile.Profile()
     prof.enable()
@@ -351,15 +395,17 @@ def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int) -> d
         end_to_end(i)
     prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
-    return {"samples": n, "breakdown_us": breakdown, "breakdown_total_us": sum(breakdown.values()),
-            "dct_scaled_fraction": scaled / n, "decoded_pixel_fraction": decoded_px / full_px,
-            "compare_us": compare, "cprofile_top": text.getvalue()}
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    return {"samples": n, "repeats": repeats, "breakdown_us": breakdown, "breakdown_total_us": sum(breakdown.values()),
+            "dct_scaled_fraction": float((scales < 1).mean()),
+            "decoded_pixel_fraction": float(decoded_px.sum() / full_px.sum()),
+            "decode_by_scale": by_scale, "compare_us": compare, "cprofile_top": text.getvalue()}
 
 
 def print_profile(p: dict) -> None:
     total = p["breakdown_total_us"]
-    print(f"\n## Server pipeline, per-sample cost (one core, in-process, {p['samples']} samples)\n")
+    print(f"\n## Server pipeline, per-sample cost (one core, in this process, {p['samples']} samples, "
+          f"best of {p['repeats']} passes)\n")
     print("| stage | us/sample | share |")
     print("|---|---:|---:|")
     for stage, us in p["breakdown_us"].items():
@@ -367,12 +413,17 @@ def print_profile(p: dict) -> None:
     print(f"| **total** | **{total:.0f}** | 100% |")
     print(f"\nDCT-scaled decodes: {100 * p['dct_scaled_fraction']:.0f}% of samples; pixels decoded: "
           f"{100 * p['decoded_pixel_fraction']:.0f}% of full size.\n")
-    print("| for comparison | us/sample |")
+    print("| DCT scale chosen | samples | decode us | full-size decode us, same files | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for scale, d in p["decode_by_scale"].items():
+        print(f"| {scale} | {d['samples']} | {d['decode_us']:.0f} | {d['full_decode_us']:.0f} | "
+              f"{d['decode_us'] / d['full_decode_us']:.2f} |")
+    print("\n| for comparison | us/sample |")
     print("|---|---:|")
     for what, us in p["compare_us"].items():
         print(f"| {what} | {us:.0f} |")
-    print("\ncProfile of the server pipeline loop (top 15 by own time):\n")
-    print("\n".join(line for line in p["cprofile_top"].splitlines() if line.strip())[:6000])
+    print("\ncProfile of the worker loop (top 12 by own time):\n")
+    print("\n".join(line for line in p["cprofile_top"].splitlines() if line.strip()))
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -413,6 +464,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _raise_exit(signum, _frame):
+    print(f"\n{signal.Signals(signum).name}: cleaning up", file=sys.stderr)
     raise SystemExit(128 + signum)
 
 
@@ -454,8 +506,9 @@ def main(argv=None) -> int:
             server = _common.Server(root, args.workers, pathlib.Path(log_dir) / "server.log")
             print(f"server: {server.address} (pid {server.pid}, {args.workers} workers), ready in "
                   f"{time.perf_counter() - started:.1f}s; log {server.log_path}", flush=True)
-        meter = Meter(server.pid if server else None)
+        server_pid = server.pid if server else None
         expect = args.batch_size
+        per_epoch = len(samples) // args.batch_size * args.batch_size  # drop_last everywhere
         if "pil" in args.loaders:
             dataloaders["pil"] = make_dataloader(PILTrainSet(samples, args.image_size), args.batch_size, args.workers)
         if "opencv" in args.loaders:
@@ -467,7 +520,7 @@ def main(argv=None) -> int:
         epoch_no = {name: 0 for name in args.loaders}
         for name in ("pil", "opencv"):
             for _ in range(args.warmup if name in loaders else 0):
-                r = run_epoch(name, loaders[name], epoch_no[name], meter, expect, args.image_size)
+                r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch)
                 epoch_no[name] += 1
                 print(f"warm-up {name}: {r['images_per_s']:.0f} img/s", flush=True)
         if server is not None:
@@ -479,7 +532,7 @@ def main(argv=None) -> int:
                 raise RuntimeError(f"the server serves {remote.num_samples} samples, expected {len(samples)}")
             loaders["remote"] = remote
             for _ in range(args.warmup):
-                r = run_epoch("remote", remote, epoch_no["remote"], meter, expect, args.image_size)
+                r = run_epoch("remote", remote, epoch_no["remote"], server_pid, expect, args.image_size, per_epoch)
                 epoch_no["remote"] += 1
                 print(f"warm-up remote: {r['images_per_s']:.0f} img/s", flush=True)
         order = [n for n in LOADERS if n in loaders]
@@ -487,7 +540,7 @@ def main(argv=None) -> int:
             for name in order:
                 if server is not None and server.proc.poll() is not None:
                     raise RuntimeError(f"the server exited (code {server.proc.returncode}):\n{server.log_tail()}")
-                r = run_epoch(name, loaders[name], epoch_no[name], meter, expect, args.image_size)
+                r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch)
                 epoch_no[name] += 1
                 r["round"] = round_no
                 records.append(r)
@@ -511,15 +564,22 @@ def main(argv=None) -> int:
     print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} uint8, {args.workers} workers "
           f"per loader, {cores} cores; median of {args.epochs} epochs)\n")
     print(markdown_table(summary, order))
+    print("\nCPU ms per image, by process (median over epochs):\n")
+    print("| loader | training process | its DataLoader workers | server main process | server decode workers |")
+    print("|---|---:|---:|---:|---:|")
+    for name in order:
+        p = summary[name]["median_cpu_ms_per_image_by_part"]
+        print(f"| {TITLES[name]} | {p['client']:.2f} | {p['client_children']:.2f} | {p['server_main']:.2f} | "
+              f"{p['server_workers']:.2f} |")
     ratios = {}
     if "remote" in summary:
         for other in ("pil", "opencv"):
             if other in summary and summary[other]["median_images_per_s"] > 0:
                 ratios[f"remote/{other}"] = summary["remote"]["median_images_per_s"] / summary[other]["median_images_per_s"]
-                cpu = summary[other]["median_cpu_ms_per_image"] / max(summary["remote"]["median_cpu_ms_per_image"], 1e-9)
-                ratios[f"cpu {other}/remote"] = cpu
-                print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s "
-                      f"({cpu:.2f}x less CPU per image)", end="")
+                cpu = summary["remote"]["median_cpu_ms_per_image"] / max(summary[other]["median_cpu_ms_per_image"], 1e-9)
+                ratios[f"cpu remote/{other}"] = cpu
+                print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s; "
+                      f"CPU per image {cpu:.2f}x", end="")
         print()
     idle = {n: s["server_cpu_s"] for n, s in summary.items() if n != "remote"}
     if idle:

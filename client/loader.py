@@ -19,7 +19,7 @@ from remoteloader.client.discovery import discover
 from remoteloader.client.device import CudaDelivery, Delivered, HostDelivery
 from remoteloader.client.engine import END, Batch, Engine, LoaderError, SampleFailure
 from remoteloader.client.link import Link
-from remoteloader.protos import loader_pb2
+from remoteloader.protos import codec, loader_pb2
 
 ON_ERROR = ("raise", "warn", "skip")
 _KEY_BLOCK = 1024
@@ -113,6 +113,7 @@ class RemoteLoader:
         self._stats = {"batches": 0, "images": 0, "bytes": 0, "wait_s": 0.0, "start": None, "busy_s": 0.0}
         self._keys: dict[tuple[str, int], list[str]] = {}
 
+        codec.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
         self._thread.start()

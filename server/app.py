@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import numpy as np
 
+from remoteloader.protos import codec
 from remoteloader.server.catalog import SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.service import SERVICE, LoaderService
@@ -121,6 +122,7 @@ def run(config: ServerConfig) -> None:
     """Blocking entry: runs ``serve`` on uvloop when available."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    codec.tune_malloc()
     try:
         import uvloop
     except ImportError:

@@ -41,7 +41,8 @@ class LocalServer:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "remoteloader.server.cli", "serve", "--data", *self.data,
+        data = ["--data", *self.data] if self.data else []
+        return [sys.executable, "-m", "remoteloader.server.cli", "serve", *data,
                 "--host", self.host, "--port", str(self.port), *self.args]
 
     @property

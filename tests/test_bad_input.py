@@ -146,7 +146,8 @@ def test_warn_warns_about_each_bad_sample_and_skips_it(data):
     assert PNG not in text
 
 
-def test_callable_receives_sample_failures_and_batches_are_kept(data):
+@pytest.mark.parametrize("pipeline", ["eval", "train"])
+def test_callable_receives_sample_failures_and_batches_are_kept(data, pipeline):
     seen: list = []
     calls = []
 
@@ -154,7 +155,7 @@ def test_callable_receives_sample_failures_and_batches_are_kept(data):
         calls.append(len(failures))
         seen.extend(failures)
 
-    with loader_for(data, on_error=on_error, shuffle=True, seed=4) as loader:
+    with loader_for(data, pipeline=pipeline, on_error=on_error, shuffle=True, seed=4) as loader:
         got = delivered(loader)
         assert sorted(got) == list(range(loader.num_samples))  # nothing dropped
         assert all(n > 0 for n in calls)

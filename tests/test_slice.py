@@ -126,6 +126,27 @@ def test_shuffled_batches_mix_samples_of_several_servers(data):
     assert max(spread) == len(SERVER_CLASSES), spread
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_get_equal_batch_counts_and_together_cover_the_epoch(data, drop_last):
+    world = 3
+    per_rank = []
+    for rank in range(world):
+        with loader_for(data, rank=rank, world_size=world, drop_last=drop_last, return_ids=True, seed=6) as loader:
+            batches = run_epoch(loader)
+            assert len(batches) == len(loader)
+            per_rank.append(torch.cat([i for _, _, i in batches]).tolist())
+    counts = {len(ids) for ids in per_rank}
+    lengths = [len(ids) for ids in per_rank]
+    everything = [i for ids in per_rank for i in ids]
+    assert len(set(everything)) == len(everything), "two ranks got the same sample"
+    if drop_last:
+        assert counts == {BATCH * (data.total // (BATCH * world))}
+        assert data.total - len(everything) < BATCH * world
+    else:
+        assert sorted(everything) == list(range(data.total))
+        assert max(lengths) - min(lengths) <= 1, lengths
+
+
 def test_unshuffled_epoch_is_in_id_order(data):
     with loader_for(data, shuffle=False, drop_last=False, return_ids=True) as loader:
         ids = torch.cat([ids for _, _, ids in loader]).tolist()
@@ -224,6 +245,21 @@ def test_output_is_uint8_nhwc(data):
     with loader_for(data) as loader:  # without return_ids: (images, labels)
         item = next(iter(loader))
         assert len(item) == 2 and tuple(item[0].shape) == (BATCH, SIZE, SIZE, 3)
+
+
+@pytest.mark.parametrize("pipeline", ["train", "eval"])
+@pytest.mark.parametrize("size", [(24, 40), (40, 24)])
+def test_presets_serve_non_square_sizes(data, pipeline, size):
+    # image_size may be (height, width); every preset must give every sample that size.
+    failures = []
+    with loader_for(data, pipeline=pipeline, image_size=size, drop_last=False, return_ids=True,
+                    on_error=failures.extend) as loader:
+        batches = run_epoch(loader)
+    assert not failures, (f"{len(failures)} of {data.total} samples failed with image_size={size}, "
+                          f"e.g. {failures[0].key}: {failures[0].reason}")
+    assert sorted(torch.cat([i for _, _, i in batches]).tolist()) == list(range(data.total))
+    for images, _labels, ids in batches:
+        assert tuple(images.shape) == (len(ids), *size, 3)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])

@@ -1,0 +1,87 @@
+"""The wire alone: GB/s and CPU-seconds per GB, client and servers, with 1 and 3 servers.
+
+Servers run in transport benchmark mode (``--synthetic N``): they hold N samples whose
+pixels are generated once and never decoded, so the figures are gRPC + framing + the
+client's copy into the batch, nothing else. Everything runs on 127.0.0.1.
+
+    python benchmarks/wire.py [--servers 1 3] [--epochs 4] [--image-size 224] [--batch-size 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+from remoteloader.client import RemoteLoader
+from remoteloader.server.local import LocalServer
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of a process and its reaped children (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / TICKS
+
+
+def self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(servers: int, args) -> dict:
+    started = [LocalServer([], args=["--synthetic", str(args.samples), "--log-level", "WARNING",
+                                     "--chunk-bytes", str(args.chunk_bytes)]).start() for _ in range(servers)]
+    try:
+        with RemoteLoader([s.address for s in started], batch_size=args.batch_size, image_size=args.image_size,
+                          shuffle=False, prefetch=args.prefetch) as loader:
+            rows = []
+            for epoch in range(args.epochs + 1):
+                server_cpu = [process_cpu(s.process.pid) for s in started]
+                client_cpu, start, images = self_cpu(), time.perf_counter(), 0
+                for batch, labels in loader:
+                    images += len(labels)
+                elapsed = time.perf_counter() - start
+                gb = images * args.image_size ** 2 * 3 / 1e9
+                if epoch:  # the first epoch warms up connections and caches
+                    rows.append({"gb_per_s": gb / elapsed,
+                                 "client_cpu_s_per_gb": (self_cpu() - client_cpu) / gb,
+                                 "server_cpu_s_per_gb": sum(process_cpu(s.process.pid) - c
+                                                            for s, c in zip(started, server_cpu)) / gb})
+    finally:
+        for s in started:
+            s.stop()
+    rows.sort(key=lambda r: r["gb_per_s"])
+    median = rows[len(rows) // 2]
+    return {"servers": servers, **median}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=3072)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = [measure(n, args) for n in args.servers]
+    print(f"wire alone, {args.image_size}x{args.image_size} RGB, batch {args.batch_size}, "
+          f"chunk {args.chunk_bytes >> 10} KiB, median of {args.epochs} epochs, {os.cpu_count()} CPUs")
+    print("| servers | GB/s | client CPU-s/GB | server CPU-s/GB |")
+    print("| --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {r['servers']} | {r['gb_per_s']:.2f} | {r['client_cpu_s_per_gb']:.2f} | {r['server_cpu_s_per_gb']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
