@@ -54,9 +54,10 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
             A.HorizontalFlip(p=0.5),
         ])
     if spec.name == "eval":
-        short = round(min(h, w) / EVAL_CROP_FRACTION)
+        # Scale so that both sides cover size / 0.875 (for a square size: the short side).
+        cover = (round(h / EVAL_CROP_FRACTION), round(w / EVAL_CROP_FRACTION))
         return A.Compose([
-            A.SmallestMaxSize(max_size=short, interpolation=cv2.INTER_LINEAR),
+            A.SmallestMaxSize(max_size_hw=cover, interpolation=cv2.INTER_LINEAR),
             A.CenterCrop(height=h, width=w),
         ])
     if spec.name != CUSTOM:
@@ -89,12 +90,17 @@ class Pipeline:
         first = transforms[0] if transforms else None
         self._crop = first if isinstance(first, A.RandomResizedCrop) and first.p >= 1 else None
         self._rest = A.Compose(transforms[1:]) if self._crop is not None else None
-        self._min_side = None  # decode at least this short side (SmallestMaxSize / Resize first)
-        if isinstance(first, A.SmallestMaxSize) and first.p >= 1 and first.max_size is not None:
-            size = first.max_size
-            self._min_side = size if isinstance(size, int) else max(size)
+        # A first resize needs the image decoded at least this large: (height, width, cover)
+        # where cover=True means "scale to cover both" and False "at least this short side".
+        self._resize_target = None
+        if isinstance(first, A.SmallestMaxSize) and first.p >= 1:
+            if first.max_size_hw is not None and None not in first.max_size_hw:
+                self._resize_target = (*first.max_size_hw, True)
+            elif first.max_size is not None:
+                size = first.max_size if isinstance(first.max_size, int) else max(first.max_size)
+                self._resize_target = (size, size, False)
         elif isinstance(first, A.Resize) and first.p >= 1:
-            self._min_side = max(first.height, first.width)
+            self._resize_target = (first.height, first.width, None)
 
     def check_output(self) -> None:
         """Runs the pipeline on a test image and raises PipelineError unless the size is fixed."""
@@ -116,9 +122,13 @@ class Pipeline:
         if fused and self._crop is not None:
             return self._fused_crop(data, fmt, height, width)
         min_h = min_w = 0
-        if fused and self._min_side is not None:
-            scale = self._min_side / min(height, width)
-            min_h, min_w = math.ceil(height * scale), math.ceil(width * scale)
+        if fused and self._resize_target is not None:
+            th, tw, cover = self._resize_target
+            if cover is None:  # Resize: each side independently
+                min_h, min_w = th, tw
+            else:
+                scale = max(th / height, tw / width) if cover else th / min(height, width)
+                min_h, min_w = math.ceil(height * scale), math.ceil(width * scale)
         image = dec.decode(data, fmt, min_h, min_w)
         return self.compose(image=image)["image"]
 
