@@ -228,19 +228,21 @@ def summarize(records: list[dict], cores: int) -> dict:
             "median_images_per_s": statistics.median(rates) if rates else 0.0,
             "min_images_per_s": min(rates, default=0.0), "max_images_per_s": max(rates, default=0.0),
             "median_cpu_ms_per_image": statistics.median(cpu_ms) if cpu_ms else 0.0,
+            "cpu_bound_images_per_s": cores * 1000 / statistics.median(cpu_ms) if cpu_ms else 0.0,
             "median_cpu_utilization": statistics.median(util) if util else 0.0,
             "median_first_batch_s": statistics.median(r["first_batch_s"] for r in records) if records else 0.0,
             "server_cpu_s": sum(r["server_cpu_s"] for r in records), "median_cpu_ms_per_image_by_part": parts}
 
 
 def markdown_table(summary: dict[str, dict], order: list[str]) -> str:
-    lines = ["| loader | timed epochs x images | median img/s | min-max img/s | CPU ms/img | CPU use | "
-             "first batch s | server CPU s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| loader | timed epochs x images | median img/s | min-max img/s | CPU ms/img | img/s at full CPU | "
+             "CPU use | first batch s | server CPU s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in order:
         s = summary[name]
         lines.append(f"| {TITLES[name]} | {s['epochs']} x {s['images_per_epoch']} | {s['median_images_per_s']:.0f} | "
                      f"{s['min_images_per_s']:.0f}-{s['max_images_per_s']:.0f} | {s['median_cpu_ms_per_image']:.2f} | "
+                     f"{s['cpu_bound_images_per_s']:.0f} | "
                      f"{100 * s['median_cpu_utilization']:.0f}% | {s['median_first_batch_s']:.2f} | "
                      f"{s['server_cpu_s']:.2f} |")
     return "\n".join(lines)
@@ -578,8 +580,9 @@ def main(argv=None) -> int:
                 ratios[f"remote/{other}"] = summary["remote"]["median_images_per_s"] / summary[other]["median_images_per_s"]
                 cpu = summary["remote"]["median_cpu_ms_per_image"] / max(summary[other]["median_cpu_ms_per_image"], 1e-9)
                 ratios[f"cpu remote/{other}"] = cpu
-                print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s; "
-                      f"CPU per image {cpu:.2f}x", end="")
+                ratios[f"full-cpu remote/{other}"] = 1 / cpu
+                print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s "
+                      f"(at full CPU: {1 / cpu:.2f}x; CPU per image {cpu:.2f}x)", end="")
         print()
     idle = {n: s["server_cpu_s"] for n, s in summary.items() if n != "remote"}
     if idle:

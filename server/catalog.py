@@ -13,6 +13,7 @@ import hashlib
 import os
 import pathlib
 import tarfile
+from array import array
 from typing import NamedTuple
 
 import numpy as np
@@ -33,25 +34,51 @@ class Location(NamedTuple):
     length: int
 
 
-class Shard:
-    """An indexed set of samples with labels; subclasses say where the bytes are."""
+class KeyTable:
+    """Append-only index under construction: keys in one blob, numbers in typed arrays."""
 
-    def __init__(self, name: str, keys: list[str], labels: np.ndarray, class_names: list[str], fingerprint: str):
-        encoded = [k.encode() for k in keys]
+    def __init__(self):
+        self.blob = bytearray()
+        self.ends = array("q")
+        self.labels = array("q")
+        self.offsets = array("q")
+        self.sizes = array("q")
+
+    def add(self, key: str, label: int, offset: int, size: int) -> int:
+        self.blob += key.encode()
+        self.ends.append(len(self.blob))
+        self.labels.append(label)
+        self.offsets.append(offset)
+        self.sizes.append(size)
+        return len(self.ends) - 1
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+
+class Shard:
+    """An indexed set of samples with labels; subclasses say where the bytes are.
+
+    Per sample it keeps the key bytes plus four int64 (key end, label, offset, size):
+    about 30 + 32 bytes, and no Python object.
+    """
+
+    def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str):
         self.name = name
         self.id = fingerprint
         self.class_names = list(class_names)
-        self.labels = labels.astype(np.int64)
-        self._key_offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(k) for k in encoded], out=self._key_offsets[1:])
-        self._key_blob = b"".join(encoded)
+        self._key_blob = bytes(table.blob)
+        self._key_ends = np.frombuffer(table.ends, dtype=np.int64).copy()
+        self.labels = np.frombuffer(table.labels, dtype=np.int64).copy()
+        self._offsets = np.frombuffer(table.offsets, dtype=np.int64).copy()
+        self._sizes = np.frombuffer(table.sizes, dtype=np.int64).copy()
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def key(self, index: int) -> str:
-        start, end = self._key_offsets[index], self._key_offsets[index + 1]
-        return self._key_blob[start:end].decode()
+        start = int(self._key_ends[index - 1]) if index else 0
+        return self._key_blob[start:int(self._key_ends[index])].decode()
 
     def locate(self, index: int) -> Location:
         raise NotImplementedError
@@ -63,25 +90,20 @@ class ImageFolderShard(Shard):
     def __init__(self, root: pathlib.Path):
         self.root = str(root)
         classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
-        keys: list[str] = []
-        labels: list[int] = []
-        sizes: list[int] = []
+        table = KeyTable()
         digest = hashlib.sha256()
         for label, cls in enumerate(classes):
             entries = sorted((e.name, e.stat().st_size) for e in os.scandir(root / cls)
                              if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS))
             for name, size in entries:
                 key = f"{cls}/{name}"
-                keys.append(key)
-                labels.append(label)
-                sizes.append(size)
+                table.add(key, label, 0, size)
                 digest.update(f"{key}\0{size}\n".encode())
-        if not keys:
+        if not len(table):
             raise CatalogError(f"{root} holds no images: expected an ImageFolder tree "
                                f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}, "
                                f"or WebDataset .tar shards")
-        self._sizes = np.asarray(sizes, dtype=np.int64)
-        super().__init__(root.name, keys, np.asarray(labels), classes, "if-" + digest.hexdigest()[:24])
+        super().__init__(root.name, table, classes, "if-" + digest.hexdigest()[:24])
 
     def locate(self, index: int) -> Location:
         # The size was read at indexing time; the worker checks it still matches.
@@ -89,51 +111,70 @@ class ImageFolderShard(Shard):
 
 
 class TarShard(Shard):
-    """A WebDataset tar: members ``<key>.jpg|jpeg|png`` with optional ``<key>.cls`` labels."""
+    """A WebDataset tar: members ``<key>.jpg|jpeg|png`` with optional ``<key>.cls`` labels.
+
+    Indexed in one streaming pass over the tar headers; a sample's members are expected
+    next to each other (as WebDataset writes them), with a fallback for those that are not.
+    """
 
     def __init__(self, path: pathlib.Path, class_names: list[str]):
         self.path = str(path)
-        images: dict[str, tuple[str, int, int]] = {}
-        labels: dict[str, int] = {}
+        table = KeyTable()
         digest = hashlib.sha256()
+        last_stem, last_index = None, -1
+        unmatched: dict[str, int] = {}  # .cls not right after its image: before it, or far after
         try:
             with tarfile.open(path, "r:") as tar:
-                for member in tar:
+                while True:
+                    member = tar.next()
+                    if member is None:
+                        break
+                    tar.members.clear()  # tarfile keeps every header otherwise
                     if not member.isfile():
                         continue
                     stem, _, ext = member.name.rpartition(".")
                     ext = "." + ext.lower()
                     digest.update(f"{member.name}\0{member.size}\0{member.offset_data}\n".encode())
                     if ext in IMAGE_EXTENSIONS:
-                        images[stem] = (member.name, member.offset_data, member.size)
+                        last_stem = stem
+                        last_index = table.add(member.name, unmatched.pop(stem, -1), member.offset_data, member.size)
                     elif ext == ".cls":
-                        raw = tar.extractfile(member).read(64)
-                        try:
-                            labels[stem] = int(raw.strip() or b"-1")
-                        except ValueError:
-                            raise CatalogError(f"{path}: {member.name} holds {raw[:20]!r}, not an integer label") from None
+                        label = _read_label(tar, member, path)
+                        if stem == last_stem:
+                            table.labels[last_index] = label
+                        else:
+                            unmatched[stem] = label
         except (tarfile.TarError, OSError) as exc:
             raise CatalogError(f"{path}: cannot read tar shard: {exc}") from None
-        if not images:
+        if not len(table):
             raise CatalogError(f"{path} holds no images (expected members <key>.jpg and <key>.cls)")
-        stems = list(images)
-        self._offsets = np.fromiter((images[s][1] for s in stems), dtype=np.int64, count=len(stems))
-        self._sizes = np.fromiter((images[s][2] for s in stems), dtype=np.int64, count=len(stems))
-        label_array = np.fromiter((labels.get(s, -1) for s in stems), dtype=np.int64, count=len(stems))
-        super().__init__(path.name, [images[s][0] for s in stems], label_array, class_names,
-                         "tar-" + digest.hexdigest()[:24])
+        super().__init__(path.name, table, class_names, "tar-" + digest.hexdigest()[:24])
+        if unmatched:  # labels whose image came earlier, not just before: match by stem once
+            for index in range(len(self)):
+                label = unmatched.pop(self.key(index).rpartition(".")[0], None)
+                if label is not None:
+                    self.labels[index] = label
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
+
+
+def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
+    raw = tar.extractfile(member).read(64)
+    try:
+        return int(raw.strip() or b"-1")
+    except ValueError:
+        raise CatalogError(f"{path}: {member.name} holds {raw[:20]!r}, not an integer label") from None
 
 
 class SyntheticShard(Shard):
     """``count`` samples that exist only as labels: for measuring the transport alone."""
 
     def __init__(self, count: int, num_classes: int = 10):
-        labels = np.arange(count, dtype=np.int64) % num_classes
-        super().__init__(f"synthetic-{count}", [f"synthetic/{i}" for i in range(count)], labels,
-                         [f"class{c:02d}" for c in range(num_classes)], f"syn-{count}")
+        table = KeyTable()
+        for i in range(count):
+            table.add(f"synthetic/{i}", i % num_classes, 0, 0)
+        super().__init__(f"synthetic-{count}", table, [f"class{c:02d}" for c in range(num_classes)], f"syn-{count}")
 
     def locate(self, index: int) -> Location:
         return Location("", 0, 0)
