@@ -32,6 +32,7 @@ import pathlib
 import platform
 import pstats
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -482,7 +483,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{root} holds {len(samples)} images, expected {args.images}")
     stats = _common.dataset_stats(samples)
     load = os.getloadavg()
-    print(f"# remoteloader throughput benchmark\n")
+    print("# remoteloader throughput benchmark\n")
     print(f"data: {root}: {stats['images']} JPEGs in {len(classes)} classes, {stats['total_mb']:.0f} MB; "
           f"file size mean {stats['kb_mean']:.0f} KB, median {stats['kb_median']:.0f}, p5-p95 "
           f"{stats['kb_p5']:.0f}-{stats['kb_p95']:.0f}, min-max {stats['kb_min']:.0f}-{stats['kb_max']:.0f}; "
@@ -502,6 +503,7 @@ def main(argv=None) -> int:
     dataloaders: dict[str, DataLoader] = {}
     log_dir = tempfile.mkdtemp(prefix="remoteloader-bench-")
     records: list[dict] = []
+    ok = False
     try:
         if "remote" in args.loaders:
             started = time.perf_counter()
@@ -551,16 +553,26 @@ def main(argv=None) -> int:
                       f"server CPU {r['server_cpu_s']:.2f}s", flush=True)
         if server is not None and server.proc.poll() is not None:
             raise RuntimeError(f"the server exited (code {server.proc.returncode}):\n{server.log_tail()}")
+        ok = True
     except KeyboardInterrupt:
         print("\ninterrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
-        if remote is not None:
-            remote.close()
-        for dl in dataloaders.values():
-            shutdown_dataloader(dl)
-        if server is not None:
-            server.stop()
+        # A second Ctrl-C must not cut the cleanup short (it is bounded: about 30 s at worst).
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if remote is not None:
+                remote.close()
+            for dl in dataloaders.values():
+                shutdown_dataloader(dl)
+            if server is not None:
+                server.stop()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if ok:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif server is not None:
+            print(f"server log kept: {server.log_path}", file=sys.stderr)
 
     summary = {name: summarize([r for r in records if r["loader"] == name], cores) for name in order}
     print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} uint8, {args.workers} workers "
@@ -586,7 +598,7 @@ def main(argv=None) -> int:
         print()
     idle = {n: s["server_cpu_s"] for n, s in summary.items() if n != "remote"}
     if idle:
-        print(f"\nserver CPU while the other loaders ran: "
+        print("\nserver CPU while the other loaders ran: "
               + ", ".join(f"{n} {v:.2f}s" for n, v in idle.items())
               + " (should be ~0: nothing leaks across epochs)")
 
@@ -609,4 +621,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # outside the measured part (dataset generation, profile)
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

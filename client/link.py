@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from remoteloader.client.security import TLSConfig
 from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
 
 _STREAM = "/remoteloader.v1.Loader/Stream"
@@ -43,8 +44,11 @@ def channel_options(max_receive: int) -> list[tuple[str, int]]:
 class Link:
     """A connection to one loader server and its order stream."""
 
-    def __init__(self, address: str, engine, connect_timeout: float, max_inflight: int):
+    def __init__(self, address: str, engine, connect_timeout: float, max_inflight: int,
+                 tls: TLSConfig | None = None, metadata: tuple = ()):
         self.address = address
+        self.tls = tls
+        self.metadata = metadata
         self.engine = engine
         self.connect_timeout = connect_timeout
         self.wanted_inflight = max_inflight
@@ -70,17 +74,29 @@ class Link:
     def credits(self) -> int:
         return self.max_inflight - len(self.inflight) if self.state == "up" else 0
 
+    def _channel(self, max_receive: int) -> grpc.aio.Channel:
+        options = channel_options(max_receive)
+        if self.tls is None:
+            return grpc.aio.insecure_channel(self.address, options=options)
+        if self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
+
     async def fetch_describe(self) -> loader_pb2.DescribeResponse:
         """Connects the control channel and asks what the server holds (bounded in time)."""
         if self._control is None:
-            self._control = grpc.aio.insecure_channel(self.address, options=channel_options(16 * MiB))
+            self._control = self._channel(16 * MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         try:
             describe = await stub.Describe(loader_pb2.DescribeRequest(), timeout=self.connect_timeout,
-                                           wait_for_ready=True)
+                                           wait_for_ready=True, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            raise ConnectionError(f"loader server {self.address} did not answer within "
-                                  f"{self.connect_timeout:g}s: {exc.code().name}: {exc.details()}") from None
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise PermissionError(f"loader server {self.address} refused this client: {exc.code().name}: "
+                                      f"{exc.details()}") from None
+            raise ConnectionError(f"loader server {self.address} did not answer within {self.connect_timeout:g}s "
+                                  f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
+                                  f"{exc.details()}") from None
         self.describe = describe
         self.shard_ids = frozenset(s.id for s in describe.shards)
         self.max_inflight = max(1, min(self.wanted_inflight, describe.max_inflight_orders))
@@ -89,7 +105,7 @@ class Link:
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
         stub = loader_pb2_grpc.LoaderStub(self._control)
         reply = await stub.GetKeys(loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
-                                   timeout=self.connect_timeout)
+                                   timeout=self.connect_timeout, metadata=self.metadata)
         return list(reply.keys)
 
     async def open_stream(self, setup: loader_pb2.Setup) -> None:
@@ -97,10 +113,10 @@ class Link:
         sample_bytes = setup.height * setup.width * 3
         limit = max(self.describe.chunk_bytes, sample_bytes) + MiB
         if self._data is None:
-            self._data = grpc.aio.insecure_channel(self.address, options=channel_options(limit))
+            self._data = self._channel(limit)
         method = self._data.stream_stream(_STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
                                           response_deserializer=codec.decode_chunk)
-        self._call = method()
+        self._call = method(metadata=self.metadata)
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
         self.state = "up"

@@ -19,6 +19,7 @@ from remoteloader.client.discovery import discover
 from remoteloader.client.device import CudaDelivery, Delivered, HostDelivery
 from remoteloader.client.engine import END, Batch, Engine, LoaderError, SampleFailure
 from remoteloader.client.link import Link
+from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import codec, loader_pb2
 
 ON_ERROR = ("raise", "warn", "skip")
@@ -69,6 +70,10 @@ class RemoteLoader:
         connect_timeout: Seconds to wait for each server at start (default 10).
         reconnect_timeout: Seconds a failed server may take to come back before its
             unserved samples raise an error, when no other server holds its shards (default 60).
+    Security:
+        tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
+            client certificate for mutual TLS); default None: plaintext.
+        token: Bearer token the servers expect (their --token-file); default None.
     """
 
     def __init__(self, address: str | Iterable[str], *, batch_size: int = 256, image_size: int | Sequence[int] = 224,
@@ -77,7 +82,8 @@ class RemoteLoader:
                  device: str | torch.device = "cpu", normalize: tuple[Sequence[float], Sequence[float]] | None = None,
                  dtype: torch.dtype = torch.float32, return_ids: bool = False, ordered: bool = True,
                  on_error: str | Callable[[list[SampleFailure]], None] = "raise", prefetch: int = 4,
-                 max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0):
+                 max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0,
+                 tls: str | TLSConfig | None = None, token: str | None = None):
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
         self.batch_size = batch_size
@@ -121,6 +127,8 @@ class RemoteLoader:
         self._connect_timeout = connect_timeout
         self._max_inflight = max_inflight
         self._links: dict[str, Link] = {}
+        self._tls = tls_config(tls)
+        self._metadata = token_metadata(token)
         try:
             if self.device.type == "cuda":
                 h, w = self.image_size
@@ -363,7 +371,8 @@ class RemoteLoader:
         """
         new = [a for a in discover(self._address) if a not in self._links]
         if new:
-            links = [Link(a, self._engine, self._connect_timeout, self._max_inflight) for a in new]
+            links = [Link(a, self._engine, self._connect_timeout, self._max_inflight, self._tls, self._metadata)
+                     for a in new]
             self._check_offer(self._call(self._describe_all(links), timeout=self._connect_timeout + 5))
             return Catalog({a: l.describe for a, l in self._links.items()})
         return self.catalog

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -16,10 +17,22 @@ import numpy as np
 from remoteloader.protos import codec
 from remoteloader.server.catalog import SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import SERVICE, LoaderService
 from remoteloader.server.workers import Arena, SampleCache, WorkerPool
 
 log = logging.getLogger("remoteloader.server")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message (and the exception)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 class LoaderServer:
@@ -70,7 +83,10 @@ async def create_server(config: ServerConfig) -> LoaderServer:
         pool.start()
     service = LoaderService(config, shards, pool, arena, cache)
     limit = config.max_message_bytes
-    server = grpc.aio.server(options=[
+    interceptors = []
+    if config.token_file:
+        interceptors.append(TokenInterceptor(read_token(config.token_file)))
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", 4 << 20),  # orders are small: max_order_samples x 10 bytes
         ("grpc.so_reuseport", 0),
@@ -82,8 +98,13 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if config.tls_cert:
+            port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key,
+                                                                      config.tls_client_ca))
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         pool.close()
         arena.close()
@@ -94,9 +115,16 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     samples = sum(len(s) for s in shards)
     log.info("serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
              len(shards), samples, config.workers, time.perf_counter() - started)
-    if config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("bound to %s without authentication: anyone who can reach this port can read the data",
-                    config.host)
+    if config.metrics_port:
+        bound = service.metrics.serve(config.metrics_port, config.host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", config.host, bound)
+    auth = [name for name, on in (("mutual TLS", config.tls_client_ca), ("bearer token", config.token_file)) if on]
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not auth:
+        log.warning("bound to %s without authentication (no --token-file, no --tls-client-ca): anyone who can "
+                    "reach this port can read the data", config.host)
+    else:
+        log.info("transport: %s; authentication: %s", "TLS" if config.tls_cert else "plaintext",
+                 ", ".join(auth) or "none (loopback only)")
     return LoaderServer(config, server, service, health_servicer, port)
 
 
@@ -120,8 +148,10 @@ async def serve(config: ServerConfig) -> None:
 
 def run(config: ServerConfig) -> None:
     """Blocking entry: runs ``serve`` on uvloop when available."""
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if config.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     codec.tune_malloc()
     try:
         import uvloop

@@ -51,9 +51,17 @@ class ServerConfig:
     Benchmarking:
         synthetic: Serve this many generated samples whose pixels are never decoded, to
             measure the transport alone (default 0: off; --data is then not needed).
-    Lifecycle:
+    Security and limits:
+        tls_cert / tls_key: PEM files; serve TLS instead of plaintext.
+        tls_client_ca: PEM CA bundle; clients must present a certificate it signed (mTLS).
+        token_file: File holding a bearer token every call must carry (health excepted).
+        max_streams: Open order streams the server accepts in all (default 64).
+        max_streams_per_client: Open order streams per client address (default 8).
+    Operations:
+        metrics_port: Serve Prometheus metrics on this port (default 0: off).
         grace: Seconds in-flight work may take to finish after SIGTERM.
         log_level: Python logging level name.
+        log_format: "text" or "json" (one JSON object per line).
     """
 
     data: tuple[str, ...] = ()
@@ -71,8 +79,16 @@ class ServerConfig:
     cache_bytes: int = 0
     max_rate: float = 0.0
     synthetic: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    token_file: str = ""
+    max_streams: int = 64
+    max_streams_per_client: int = 8
+    metrics_port: int = 0
     grace: float = 30.0
     log_level: str = "INFO"
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if isinstance(self.data, (str, os.PathLike)):
@@ -93,6 +109,19 @@ class ServerConfig:
         for name in ("cache_bytes", "max_rate", "synthetic"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected >= 0 (0 turns it off)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}={path!r}: no such file")
+        _positive(self, "max_streams", "max_streams_per_client")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off)")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format={self.log_format!r}: expected 'text' or 'json'")
         if self.grace < 0:
             raise ValueError(f"grace={self.grace}: expected seconds >= 0")
 
@@ -174,6 +203,14 @@ _FIELD_HELP = {
     "cache_bytes": "shared memory for caching encoded samples after their first read (0: off)",
     "max_rate": "most images per second this server renders (0: unlimited)",
     "synthetic": "serve this many generated samples without decoding, to measure the transport (0: off)",
+    "tls_cert": "PEM certificate: serve TLS",
+    "tls_key": "PEM private key of tls_cert",
+    "tls_client_ca": "PEM CA: require client certificates it signed (mutual TLS)",
+    "token_file": "file holding the bearer token clients must send",
+    "max_streams": "open order streams accepted in all",
+    "max_streams_per_client": "open order streams accepted per client address",
+    "metrics_port": "serve Prometheus metrics on this port (0: off)",
     "grace": "seconds in-flight work may take to finish after SIGTERM",
     "log_level": "logging level",
+    "log_format": "text or json",
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from typing import NamedTuple
 
 import grpc
@@ -13,6 +14,7 @@ import numpy as np
 from remoteloader.protos import codec, loader_pb2
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.metrics import Metrics
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.workers import Arena, SampleCache, Task, WorkerPool
 
@@ -60,7 +62,8 @@ class LoaderService:
         self.arena = arena
         self._pipelines: dict[PipelineSpec, Pipeline] = {}
         self._draining = asyncio.Event()
-        self.active_streams = 0
+        self.metrics = Metrics()
+        self._streams_by_client: dict[str, int] = {}
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -116,8 +119,31 @@ class LoaderService:
             self._pipelines[spec] = pipeline
         return pipeline
 
+    @property
+    def active_streams(self) -> int:
+        return sum(self._streams_by_client.values())
+
     async def Stream(self, request_iterator, context):
         peer = context.peer()
+        client = _client_address(peer)
+        c = self.config
+        if self.active_streams >= c.max_streams or self._streams_by_client.get(client, 0) >= c.max_streams_per_client:
+            self.metrics.refused.inc()
+            limit = (f"max_streams={c.max_streams}" if self.active_streams >= c.max_streams
+                     else f"max_streams_per_client={c.max_streams_per_client} (client {client})")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many open streams: this server's limit is {limit}")
+        self._streams_by_client[client] = self._streams_by_client.get(client, 0) + 1
+        self.metrics.active_streams.set(self.active_streams)
+        try:
+            await self._stream(context, peer)
+        finally:
+            self._streams_by_client[client] -= 1
+            if not self._streams_by_client[client]:
+                del self._streams_by_client[client]
+            self.metrics.active_streams.set(self.active_streams)
+
+    async def _stream(self, context, peer: str):
         first = await context.read()
         if first is grpc.aio.EOF:
             return
@@ -130,7 +156,6 @@ class LoaderService:
         spec = pipeline.spec
         queue: asyncio.Queue = asyncio.Queue()
         state = {"inflight": 0}
-        self.active_streams += 1
         log.info("stream opened by %s: pipeline %s %dx%d", peer, spec.name, spec.height, spec.width)
         reader = asyncio.create_task(self._read_orders(context, spec, queue, state))
         try:
@@ -142,7 +167,6 @@ class LoaderService:
                     await context.abort(*item)
                 await self._write_chunk(context, spec, item, state)
         finally:
-            self.active_streams -= 1
             reader.cancel()
             # Slots still being written by a worker go back only when the worker is done.
             while not queue.empty():
@@ -172,6 +196,7 @@ class LoaderService:
                 if error:
                     queue.put_nowait(error)
                     return
+                received = time.monotonic()
                 order = request.order
                 shard = self.shards[order.shard_id]
                 indices = np.asarray(order.indices, dtype=np.int64)
@@ -183,7 +208,7 @@ class LoaderService:
                         await self.limiter.take(count)
                     slot = await self.arena.acquire()
                     future = self._render(spec, shard, indices[start:start + count], seeds[start:start + count], slot)
-                    queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future))
+                    queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # surface server bugs as a stream error, never a hang
@@ -249,6 +274,12 @@ class LoaderService:
                         for pos, reason in errors])
             nbytes = item.count * spec.height * spec.width * 3
             await context.write(OutChunk(header, self.arena.view(item.slot, nbytes)))
+            m = self.metrics
+            m.images.inc(item.count)
+            m.bytes.inc(nbytes)
+            if errors:
+                m.decode_errors.inc(len(errors))
+            m.queue_depth.set(self.pool.outstanding if self.pool is not None else 0)
         finally:
             if item.future.done():
                 self.arena.release(item.slot)
@@ -256,6 +287,8 @@ class LoaderService:
                 item.future.add_done_callback(lambda _f, slot=item.slot: self.arena.release(slot))
         if item.start + item.count == len(item.indices):
             state["inflight"] -= 1
+            self.metrics.orders.inc()
+            self.metrics.order_latency.observe(time.monotonic() - item.received)
 
 
 class RateLimiter:
@@ -282,3 +315,9 @@ class _Pending(NamedTuple):
     count: int
     slot: int
     future: asyncio.Future
+    received: float
+
+
+def _client_address(peer: str) -> str:
+    """'ipv4:10.0.0.5:41234' -> 'ipv4:10.0.0.5' (streams are counted per client host)."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer

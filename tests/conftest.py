@@ -11,6 +11,7 @@ Fixtures:
     cluster: a fresh, empty Cluster for one test (tests that stop, kill or restart servers).
     module_cluster: an empty Cluster shared by one test module (tests that only read from it).
     free_port: a function returning a TCP port on 127.0.0.1 that nothing listens on.
+    run_bounded: a function running one epoch of a loader, failing the test if it hangs.
     eval_reference: a function computing, locally, what the "eval" preset makes of a file.
 """
 
@@ -386,7 +387,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def free_port():
     """Returns a function giving a port on 127.0.0.1 that nothing listens on (just released)."""
     return _free_port
@@ -414,7 +415,41 @@ def _eval_reference(path, size: int | tuple[int, int]):
     return image[top:top + h, left:left + w]
 
 
-@pytest.fixture
+def _run_bounded(loader, seconds: float = 60.0) -> list[tuple]:
+    """Iterates one epoch of ``loader``; fails the test (closing the loader) if it takes over ``seconds``.
+
+    A loader that never finishes (a retry loop, a lost chunk) then fails fast with a clear
+    message instead of hanging until the per-test timeout.
+    """
+    fired = threading.Event()
+
+    def fire() -> None:
+        fired.set()
+        loader.close()  # the iterating thread sees the I/O thread stop and raises
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        batches = [tuple(item) for item in loader]
+    except Exception:
+        if fired.is_set():
+            pytest.fail(f"the epoch did not finish within {seconds:g}s (the loader was closed)")
+        raise
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        pytest.fail(f"the epoch did not finish within {seconds:g}s (the loader was closed)")
+    return batches
+
+
+@pytest.fixture(scope="session")
+def run_bounded():
+    """Returns ``f(loader, seconds=60) -> [batch, ...]``: one epoch, failing the test if it hangs."""
+    return _run_bounded
+
+
+@pytest.fixture(scope="session")
 def eval_reference():
     """Returns ``f(path, size) -> uint8 HWC RGB``, the expected eval-preset output for a file."""
     return _eval_reference

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 
@@ -28,11 +29,21 @@ PNG = "cat/png.jpg"  # a PNG under a .jpg name: a supported format, so it must d
 
 
 class Data:
-    def __init__(self, cluster, root, files):
+    def __init__(self, cluster, root, files, run_bounded):
         self.cluster = cluster
         self.address = cluster.address(0)
         self.root = root
         self.files = files  # key -> path
+        self._run_bounded = run_bounded
+
+    def delivered(self, loader, seconds: float = 60) -> dict[int, np.ndarray]:
+        """One epoch (failing the test if it hangs): each delivered sample's pixels by id, once each."""
+        out = {}
+        for images, _labels, ids in self._run_bounded(loader, seconds):
+            for image, i in zip(images.numpy(), ids.tolist()):
+                assert i not in out, f"sample {i} delivered twice"
+                out[i] = image
+        return out
 
     @property
     def good(self) -> set[str]:
@@ -40,7 +51,7 @@ class Data:
 
 
 @pytest.fixture(scope="module")
-def data(module_cluster, tmp_path_factory):
+def data(module_cluster, tmp_path_factory, run_bounded):
     root = make_imagefolder(tmp_path_factory.mktemp("bad"), ["cat", "dog"], 5, size=(64, 80), seed=3)
     valid = (root / "cat" / "cat_00000.jpg").read_bytes()
     (root / "cat" / "broken.jpg").write_bytes(valid[: len(valid) // 2])
@@ -52,8 +63,8 @@ def data(module_cluster, tmp_path_factory):
     (root / PNG).write_bytes(png.tobytes())
     files = {f"{p.parent.name}/{p.name}": p for p in sorted(root.glob("*/*.jpg"))}
     assert set(BAD) | {PNG} <= set(files) and len(files) == 10 + len(BAD) + 1
-    module_cluster.add(root, "--max-image-size", str(MAX_IMAGE_SIZE))
-    return Data(module_cluster, root, files)
+    module_cluster.add(root, "--max-image-size", str(MAX_IMAGE_SIZE), "--allow-custom-pipelines")
+    return Data(module_cluster, root, files, run_bounded)
 
 
 def loader_for(data: Data, **kwargs) -> RemoteLoader:
@@ -63,20 +74,11 @@ def loader_for(data: Data, **kwargs) -> RemoteLoader:
     return RemoteLoader(data.address, **options)
 
 
-def delivered(loader) -> dict[int, np.ndarray]:
-    out = {}
-    for images, _labels, ids in loader:
-        for image, i in zip(images.numpy(), ids.tolist()):
-            assert i not in out, f"sample {i} delivered twice"
-            out[i] = image
-    return out
-
-
 def failures_by_key(data: Data) -> dict[str, SampleFailure]:
     """Runs an epoch with a callable on_error and returns what it was told, by key."""
     seen: list[SampleFailure] = []
     with loader_for(data, on_error=lambda failures: seen.extend(failures)) as loader:
-        delivered(loader)
+        data.delivered(loader)
     return {f.key: f for f in seen}
 
 
@@ -85,7 +87,7 @@ def test_default_on_error_raises_naming_key_and_reason_and_server_stays_up(data)
     reasons = {k: f.reason for k, f in failures_by_key(data).items()}
     with loader_for(data, batch_size=len(data.files)) as loader:  # one batch holds every sample
         with pytest.raises(LoaderError) as info:
-            delivered(loader)
+            data.delivered(loader)
     message = str(info.value)
     for key in BAD:
         assert repr(key) in message or key in message, f"{key} missing from: {message}"
@@ -96,7 +98,7 @@ def test_default_on_error_raises_naming_key_and_reason_and_server_stays_up(data)
     # The server is still up, and a fresh loader on it delivers the good samples.
     assert data.cluster.alive(0)
     with loader_for(data, on_error="skip") as loader:
-        got = delivered(loader)
+        got = data.delivered(loader)
         assert {loader.sample_key(i) for i in got} == data.good
 
 
@@ -125,7 +127,7 @@ def test_loader_error_is_raised_by_the_batch_holding_the_bad_sample(data):
 def test_skip_delivers_every_good_sample_once_and_no_bad_one(data, eval_reference):
     with loader_for(data, on_error="skip", shuffle=True, seed=1) as loader, warnings.catch_warnings():
         warnings.simplefilter("error")  # skip is silent
-        got = delivered(loader)
+        got = data.delivered(loader)
         keys = {i: loader.sample_key(i) for i in got}
     assert sorted(keys.values()) == sorted(data.good)
     # The PNG decoded like any image, and every delivered sample is its own file.
@@ -137,7 +139,7 @@ def test_skip_delivers_every_good_sample_once_and_no_bad_one(data, eval_referenc
 def test_warn_warns_about_each_bad_sample_and_skips_it(data):
     with loader_for(data, on_error="warn") as loader:
         with pytest.warns(UserWarning) as record:
-            got = delivered(loader)
+            got = data.delivered(loader)
         keys = {loader.sample_key(i) for i in got}
     assert keys == data.good
     text = "\n".join(str(w.message) for w in record)
@@ -156,7 +158,7 @@ def test_callable_receives_sample_failures_and_batches_are_kept(data, pipeline):
         seen.extend(failures)
 
     with loader_for(data, pipeline=pipeline, on_error=on_error, shuffle=True, seed=4) as loader:
-        got = delivered(loader)
+        got = data.delivered(loader)
         assert sorted(got) == list(range(loader.num_samples))  # nothing dropped
         assert all(n > 0 for n in calls)
         assert all(isinstance(f, SampleFailure) for f in seen)
@@ -238,6 +240,60 @@ def test_stream_reports_bad_samples_in_chunk_headers(data):
         assert keys[e.index] == e.key and e.position == e.index  # the order asked for 0..n-1
         assert e.reason
         assert not pixels[e.position].any()
+
+
+# ---- custom albumentations pipelines (the server runs with --allow-custom-pipelines) ----------
+def custom_setup(compose, size: int) -> loader_pb2.StreamRequest:
+    import albumentations as A
+
+    return loader_pb2.StreamRequest(setup=loader_pb2.Setup(
+        pipeline="custom", height=size, width=size, albumentations_json=json.dumps(A.to_dict(compose))))
+
+
+def test_custom_pipeline_is_served(data):
+    import albumentations as A
+
+    assert describe(data.address).custom_pipelines
+    with loader_for(data, pipeline=A.Compose([A.Resize(height=SIZE, width=SIZE)]), on_error="skip") as loader:
+        got = data.delivered(loader)
+        assert {loader.sample_key(i) for i in got} == data.good
+    assert all(image.shape == (SIZE, SIZE, 3) and image.any() for image in got.values())
+
+
+def test_custom_pipeline_of_the_wrong_size_is_refused(data):
+    import albumentations as A
+
+    wrong = A.Compose([A.Resize(height=SIZE // 2, width=SIZE // 2)])  # never the requested size
+    with pytest.raises(grpc.RpcError) as info:
+        open_stream(data.address, [custom_setup(wrong, SIZE)])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{SIZE}x{SIZE}" in info.value.details()
+    with loader_for(data, pipeline=wrong) as loader:
+        with pytest.raises(LoaderError, match=f"{SIZE}x{SIZE}"):
+            data.delivered(loader, seconds=30)
+
+
+# A pipeline that raises on some inputs instead of returning an image: a center crop larger
+# than small images. The server's set-up check runs it on a test image it cannot crop.
+def _crashing_pipeline():
+    import albumentations as A
+
+    return A.Compose([A.CenterCrop(height=64, width=64)])
+
+
+def test_custom_pipeline_that_raises_at_setup_is_invalid_argument(data):
+    with pytest.raises(grpc.RpcError) as info:
+        open_stream(data.address, [custom_setup(_crashing_pipeline(), 64)])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+        f"a pipeline the server cannot run is the client's error: got {info.value.code().name}: "
+        f"{info.value.details()}")
+    assert data.cluster.alive(0)
+
+
+def test_client_fails_instead_of_retrying_forever_when_setup_is_refused(data):
+    with loader_for(data, image_size=64, pipeline=_crashing_pipeline()) as loader:
+        with pytest.raises((LoaderError, ValueError)):
+            data.delivered(loader, seconds=20)
 
 
 def test_client_refuses_an_unknown_pipeline_listing_the_offer(data):

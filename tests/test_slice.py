@@ -26,11 +26,16 @@ SIZE = 32
 
 
 class Data:
-    def __init__(self, cluster, files: dict[str, object]):
+    def __init__(self, cluster, files: dict[str, object], run_bounded):
         self.cluster = cluster
         self.target = cluster.target
         self.files = files  # key -> path, over all servers
         self.total = len(files)
+        self._run_bounded = run_bounded
+
+    def epoch(self, loader, seconds: float = 60) -> list[tuple]:
+        """One epoch of ``loader`` as a list of batches; fails the test if it does not finish in time."""
+        return self._run_bounded(loader, seconds)
 
     @staticmethod
     def server_of(key: str) -> int:
@@ -38,7 +43,7 @@ class Data:
 
 
 @pytest.fixture(scope="module")
-def data(module_cluster, tmp_path_factory):
+def data(module_cluster, tmp_path_factory, run_bounded):
     files = {}
     roots = []
     for k, (classes, per_class) in enumerate(zip(SERVER_CLASSES, PER_CLASS)):
@@ -50,17 +55,13 @@ def data(module_cluster, tmp_path_factory):
             files[f"{renamed.parent.name}/{renamed.name}"] = renamed
         roots.append(root)
     module_cluster.add_many(roots)
-    return Data(module_cluster, files)
+    return Data(module_cluster, files, run_bounded)
 
 
 def loader_for(data: Data, **kwargs) -> RemoteLoader:
     options = dict(batch_size=BATCH, image_size=SIZE, connect_timeout=20)
     options.update(kwargs)
     return RemoteLoader(data.target, **options)
-
-
-def run_epoch(loader) -> list[tuple]:
-    return [tuple(item) for item in loader]
 
 
 def pixels_by_id(batches) -> dict[int, np.ndarray]:
@@ -82,7 +83,7 @@ def test_num_samples_is_the_total_of_all_servers(data):
 def test_epoch_without_drop_last_covers_every_sample_exactly_once(data):
     with loader_for(data, drop_last=False, return_ids=True) as loader:
         assert len(loader) == math.ceil(data.total / BATCH)
-        batches = run_epoch(loader)
+        batches = data.epoch(loader)
         assert len(batches) == len(loader)
         sizes = [len(ids) for _, _, ids in batches]
         assert sizes == [BATCH] * (len(batches) - 1) + [data.total - BATCH * (len(batches) - 1)]
@@ -95,7 +96,7 @@ def test_epoch_without_drop_last_covers_every_sample_exactly_once(data):
 def test_epoch_with_drop_last_covers_all_but_the_remainder_exactly_once(data):
     with loader_for(data, drop_last=True, return_ids=True) as loader:
         assert len(loader) == data.total // BATCH
-        batches = run_epoch(loader)
+        batches = data.epoch(loader)
         assert len(batches) == len(loader)
         assert all(len(ids) == BATCH for _, _, ids in batches)
         ids = torch.cat([ids for _, _, ids in batches]).tolist()
@@ -132,7 +133,7 @@ def test_ranks_get_equal_batch_counts_and_together_cover_the_epoch(data, drop_la
     per_rank = []
     for rank in range(world):
         with loader_for(data, rank=rank, world_size=world, drop_last=drop_last, return_ids=True, seed=6) as loader:
-            batches = run_epoch(loader)
+            batches = data.epoch(loader)
             assert len(batches) == len(loader)
             per_rank.append(torch.cat([i for _, _, i in batches]).tolist())
     counts = {len(ids) for ids in per_rank}
@@ -156,7 +157,7 @@ def test_unshuffled_epoch_is_in_id_order(data):
 # ---- reproducibility ------------------------------------------------------------------
 def test_same_seed_gives_identical_epochs(data):
     with loader_for(data, seed=3, return_ids=True) as a, loader_for(data, seed=3, return_ids=True) as b:
-        first, second = run_epoch(a), run_epoch(b)
+        first, second = data.epoch(a), data.epoch(b)
     assert len(first) == len(second) == data.total // BATCH
     for (xa, ya, ia), (xb, yb, ib) in zip(first, second):
         assert torch.equal(ia, ib)
@@ -167,7 +168,7 @@ def test_same_seed_gives_identical_epochs(data):
 def test_different_seeds_give_different_epochs(data):
     with loader_for(data, seed=3, return_ids=True, drop_last=False) as a, \
             loader_for(data, seed=4, return_ids=True, drop_last=False) as b:
-        first, second = run_epoch(a), run_epoch(b)
+        first, second = data.epoch(a), data.epoch(b)
     order_a = torch.cat([i for _, _, i in first]).tolist()
     order_b = torch.cat([i for _, _, i in second]).tolist()
     assert order_a != order_b, "the shuffle ignores the seed"
@@ -180,11 +181,11 @@ def test_different_seeds_give_different_epochs(data):
 def test_epochs_differ_and_set_epoch_replays_one(data):
     with loader_for(data, seed=7, return_ids=True, drop_last=False) as loader:
         loader.set_epoch(0)
-        epoch0 = run_epoch(loader)
+        epoch0 = data.epoch(loader)
         loader.set_epoch(1)
-        epoch1 = run_epoch(loader)
+        epoch1 = data.epoch(loader)
         loader.set_epoch(0)
-        again = run_epoch(loader)
+        again = data.epoch(loader)
     assert torch.cat([i for _, _, i in epoch0]).tolist() != torch.cat([i for _, _, i in epoch1]).tolist()
     p0, p1 = pixels_by_id(epoch0), pixels_by_id(epoch1)
     assert sum(not np.array_equal(p0[i], p1[i]) for i in p0) > len(p0) // 2
@@ -196,10 +197,10 @@ def test_epochs_differ_and_set_epoch_replays_one(data):
 def test_iteration_without_set_epoch_advances_the_epoch(data):
     with loader_for(data, seed=7, return_ids=True) as loader, \
             loader_for(data, seed=7, return_ids=True) as reference:
-        run_epoch(loader)
-        second = run_epoch(loader)
+        data.epoch(loader)
+        second = data.epoch(loader)
         reference.set_epoch(1)
-        expected = run_epoch(reference)
+        expected = data.epoch(reference)
     for (xa, _, ia), (xb, _, ib) in zip(second, expected):
         assert torch.equal(ia, ib) and torch.equal(xa, xb)
 
@@ -207,9 +208,9 @@ def test_iteration_without_set_epoch_advances_the_epoch(data):
 def test_eval_preset_is_deterministic_and_independent_of_the_order(data):
     with loader_for(data, pipeline="eval", shuffle=True, seed=5, drop_last=False, return_ids=True) as a, \
             loader_for(data, pipeline="eval", shuffle=False, seed=9, drop_last=False, return_ids=True) as b:
-        shuffled0 = run_epoch(a)
-        shuffled1 = run_epoch(a)  # the next epoch: another order
-        plain = run_epoch(b)
+        shuffled0 = data.epoch(a)
+        shuffled1 = data.epoch(a)  # the next epoch: another order
+        plain = data.epoch(b)
     orders = [torch.cat([i for _, _, i in run]).tolist() for run in (shuffled0, shuffled1, plain)]
     assert len({tuple(o) for o in orders}) == 3, "the test needs three different orders"
     maps = [pixels_by_id(run) for run in (shuffled0, shuffled1, plain)]
@@ -221,7 +222,7 @@ def test_eval_preset_is_deterministic_and_independent_of_the_order(data):
 
 def test_pixels_belong_to_the_sample_their_id_names(data, eval_reference):
     with loader_for(data, pipeline="eval", shuffle=True, seed=11, drop_last=False, return_ids=True) as loader:
-        got = pixels_by_id(run_epoch(loader))
+        got = pixels_by_id(data.epoch(loader))
         keys = {i: loader.sample_key(i) for i in got}
     names = sorted(data.files)
     references = np.stack([eval_reference(data.files[k], SIZE).astype(np.float32) for k in names])
@@ -254,7 +255,7 @@ def test_presets_serve_non_square_sizes(data, pipeline, size):
     failures = []
     with loader_for(data, pipeline=pipeline, image_size=size, drop_last=False, return_ids=True,
                     on_error=failures.extend) as loader:
-        batches = run_epoch(loader)
+        batches = data.epoch(loader)
     assert not failures, (f"{len(failures)} of {data.total} samples failed with image_size={size}, "
                           f"e.g. {failures[0].key}: {failures[0].reason}")
     assert sorted(torch.cat([i for _, _, i in batches]).tolist()) == list(range(data.total))
@@ -267,7 +268,7 @@ def test_normalize_gives_float_nchw_channels_last(data, dtype, atol):
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     with loader_for(data, seed=2, return_ids=True, normalize=(mean, std), dtype=dtype) as a, \
             loader_for(data, seed=2, return_ids=True) as b:
-        normalized, raw = run_epoch(a), run_epoch(b)
+        normalized, raw = data.epoch(a), data.epoch(b)
     assert len(normalized) == len(raw) == data.total // BATCH
     m = torch.tensor(mean).view(1, 3, 1, 1)
     s = torch.tensor(std).view(1, 3, 1, 1)
@@ -334,9 +335,9 @@ def test_breaking_out_early_then_iterating_again(data):
                 break
         for _batch in loader:  # break at the very first batch too
             break
-        batches = run_epoch(loader)
+        batches = data.epoch(loader)
         assert len(batches) == len(loader)
         ids = torch.cat([i for _, _, i in batches]).tolist()
         assert sorted(ids) == list(range(data.total))
-        again = run_epoch(loader)  # and the next full epoch still works
+        again = data.epoch(loader)  # and the next full epoch still works
         assert sorted(torch.cat([i for _, _, i in again]).tolist()) == list(range(data.total))
