@@ -108,7 +108,12 @@ class Pipeline:
         for shape in ((self.spec.height * 2 + 7, self.spec.width * 2 + 3), (61, 97)):
             image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
             self.compose.set_random_seed(0)
-            out = self.compose(image=image)["image"]
+            try:
+                out = self.compose(image=image)["image"]
+            except Exception as exc:  # the pipeline cannot handle some image sizes
+                raise PipelineError(f"the pipeline fails on a {shape[1]}x{shape[0]} image ({type(exc).__name__}: "
+                                    f"{exc}); it must accept any image size, e.g. start with a Resize or "
+                                    f"RandomResizedCrop") from None
             if out.shape != (self.spec.height, self.spec.width, 3) or out.dtype != np.uint8:
                 raise PipelineError(
                     f"the pipeline turns a {shape[1]}x{shape[0]} image into shape {out.shape} "
