@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from dataclasses import dataclass
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # never phone home from a server
@@ -79,6 +80,21 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     return compose
 
 
+def _walk(node):
+    """The compose, its nested composes and every transform, in a fixed order."""
+    yield node
+    for child in getattr(node, "transforms", ()):
+        yield from _walk(child)
+
+
+def _mix64(seed: int, k: int) -> int:
+    """splitmix64 of (seed, k): independent 64-bit streams per transform."""
+    x = (seed + 0x9E3779B97F4A7C15 * (k + 1)) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
 class Pipeline:
     """Decode + augment one sample into a fixed-size RGB uint8 array."""
 
@@ -101,13 +117,30 @@ class Pipeline:
                 self._resize_target = (size, size, False)
         elif isinstance(first, A.Resize) and first.p >= 1:
             self._resize_target = (first.height, first.width, None)
+        # Every transform (and nested compose) gets its own generators, reseeded per sample
+        # from its own derived seed: albumentations' set_random_seed gives all of them the
+        # same seed, which ties e.g. the flip to the crop size, and rebuilds six generator
+        # objects per call. Installed after _rest exists, since a Compose reseeds its children.
+        self._nodes = list(_walk(self.compose))
+        for node in self._nodes:
+            node.py_random = random.Random()
+            node.random_generator = np.random.Generator(np.random.PCG64())
+
+    def reseed(self, seed: int) -> None:
+        """Puts every transform's generators in the state derived from (seed, its position)."""
+        for k, node in enumerate(self._nodes):
+            a, b = _mix64(seed, 2 * k + 1), _mix64(seed, 2 * k + 2)
+            node.py_random.seed(a)
+            node.random_generator.bit_generator.state = {
+                "bit_generator": "PCG64", "state": {"state": (a << 64) | b, "inc": (b << 1) | 1},
+                "has_uint32": 0, "uinteger": 0}
 
     def check_output(self) -> None:
         """Runs the pipeline on a test image and raises PipelineError unless the size is fixed."""
         rng = np.random.default_rng(0)
         for shape in ((self.spec.height * 2 + 7, self.spec.width * 2 + 3), (61, 97)):
             image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
-            self.compose.set_random_seed(0)
+            self.reseed(0)
             try:
                 out = self.compose(image=image)["image"]
             except Exception as exc:  # the pipeline cannot handle some image sizes
@@ -123,7 +156,7 @@ class Pipeline:
 
     def __call__(self, data: bytes, seed: int, fused: bool = True) -> np.ndarray:
         fmt, height, width = dec.read_size(data, self.max_pixels)
-        self.compose.set_random_seed(seed)
+        self.reseed(seed)
         if fused and self._crop is not None:
             return self._fused_crop(data, fmt, height, width)
         min_h = min_w = 0
@@ -134,7 +167,7 @@ class Pipeline:
             else:
                 scale = max(th / height, tw / width) if cover else th / min(height, width)
                 min_h, min_w = math.ceil(height * scale), math.ceil(width * scale)
-        image = dec.decode(data, fmt, min_h, min_w)
+        image = dec.decode(data, fmt, min_h, min_w, height, width)
         return self.compose(image=image)["image"]
 
     def _fused_crop(self, data: bytes, fmt: str, height: int, width: int) -> np.ndarray:
@@ -146,7 +179,7 @@ class Pipeline:
         # Smallest decode that keeps the crop at least the output size.
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
-        image = dec.decode(data, fmt, min(min_h, height), min(min_w, width))
+        image = dec.decode(data, fmt, min(min_h, height), min(min_w, width), height, width)
         dh, dw = image.shape[:2]
         if (dh, dw) != (height, width):
             sy, sx = dh / height, dw / width

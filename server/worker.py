@@ -30,18 +30,18 @@ def read_sample(path: str, offset: int, length: int) -> bytes:
     return data
 
 
-def main(conn, arena_path: str, slots: int, slot_bytes: int, allow_custom: bool, max_pixels: int,
-         cache_path: str, cache_bytes: int) -> None:
+def main(conn, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int, allow_custom: bool,
+         max_pixels: int, cache_bytes: int) -> None:
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    with open(arena_path, "r+b") as f:
-        arena = mmap.mmap(f.fileno(), slots * slot_bytes)
+    arena = mmap.mmap(arena_fd, slots * slot_bytes)
+    os.close(arena_fd)
     cache = None
-    if cache_path:
-        with open(cache_path, "r+b") as f:
-            cache = mmap.mmap(f.fileno(), cache_bytes)
+    if cache_fd is not None:
+        cache = mmap.mmap(cache_fd, cache_bytes)
+        os.close(cache_fd)
     pipelines: OrderedDict[tuple, Pipeline | str] = OrderedDict()
     while True:
         try:

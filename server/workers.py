@@ -15,6 +15,7 @@ import mmap
 import multiprocessing as mp
 import os
 import tempfile
+from multiprocessing import reduction
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,24 +34,42 @@ class Task:
 
 
 class SharedFile:
-    """A shared memory file (in /dev/shm) that worker processes map by path."""
+    """Shared memory that worker processes map: a file unlinked at birth, passed by descriptor.
+
+    Nothing is left in /dev/shm even when the server is killed with SIGKILL: the memory
+    lives exactly as long as the last process holding the descriptor or a mapping.
+    """
 
     def __init__(self, size: int, prefix: str):
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        self.fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        os.unlink(path)
         self.size = size
-        try:
-            os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        os.ftruncate(self.fd, size)
+        self._mmap = mmap.mmap(self.fd, size)
         self.buffer = memoryview(self._mmap)
 
+    def for_child(self) -> "InheritedFd":
+        return InheritedFd(self.fd)
+
     def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class InheritedFd:
+    """Pickles as a duplicate of the descriptor for the process being started (SCM_RIGHTS)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
 
 
 class Arena(SharedFile):
@@ -122,8 +141,9 @@ class WorkerPool:
                  cache: "SampleCache | None" = None):
         self.arena = arena
         self.size = workers
-        self._settings = (arena.path, arena.count, arena.slot_bytes, allow_custom, max_pixels,
-                          cache.path if cache else "", cache.size if cache else 0)
+        self._arena = arena
+        self._cache = cache
+        self._settings = (arena.count, arena.slot_bytes, allow_custom, max_pixels, cache.size if cache else 0)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker"])
         self._ctx = ctx
@@ -140,7 +160,8 @@ class WorkerPool:
         parent, child = self._ctx.Pipe()
         from remoteloader.server import worker as worker_module
 
-        process = self._ctx.Process(target=worker_module.main, args=(child, *self._settings),
+        fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)
+        process = self._ctx.Process(target=worker_module.main, args=(child, *fds, *self._settings),
                                     name="remoteloader-worker", daemon=True)
         process.start()
         child.close()

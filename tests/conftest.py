@@ -394,7 +394,8 @@ def free_port():
 
 
 def _eval_reference(path, size: int | tuple[int, int]):
-    """What the "eval" preset (resize the short side to size/0.875, center crop) makes of a file.
+    """What the "eval" preset makes of a file: scale so that the image covers size/0.875 on both
+    sides (for a square size: the short side becomes size/0.875), then center crop.
 
     Computed locally with OpenCV at full decode resolution; the server may decode JPEGs at
     a reduced DCT scale first, so compare with a tolerance.
@@ -406,10 +407,10 @@ def _eval_reference(path, size: int | tuple[int, int]):
     image = cv2.imdecode(np.fromfile(str(path), np.uint8), cv2.IMREAD_COLOR)
     assert image is not None, f"cannot decode {path} locally"
     image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
-    short = round(min(h, w) / 0.875)
+    ch, cw = round(h / 0.875), round(w / 0.875)
     ih, iw = image.shape[:2]
-    scale = short / min(ih, iw)
-    nh, nw = max(short, round(ih * scale)), max(short, round(iw * scale))
+    scale = max(ch / ih, cw / iw)
+    nh, nw = max(ch, round(ih * scale)), max(cw, round(iw * scale))
     image = cv2.resize(image, (nw, nh), interpolation=cv2.INTER_LINEAR)
     top, left = (nh - h) // 2, (nw - w) // 2
     return image[top:top + h, left:left + w]

@@ -220,12 +220,14 @@ def test_eval_preset_is_deterministic_and_independent_of_the_order(data):
         assert np.array_equal(maps[1][i], maps[2][i]), f"sample {i}: eval pixels depend on the epoch"
 
 
-def test_pixels_belong_to_the_sample_their_id_names(data, eval_reference):
-    with loader_for(data, pipeline="eval", shuffle=True, seed=11, drop_last=False, return_ids=True) as loader:
+@pytest.mark.parametrize("size", [SIZE, (24, 40), (40, 24)])
+def test_pixels_belong_to_the_sample_their_id_names(data, eval_reference, size):
+    with loader_for(data, pipeline="eval", image_size=size, shuffle=True, seed=11, drop_last=False,
+                    return_ids=True) as loader:
         got = pixels_by_id(data.epoch(loader))
         keys = {i: loader.sample_key(i) for i in got}
     names = sorted(data.files)
-    references = np.stack([eval_reference(data.files[k], SIZE).astype(np.float32) for k in names])
+    references = np.stack([eval_reference(data.files[k], size).astype(np.float32) for k in names])
     for i, image in got.items():
         errors = np.abs(references - image.astype(np.float32)).mean(axis=(1, 2, 3))
         nearest = names[int(errors.argmin())]
