@@ -69,6 +69,7 @@ class Link:
         self._call = None
         self._tasks: list[asyncio.Task] = []
         self._outbox: asyncio.Queue | None = None
+        self._healthy = False
 
     @property
     def credits(self) -> int:
@@ -120,7 +121,7 @@ class Link:
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
         self.state = "up"
-        self.down_since = None
+        self._healthy = False  # until a chunk arrives on this stream
         call = self._call
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
 
@@ -144,6 +145,9 @@ class Link:
             async for chunk in call:
                 if call is not self._call:
                     return
+                if not self._healthy:
+                    self._healthy = True
+                    self.down_since = None
                 self.engine.on_chunk(self, chunk)
             raise ConnectionError("the server closed the stream")
         except asyncio.CancelledError:
@@ -157,7 +161,11 @@ class Link:
             return
         self.state = "down"
         self.failures += 1
-        self.down_since = time.monotonic()
+        # A stream that failed again before delivering anything keeps the first failure's
+        # time, so a server that accepts connections but fails every stream still runs
+        # out of reconnect_timeout.
+        if self.down_since is None or self._healthy:
+            self.down_since = time.monotonic()
         self.last_error = describe_error(exc)
         self._stop_stream()
         self.engine.on_link_down(self, exc)

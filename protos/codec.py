@@ -47,6 +47,31 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def _skip_group(buf: memoryview, pos: int, field: int) -> int:
+    while True:
+        key, pos = _read_varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 4:
+            if number != field:
+                raise ValueError("malformed Chunk: mismatched end of group")
+            return pos
+        if wire_type == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(buf, pos)
+            pos += length
+        elif wire_type == 3:
+            pos = _skip_group(buf, pos, number)
+        else:
+            raise ValueError(f"malformed Chunk: unsupported wire type {wire_type}")
+        if pos > len(buf):
+            raise ValueError("malformed Chunk: truncated group")
+
+
 def encode_chunk(header: loader_pb2.ChunkHeader, pixels) -> bytes:
     """Serializes a Chunk from its header and a buffer of raw pixels (one copy of the pixels)."""
     head = header.SerializeToString()
@@ -74,7 +99,10 @@ def decode_chunk(data: bytes) -> DecodedChunk:
             if end > len(buf):
                 raise ValueError("malformed Chunk: field runs past the end of the message")
             if field == 1:
-                header.MergeFromString(buf[pos:end])
+                try:
+                    header.MergeFromString(buf[pos:end])
+                except Exception as exc:  # protobuf's DecodeError: a malformed header
+                    raise ValueError(f"malformed Chunk: bad header: {exc}") from None
             elif field == 2:
                 pixels = buf[pos:end]
             pos = end
@@ -84,6 +112,8 @@ def decode_chunk(data: bytes) -> DecodedChunk:
             pos += 8
         elif wire_type == 5:
             pos += 4
+        elif wire_type == 3:  # an unknown group: skip to its matching end
+            pos = _skip_group(buf, pos, field)
         else:
             raise ValueError(f"malformed Chunk: unsupported wire type {wire_type}")
     if pos != len(buf):

@@ -91,7 +91,7 @@ class LocalServer:
             self.process.wait(10)
 
     def __enter__(self) -> "LocalServer":
-        return self.start()
+        return self if self.process is not None and self.process.poll() is None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

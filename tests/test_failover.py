@@ -1,0 +1,247 @@
+"""Servers that die, drain, come back or stay away in the middle of an epoch.
+
+Every test runs its own real servers (the ``cluster`` fixture) because it kills or stops
+them. Servers are slowed with ``--max-rate`` so that orders are still in flight when one
+dies; the test then checks the promise of the issue: the epoch is delivered exactly once
+and bitwise as it would have been without the failure (the augmentation of a sample
+depends on (seed, epoch, shard, index), never on which server rendered it), or, when no
+server can serve a shard within ``reconnect_timeout``, a LoaderError names the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+import torch
+
+from remoteloader.client import LoaderError, RemoteLoader
+from remoteloader.client import loader as loader_module
+from remoteloader.server.synthetic import make_imagefolder
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZE = 32
+BATCH = 8
+EPOCH_SECONDS = 60  # bound on any one epoch, failures included
+
+
+# ---- helpers ----------------------------------------------------------------------------
+class Watchdog:
+    """Closes ``loader`` if the block runs over ``seconds`` and then fails the test.
+
+    The iterating thread sees the loader's I/O thread stop and raises, so a hang becomes a
+    clear failure instead of running into the per-test timeout.
+    """
+
+    def __init__(self, loader: RemoteLoader, seconds: float = EPOCH_SECONDS):
+        self.loader = loader
+        self.seconds = seconds
+        self.fired = threading.Event()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        self.fired.set()
+        self.loader.close()
+
+    def __enter__(self) -> "Watchdog":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+        if self.fired.is_set():
+            pytest.fail(f"the epoch did not finish within {self.seconds:g}s (the loader was closed)")
+
+
+def take(iterator, n: int) -> list[tuple]:
+    return [tuple(next(iterator)) for _ in range(n)]
+
+
+def epoch(loader: RemoteLoader, number: int) -> list[tuple]:
+    loader.set_epoch(number)
+    with Watchdog(loader):
+        return [tuple(b) for b in loader]
+
+
+def all_ids(batches) -> list[int]:
+    return torch.cat([ids for _, _, ids in batches]).tolist()
+
+
+def assert_exactly_once(batches, total: int) -> None:
+    ids = all_ids(batches)
+    counts = collections.Counter(ids)
+    twice = sorted(i for i, c in counts.items() if c > 1)
+    missing = sorted(set(range(total)) - set(counts))
+    assert not twice and not missing, (f"{len(twice)} sample(s) delivered more than once {twice[:10]}, "
+                                       f"{len(missing)} never delivered {missing[:10]}")
+    assert len(ids) == total
+
+
+def assert_same_batches(got, expected) -> None:
+    """Bitwise: same ids in the same order, same labels, same pixels."""
+    assert len(got) == len(expected), f"{len(got)} batches, expected {len(expected)}"
+    for n, ((x, y, i), (xe, ye, ie)) in enumerate(zip(got, expected)):
+        assert torch.equal(i, ie), f"batch {n}: ids {i.tolist()} != {ie.tolist()}"
+        assert torch.equal(y, ye), f"batch {n}: labels differ"
+        assert torch.equal(x, xe), f"batch {n}: pixels differ"
+
+
+def outstanding(loader: RemoteLoader, address: str) -> int:
+    """Samples ordered from ``address`` and not received yet (from the public stats)."""
+    s = loader.stats()["servers"][address]
+    return s["orders"] * BATCH - s["samples"]  # single-shard data: one order per batch
+
+
+def total_orders(loader: RemoteLoader) -> int:
+    return sum(s["orders"] for s in loader.stats()["servers"].values())
+
+
+def make_loader(target, **kwargs) -> RemoteLoader:
+    options = dict(batch_size=BATCH, image_size=SIZE, seed=3, drop_last=False, return_ids=True,
+                   connect_timeout=20, reconnect_timeout=40)
+    options.update(kwargs)
+    return RemoteLoader(target, **options)
+
+
+def two_shards(tmp_path):
+    """Two different shards: 30 + 24 samples."""
+    a = make_imagefolder(tmp_path / "a", ["cat", "dog", "owl"], 10, size=(48, 64), seed=1)
+    b = make_imagefolder(tmp_path / "b", ["dog", "fox"], 12, size=(48, 64), seed=2)
+    return a, b
+
+
+# ---- a replica dies --------------------------------------------------------------------
+def test_sigkill_of_one_of_three_replicas_mid_epoch_loses_and_duplicates_nothing(cluster, tmp_path):
+    data = make_imagefolder(tmp_path / "shared", ["a", "b", "c"], 32, size=(48, 64), seed=4)  # 96 samples
+    cluster.add_many([data] * 3, "--max-rate", "80")
+    with make_loader(cluster.target) as loader:
+        assert loader.num_samples == 96
+        assert len(loader.catalog.shards) == 1, "three servers of one directory must be replicas of one shard"
+        reference = epoch(loader, 0)
+        assert_exactly_once(reference, 96)
+        orders_before = total_orders(loader)
+
+        loader.set_epoch(0)
+        with Watchdog(loader):
+            it = iter(loader)
+            got = take(it, 2)
+            # The replica with the most work outstanding: its orders must move to the others.
+            victim = max(range(3), key=lambda i: outstanding(loader, cluster.address(i)))
+            in_flight = outstanding(loader, cluster.address(victim))
+            assert cluster.kill(victim) == -9
+            got += [tuple(b) for b in it]
+        stats = loader.stats()
+
+    assert_exactly_once(got, 96)
+    assert_same_batches(got, reference)
+    dead = stats["servers"][cluster.address(victim)]
+    assert dead["failures"] == 1, dead
+    if in_flight > 0:  # its unfinished orders were sent again, to another replica
+        assert total_orders(loader) - orders_before > len(reference), stats["servers"]
+
+
+def test_sigterm_drains_a_replica_mid_epoch_and_the_epoch_completes_once(cluster, tmp_path):
+    data = make_imagefolder(tmp_path / "shared", ["a", "b"], 36, size=(48, 64), seed=5)  # 72 samples
+    cluster.add_many([data] * 2, "--max-rate", "80")
+    with make_loader(cluster.target) as loader:
+        reference = epoch(loader, 1)
+        loader.set_epoch(1)
+        with Watchdog(loader):
+            it = iter(loader)
+            got = take(it, 2)
+            victim = max(range(2), key=lambda i: outstanding(loader, cluster.address(i)))
+            code = cluster.stop(victim)  # SIGTERM: finishes what it holds, refuses the rest
+            got += [tuple(b) for b in it]
+    assert code == 0, f"a draining server must exit 0, got {code}:\n{cluster.stderr(victim)}"
+    assert_exactly_once(got, 72)
+    assert_same_batches(got, reference)
+
+
+# ---- the only server of a shard dies ---------------------------------------------------
+def test_server_of_a_unique_shard_restarted_on_its_port_resumes_the_epoch(cluster, tmp_path):
+    a, b = two_shards(tmp_path)
+    cluster.add_many([a, b], "--max-rate", "150")
+    with make_loader(cluster.target, reconnect_timeout=60) as loader:
+        total = loader.num_samples
+        assert total == 54 and len(loader.catalog.shards) == 2
+        reference = epoch(loader, 0)
+        victim = cluster.address(1)
+
+        restarted = threading.Event()
+        errors = []
+
+        def restart() -> None:
+            try:
+                time.sleep(0.5)  # the loader is waiting for the shard by now
+                cluster.restart(1)
+                restarted.set()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        loader.set_epoch(0)
+        with Watchdog(loader):
+            it = iter(loader)
+            got = take(it, 2)
+            assert cluster.kill(1) == -9
+            thread = threading.Thread(target=restart, daemon=True)
+            thread.start()
+            got += [tuple(b) for b in it]
+            thread.join(40)
+        assert not errors, f"restart failed: {errors[0]!r}"
+        assert restarted.is_set()
+        stats = loader.stats()["servers"][victim]
+        assert stats["reconnects"] >= 1 and stats["failures"] >= 1, stats
+        assert stats["state"] == "up", stats
+        assert_exactly_once(got, total)
+        assert_same_batches(got, reference)
+        # ... and the next epoch runs normally over both servers.
+        assert_exactly_once(epoch(loader, 1), total)
+
+
+def test_server_that_stays_down_raises_loader_error_naming_it(cluster, tmp_path):
+    a, b = two_shards(tmp_path)
+    cluster.add_many([a, b], "--max-rate", "150")
+    limit = 2.0
+    victim = cluster.address(1)
+    with make_loader(cluster.target, reconnect_timeout=limit) as loader:
+        loader.set_epoch(0)
+        with Watchdog(loader):
+            it = iter(loader)
+            take(it, 1)
+            assert cluster.kill(1) == -9
+            killed = time.monotonic()
+            with pytest.raises(LoaderError) as info:
+                for _ in it:
+                    pass
+            waited = time.monotonic() - killed
+        message = str(info.value)
+        state = loader.stats()["servers"][victim]
+    assert victim in message, message
+    assert "reconnect_timeout" in message and "sample" in message, message
+    assert waited >= limit * 0.9, f"gave up after {waited:.1f}s, before reconnect_timeout={limit:g}s"
+    assert waited < limit + 20, f"took {waited:.1f}s to give up with reconnect_timeout={limit:g}s"
+    assert state["failures"] >= 1 and state["state"] in ("down", "dead"), state
+
+
+# ---- servers that join --------------------------------------------------------------------
+def test_server_added_behind_the_address_joins_at_the_next_epoch(cluster, tmp_path, monkeypatch):
+    # A DNS name cannot gain addresses on 127.0.0.1, so the resolver is made to grow instead.
+    a, b = two_shards(tmp_path)
+    cluster.add_many([a, b])
+    listed = [cluster.address(0)]
+    real = loader_module.discover
+    monkeypatch.setattr(loader_module, "discover", lambda address: real(list(listed)))
+    with make_loader("loader.invalid:1") as loader:
+        assert loader.servers == [cluster.address(0)]
+        first = epoch(loader, 0)
+        assert_exactly_once(first, 30)
+        listed.append(cluster.address(1))
+        second = epoch(loader, 1)
+        assert sorted(loader.servers) == sorted(cluster.addresses)
+        assert loader.num_samples == 54
+        assert_exactly_once(second, 54)
+        assert loader.stats()["servers"][cluster.address(1)]["samples"] > 0
