@@ -36,9 +36,10 @@ class Watchdog:
     clear failure instead of running into the per-test timeout.
     """
 
-    def __init__(self, loader: RemoteLoader, seconds: float = EPOCH_SECONDS):
+    def __init__(self, loader: RemoteLoader, seconds: float = EPOCH_SECONDS, what: str = ""):
         self.loader = loader
         self.seconds = seconds
+        self.what = what or f"the epoch did not finish within {seconds:g}s"
         self.fired = threading.Event()
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
@@ -54,7 +55,7 @@ class Watchdog:
     def __exit__(self, *exc) -> None:
         self._timer.cancel()
         if self.fired.is_set():
-            pytest.fail(f"the epoch did not finish within {self.seconds:g}s (the loader was closed)")
+            pytest.fail(f"{self.what} (the loader was closed)")
 
 
 def take(iterator, n: int) -> list[tuple]:
@@ -209,7 +210,9 @@ def test_server_that_stays_down_raises_loader_error_naming_it(cluster, tmp_path)
     victim = cluster.address(1)
     with make_loader(cluster.target, reconnect_timeout=limit) as loader:
         loader.set_epoch(0)
-        with Watchdog(loader):
+        bound = limit + 20
+        with Watchdog(loader, bound, f"no LoaderError within {bound:g}s of the only server of a shard dying "
+                                     f"(reconnect_timeout={limit:g}s)"):
             it = iter(loader)
             take(it, 1)
             assert cluster.kill(1) == -9

@@ -330,8 +330,10 @@ def test_health_check_needs_no_token(env):
 
 def test_a_token_shorter_than_16_characters_is_refused_at_start(env):
     try:
-        _, stderr = env.short_token.communicate(timeout=60)
+        _, stderr = env.short_token.communicate(timeout=15)
     except subprocess.TimeoutExpired:
+        import os
+        os.system(f"ps -o pid,ppid,stat,etime,wchan:30,cmd -g {env.short_token.pid} > /tmp/rl/ps.txt; py-spy dump --pid {env.short_token.pid} > /tmp/rl/spy.txt 2>&1")
         env.short_token.kill()
         pytest.fail("a server with a 8-character token did not exit within 60s")
     assert env.short_token.returncode != 0
