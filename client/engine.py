@@ -257,6 +257,7 @@ class Engine:
                 self._pump()
                 return
             link.state = "dead" if link.state == "down" else link.state
+            self._reconnecting.pop(link.address, None)  # no longer hopeful: check what it strands
             self._check_stranded()
         finally:
             self._reconnecting.pop(link.address, None)

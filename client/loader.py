@@ -286,7 +286,10 @@ class RemoteLoader:
 
     def _buffer_freed(self) -> None:
         if not self._closed:
-            self._loop.call_soon_threadsafe(self._engine.buffer_freed)
+            try:
+                self._loop.call_soon_threadsafe(self._engine.buffer_freed)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to dispatch
+                pass
 
     def _deliver(self, item):
         delivered = item if isinstance(item, Delivered) else self._delivery.convert(item)
@@ -453,9 +456,14 @@ def _rank_world(rank, world_size) -> tuple[int, int]:
 
 def _device(device) -> torch.device:
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r} but torch.cuda.is_available() is False: this torch build "
-                         f"({torch.__version__}) has no usable GPU here; pass device='cpu'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} but torch.cuda.is_available() is False: this torch build "
+                             f"({torch.__version__}) has no usable GPU here; pass device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: expected 'cpu' or 'cuda'")
     return device
