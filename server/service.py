@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 SERVICE = "remoteloader.v1.Loader"
 MAX_KEYS_PER_CALL = 10_000
+TASK_SAMPLES = 8  # samples per worker task: small enough to spread one chunk over many workers
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -231,8 +232,12 @@ class LoaderService:
             if mode == 1:
                 fills.append((pos, index, cache_offset))
             locations.append((path, offset, length, mode, cache_offset))
-        future = self.pool.submit(Task(slot, (spec.name, spec.height, spec.width, spec.albumentations_json),
-                                       locations, seeds))
+        # A chunk may hold hundreds of small samples: split it so that all workers share it.
+        spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json)
+        parts = [self.pool.submit(Task(slot, first, spec_tuple, locations[first:first + TASK_SAMPLES],
+                                       seeds[first:first + TASK_SAMPLES]))
+                 for first in range(0, len(locations), TASK_SAMPLES)]
+        future = _merge(parts)
         if fills:
             def mark(f: asyncio.Future) -> None:
                 failed = {pos for pos, _ in f.result()} if not f.cancelled() else None
@@ -289,6 +294,29 @@ class LoaderService:
             state["inflight"] -= 1
             self.metrics.orders.inc()
             self.metrics.order_latency.observe(time.monotonic() - item.received)
+
+
+def _merge(parts: list[asyncio.Future]) -> asyncio.Future:
+    """One future for a chunk's tasks: their errors, with positions relative to the chunk.
+
+    Unlike gather, it completes only when every part has, so the slot is never released
+    while a worker may still write into it.
+    """
+    loop = asyncio.get_running_loop()
+    merged = loop.create_future()
+    remaining = [len(parts)]
+
+    def done(_f: asyncio.Future) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0 and not merged.done():
+            errors = []
+            for index, part in enumerate(parts):
+                errors.extend((index * TASK_SAMPLES + pos, reason) for pos, reason in part.result())
+            merged.set_result(errors)
+
+    for part in parts:
+        part.add_done_callback(done)
+    return merged
 
 
 class RateLimiter:

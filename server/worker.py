@@ -50,7 +50,7 @@ def main(conn, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int,
             return
         if message is None:
             return
-        task_id, slot, spec, locations, seeds = message
+        task_id, slot, first, spec, locations, seeds = message
         name, height, width, albu_json = spec
         pipeline = pipelines.get(spec)
         if pipeline is None:
@@ -62,7 +62,7 @@ def main(conn, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int,
             if len(pipelines) > _MAX_PIPELINES:
                 pipelines.popitem(last=False)
         out = np.ndarray((len(locations), height, width, 3), np.uint8,
-                         buffer=arena, offset=slot * slot_bytes)
+                         buffer=arena, offset=slot * slot_bytes + first * height * width * 3)
         errors = []
         for i, ((path, offset, length, cache_mode, cache_offset), seed) in enumerate(zip(locations, seeds)):
             try:

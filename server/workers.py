@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Task:
-    """Render ``len(locations)`` samples into ``slot`` at ``height x width x 3`` each."""
+    """Render ``len(locations)`` samples into ``slot``, from sample ``first`` of the slot on."""
 
     slot: int
+    first: int
     pipeline: tuple  # (name, height, width, albumentations_json)
     locations: list  # [(path, offset, length, cache_mode, cache_offset)]
     seeds: list  # [int], one per sample
@@ -181,7 +182,7 @@ class WorkerPool:
         self._next_id += 1
         future = self._loop.create_future()
         worker.pending[self._next_id] = (future, len(task.locations))
-        worker.conn.send((self._next_id, task.slot, task.pipeline, task.locations, task.seeds))
+        worker.conn.send((self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds))
         return future
 
     def _on_readable(self, worker: "_Worker") -> None:

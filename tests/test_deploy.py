@@ -1,0 +1,605 @@
+"""The deployment files: docker-compose.yml, deploy/Dockerfile, deploy/k8s, and .ci/run.
+
+Nothing here needs Docker or Kubernetes: the files are parsed and cross-checked, and the
+exact server command compose runs for loader-0 (the image's ENTRYPOINT + compose's
+``command`` with compose's environment) is run locally, with only the container path
+``/data``, the port and REMOTELOADER_HOST replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
+from remoteloader.server import config as config_module
+from remoteloader.server.synthetic import make_imagefolder
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+CONTAINER_PORT = 50051
+
+
+# ---- parsing helpers ------------------------------------------------------------------------
+def _compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _pyproject() -> dict:
+    text = (ROOT / "pyproject.toml").read_text()
+    if tomllib is not None:
+        return tomllib.loads(text)
+    pytest.importorskip("tomli")
+    import tomli
+
+    return tomli.loads(text)
+
+
+class Stage:
+    def __init__(self, name: str, base: str):
+        self.name = name
+        self.base = base
+        self.instructions: list[tuple[str, str]] = []
+
+    def last(self, keyword: str) -> str | None:
+        values = [v for k, v in self.instructions if k == keyword]
+        return values[-1] if values else None
+
+    def all(self, keyword: str) -> list[str]:
+        return [v for k, v in self.instructions if k == keyword]
+
+
+def _dockerfile() -> dict[str, Stage]:
+    """Stages by name, each with its instructions (continuation lines joined, comments dropped)."""
+    lines, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        stripped = raw.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            current += stripped[:-1] + " "
+            continue
+        lines.append(current + stripped)
+        current = ""
+    stages: dict[str, Stage] = {}
+    stage = None
+    for line in lines:
+        keyword, _, rest = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            match = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", rest.strip(), re.IGNORECASE)
+            assert match, f"cannot parse {line!r}"
+            stage = Stage(match.group(2) or f"stage{len(stages)}", match.group(1))
+            stages[stage.name] = stage
+        else:
+            assert stage is not None, f"{line!r} before any FROM"
+            stage.instructions.append((keyword, rest.strip()))
+    return stages
+
+
+def _exec_form(value: str) -> list[str]:
+    """["a", "b"] (JSON exec form) or a shell-form string, as argv."""
+    value = value.strip()
+    if value.startswith("["):
+        return yaml.safe_load(value)
+    return shlex.split(value)
+
+
+def _inherited(stages: dict[str, Stage], name: str, keyword: str):
+    """The value of ENTRYPOINT/USER/... for a stage, following FROM <stage> inheritance."""
+    stage = stages[name]
+    while True:
+        value = stage.last(keyword)
+        if value is not None:
+            return value
+        if stage.base not in stages:
+            return None
+        stage = stages[stage.base]
+
+
+def _env(stages: dict[str, Stage], name: str) -> dict[str, str]:
+    chain = []
+    stage = stages[name]
+    while True:
+        chain.append(stage)
+        if stage.base not in stages:
+            break
+        stage = stages[stage.base]
+    env = {}
+    for stage in reversed(chain):
+        for value in stage.all("ENV"):
+            for item in shlex.split(value):
+                key, sep, val = item.partition("=")
+                assert sep, f"ENV {value!r}: expected KEY=VALUE pairs"
+                env[key] = val
+    return env
+
+
+def _healthcheck(stage: Stage) -> list[str]:
+    value = stage.last("HEALTHCHECK")
+    assert value, "the server stage has no HEALTHCHECK"
+    _, sep, command = value.partition("CMD ")
+    assert sep, value
+    return _exec_form(command)
+
+
+def _scripts() -> dict[str, str]:
+    return _pyproject()["project"]["scripts"]
+
+
+def _script_path(name: str) -> str:
+    path = pathlib.Path(sys.executable).with_name(name)
+    if path.is_file() and os.access(path, os.X_OK):
+        return str(path)
+    found = shutil.which(name)
+    if not found:
+        pytest.skip(f"console script {name} is not installed next to {sys.executable} nor on PATH")
+    return found
+
+
+def _server_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="remoteloader-server", exit_on_error=False)
+    config_module.add_arguments(parser)
+    return parser
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], env: dict[str, str] | None = None):
+    """parse_args with only ``env`` as REMOTELOADER_* variables (defaults read the environment)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(config_module.ENV_PREFIX)}
+    try:
+        for k in saved:
+            del os.environ[k]
+        os.environ.update({k: v for k, v in (env or {}).items() if k.startswith(config_module.ENV_PREFIX)})
+        fresh = argparse.ArgumentParser(prog=parser.prog, exit_on_error=False)
+        config_module.add_arguments(fresh)
+        unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in _option_strings(fresh)]
+        assert not unknown, f"flags the server does not have: {unknown}"
+        try:
+            return fresh.parse_args(argv)
+        except (argparse.ArgumentError, SystemExit) as exc:
+            pytest.fail(f"the server's argument parser refuses {argv}: {exc}")
+    finally:
+        for k in [k for k in os.environ if k.startswith(config_module.ENV_PREFIX)]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def _volume_name(spec) -> str | None:
+    """The named volume of a compose volume entry ("name:/path[:ro]" or the long form), else None."""
+    if isinstance(spec, dict):
+        return spec.get("source") if spec.get("type", "volume") == "volume" else None
+    source = str(spec).split(":")[0]
+    if source.startswith((".", "/", "~", "$")) or ":" not in str(spec):
+        return None
+    return source
+
+
+# ---- docker compose -------------------------------------------------------------------------
+def test_compose_parses_and_builds_existing_targets():
+    compose = _compose()
+    stages = _dockerfile()
+    services = compose["services"]
+    assert services, "no services"
+    for name, service in services.items():
+        build = service.get("build")
+        if build is None:
+            continue
+        build = {"context": build} if isinstance(build, str) else build
+        context = ROOT / build.get("context", ".")
+        assert context.is_dir(), f"{name}: build context {context} does not exist"
+        dockerfile = context / build.get("dockerfile", "Dockerfile")
+        assert dockerfile.resolve() == DOCKERFILE.resolve(), f"{name}: builds {dockerfile}"
+        target = build.get("target")
+        assert target in stages, f"{name}: build target {target!r} is not a stage of {DOCKERFILE} ({list(stages)})"
+
+
+def test_compose_volumes_are_declared():
+    compose = _compose()
+    declared = set((compose.get("volumes") or {}).keys())
+    used = set()
+    for name, service in compose["services"].items():
+        for spec in service.get("volumes", []):
+            volume = _volume_name(spec)
+            if volume is not None:
+                assert volume in declared, f"{name}: volume {volume!r} is not declared under volumes:"
+                used.add(volume)
+    assert used, "no service mounts a named volume"
+    assert declared <= used, f"declared but unused volumes: {declared - used}"
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """container path -> volume name."""
+    out = {}
+    for spec in service.get("volumes", []):
+        parts = str(spec).split(":")
+        if len(parts) >= 2:
+            out[parts[1]] = parts[0]
+    return out
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def test_compose_per_shard_loaders_and_shared_profile():
+    services = _compose()["services"]
+    stages = _dockerfile()
+    # Server-local shards: loader-0, loader-1, each with its own volume, filled by "prepare".
+    loaders = sorted(n for n in services if re.fullmatch(r"loader-\d+", n))
+    assert loaders == ["loader-0", "loader-1"], loaders
+    prepare = services["prepare"]
+    prepared = _mounts(prepare)
+    prepare_root = _flag(prepare["command"], "--prepare")
+    assert int(_flag(prepare["command"], "--servers")) == len(loaders)
+    volumes = set()
+    for n in loaders:
+        service = services[n]
+        assert "profiles" not in service, f"{n} must run by default"
+        assert service["build"]["target"] == "server"
+        data = _flag(service["command"], "--data")
+        volume = _mounts(service).get(data)
+        assert volume, f"{n}: --data {data} is not a mounted volume"
+        volumes.add(volume)
+        # prepare writes shard-N into that same volume
+        assert prepared.get(f"{prepare_root}/shard-{n.split('-')[1]}") == volume, (n, prepared, volume)
+        assert service["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
+        assert service.get("shm_size"), f"{n}: decoded chunks live in /dev/shm; set shm_size"
+    assert len(volumes) == len(loaders), "each per-shard loader must mount its own shard volume"
+    # Profile "shared": one dataset volume for every replica of "loader".
+    shared = {n for n, s in services.items() if "shared" in (s.get("profiles") or [])}
+    assert {"loader", "trainer-shared", "prepare-shared"} <= shared, shared
+    loader = services["loader"]
+    assert loader["build"]["target"] == "server"
+    assert "container_name" not in loader, "a fixed container_name prevents --scale"
+    assert not any(":" in str(p) for p in loader.get("ports", [])), "host port mappings prevent --scale"
+    data = _flag(loader["command"], "--data")
+    assert _mounts(loader)[data] == _mounts(services["prepare-shared"])[_flag(
+        services["prepare-shared"]["command"], "--prepare") + "/shard-0"]
+    # Trainers use the trainer stage, whose entrypoint is the remoteloader command.
+    for n in ("trainer", "trainer-shared", "prepare", "prepare-shared"):
+        assert services[n]["build"]["target"] == "trainer"
+    assert _exec_form(_inherited(stages, "trainer", "ENTRYPOINT")) == ["remoteloader"]
+
+
+def test_compose_trainers_connect_to_servers_that_exist():
+    from remoteloader.server import demo as demo_module
+
+    services = _compose()["services"]
+    parser = argparse.ArgumentParser(prog="remoteloader demo", exit_on_error=False)
+    demo_module.add_arguments(parser)
+    for name in ("trainer", "trainer-shared"):
+        service = services[name]
+        command = service["command"]
+        assert command[0] == "demo"
+        parser.parse_args(command[1:])  # the demo accepts these flags
+        connect = _flag(command, "--connect")
+        assert connect, f"{name}: no --connect"
+        profiles = set(service.get("profiles") or [])
+        for target in connect.split(","):
+            host, _, port = target.rpartition(":")
+            assert host in services, f"{name} connects to {host!r}, which is not a service"
+            server = services[host]
+            assert server["build"]["target"] == "server", f"{name} connects to {host}, not a loader"
+            assert set(server.get("profiles") or []) <= profiles, f"{host} does not run with {name}'s profiles"
+            listen = int(_flag(server["command"], "--port"))
+            assert int(port) == listen, f"{name} connects to {host}:{port}, which listens on {listen}"
+            assert str(listen) in [str(p) for p in server.get("expose", [])], f"{host} does not expose {listen}"
+            assert server.get("environment", {}).get("REMOTELOADER_HOST") == "0.0.0.0", \
+                f"{host} must bind all interfaces inside its container"
+            assert service["depends_on"][host]["condition"] == "service_healthy"
+    for name in ("prepare", "prepare-shared"):
+        parser.parse_args(services[name]["command"][1:])
+
+
+# ---- Dockerfile -----------------------------------------------------------------------------
+def test_dockerfile_entrypoints_are_console_scripts_and_copies_exist():
+    stages = _dockerfile()
+    assert "server" in stages and "trainer" in stages
+    scripts = _scripts()
+    entry = _exec_form(_inherited(stages, "server", "ENTRYPOINT"))
+    assert entry == ["remoteloader-server"], entry
+    assert entry[0] in scripts, f"ENTRYPOINT {entry[0]} is not in [project.scripts] {list(scripts)}"
+    assert scripts["remoteloader-server"] == "remoteloader.server.cli:serve_main"
+    assert _exec_form(_inherited(stages, "trainer", "ENTRYPOINT"))[0] in scripts
+    assert _healthcheck(stages["server"])[0] in scripts
+    copied = set()
+    for stage in stages.values():
+        for value in stage.all("COPY"):
+            args = [a for a in shlex.split(value) if not a.startswith("--")]
+            assert len(args) >= 2, value
+            for source in args[:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: no such file in the build context"
+                copied.add(pathlib.PurePosixPath(source).as_posix().rstrip("/"))
+    # Every package directory of pyproject (and the files pip needs) is copied into the image.
+    package_dirs = _pyproject()["tool"]["setuptools"]["package-dir"].values()
+    for needed in list(package_dirs) + ["pyproject.toml", "README.md"]:
+        assert needed in copied, f"{needed} is not copied into the image"
+    dockerignore = ROOT / ".dockerignore"
+    if dockerignore.exists():
+        ignored = [line.strip() for line in dockerignore.read_text().splitlines() if line.strip()]
+        for source in copied:
+            assert source not in ignored, f"{source} is COPY'd but excluded by .dockerignore"
+
+
+def test_dockerfile_expose_matches_compose_and_healthcheck():
+    stages = _dockerfile()
+    server = stages["server"]
+    exposed = {int(p.split("/")[0]) for value in server.all("EXPOSE") for p in value.split()}
+    assert exposed == {CONTAINER_PORT}, exposed
+    env = _env(stages, "server")
+    assert int(env["REMOTELOADER_PORT"]) == CONTAINER_PORT
+    health = _healthcheck(server)
+    assert health[1] == "probe" and health[2].rsplit(":", 1)[1] == str(CONTAINER_PORT), health
+    for name, service in _compose()["services"].items():
+        if service.get("build", {}).get("target") != "server":
+            continue
+        assert int(_flag(service["command"], "--port")) in exposed, name
+        assert {int(p) for p in service.get("expose", [])} <= exposed, name
+        assert service.get("stop_grace_period"), f"{name}: give the drain time (stop_grace_period)"
+    assert server.last("STOPSIGNAL") in (None, "SIGTERM")
+
+
+# ---- run what compose runs ------------------------------------------------------------------
+class Process:
+    """A subprocess whose stderr is collected by a thread; readiness from 'listening on'."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            match = re.search(r"listening on (\S+):(\d+)", line)
+            if match and not self.ready.is_set():
+                self.port = int(match.group(2))
+                self.ready.set()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture(scope="module")
+def compose_server(tmp_path_factory):
+    """loader-0 exactly as compose starts it, but on a local ImageFolder, a free port and 127.0.0.1."""
+    from conftest import _free_port
+
+    service = _compose()["services"]["loader-0"]
+    stages = _dockerfile()
+    data = make_imagefolder(tmp_path_factory.mktemp("compose-data"), ["x", "y"], 5, size=(48, 64), seed=5)
+    port = _free_port()
+    entry = _exec_form(_inherited(stages, "server", "ENTRYPOINT"))
+    command = list(service["command"])
+    argv = [_script_path(entry[0])] + entry[1:]
+    for i, arg in enumerate(command):
+        if arg == "/data":
+            arg = str(data)
+        elif i > 0 and command[i - 1] == "--port":
+            assert arg == str(CONTAINER_PORT)
+            arg = str(port)
+        argv.append(arg)
+    assert str(data) in argv and str(port) in argv, argv
+    env = {k: v for k, v in os.environ.items() if not k.startswith(config_module.ENV_PREFIX)}
+    env.update(_env(stages, "server"))  # the image's ENV ...
+    env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})  # ... then compose's
+    assert env["REMOTELOADER_HOST"] == "0.0.0.0"
+    env["REMOTELOADER_HOST"] = "127.0.0.1"  # never bind other interfaces in tests
+    process = Process(argv, env)
+    try:
+        deadline = time.monotonic() + 45
+        while not process.ready.wait(0.1):
+            if process.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{argv} did not start (exit {process.proc.poll()}):\n{process.log}")
+        assert process.port == port, f"listening on {process.port}, expected the --port {port}"
+        yield process
+    finally:
+        process.kill()
+
+
+def test_compose_server_command_serves_a_full_epoch(compose_server, run_bounded):
+    from remoteloader.client import RemoteLoader
+
+    address = f"127.0.0.1:{compose_server.port}"
+    with RemoteLoader(address, batch_size=3, image_size=32, drop_last=False, return_ids=True,
+                      connect_timeout=10) as loader:
+        assert loader.num_samples == 10 and loader.class_names == ["x", "y"]
+        ids = [i for _images, _labels, batch in run_bounded(loader, 60) for i in batch.tolist()]
+    assert sorted(ids) == list(range(10))
+    assert "with 2 workers" in compose_server.log, compose_server.log  # compose's --workers 2 took effect
+
+
+def _probe(port: int) -> subprocess.CompletedProcess:
+    stages = _dockerfile()
+    health = _healthcheck(stages["server"])
+    argv = [_script_path(health[0])] + [a.replace(f":{CONTAINER_PORT}", f":{port}") for a in health[1:]]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+
+def test_healthcheck_command_against_the_server_and_a_free_port(compose_server):
+    from conftest import _free_port
+
+    ok = _probe(compose_server.port)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "SERVING" in ok.stdout
+    started = time.monotonic()
+    down = _probe(_free_port())
+    assert down.returncode != 0, down.stdout + down.stderr
+    assert time.monotonic() - started < 20
+
+
+def test_compose_server_exits_0_on_sigterm(compose_server):
+    proc = compose_server.proc
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(40)  # compose's stop_grace_period
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit within 40s of SIGTERM:\n{compose_server.log}")
+    assert code == 0, compose_server.log
+    assert "draining" in compose_server.log
+
+
+# ---- Kubernetes -----------------------------------------------------------------------------
+def _k8s_documents() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _statefulset_and_service():
+    docs = _k8s_documents()
+    sets = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert len(sets) == 1, [d["kind"] for d in docs]
+    statefulset = sets[0]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    return statefulset, services
+
+
+def test_k8s_files_parse_and_kustomization_lists_them():
+    docs = _k8s_documents()
+    assert docs and all("kind" in d and "apiVersion" in d for d in docs)
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), resource
+
+
+def test_k8s_statefulset_has_a_headless_service_and_probes():
+    statefulset, services = _statefulset_and_service()
+    spec = statefulset["spec"]
+    service = services.get(spec["serviceName"])
+    assert service is not None, f"no Service named {spec['serviceName']}"
+    assert service["spec"]["clusterIP"] == "None", "the Service must be headless"
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items(), "the Service selects no pod"
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert "grpc" in ports
+    for probe in ("readinessProbe", "livenessProbe"):
+        grpc_probe = container[probe].get("grpc")
+        assert grpc_probe, f"{probe} must use the gRPC health service"
+        assert grpc_probe["port"] in (ports["grpc"], "grpc"), f"{probe} checks port {grpc_probe['port']}"
+    assert container["readinessProbe"]["grpc"].get("service") == "remoteloader.v1.Loader"
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in ports or port["targetPort"] in ports.values(), port
+    assert container["lifecycle"]["preStop"], "no preStop hook"
+    requests = container["resources"]["requests"]
+    assert requests.get("cpu") and requests.get("memory"), requests
+
+
+def _substituted_args(container: dict) -> tuple[list[str], dict[str, str]]:
+    env = {}
+    for item in container.get("env", []):
+        env[item["name"]] = str(item["value"]) if "value" in item else "0"  # fieldRefs: the pod index, 0
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+    assert not any("$(" in a for a in args), args
+    return args, env
+
+
+def test_k8s_args_are_accepted_by_the_server(tmp_path):
+    statefulset, _ = _statefulset_and_service()
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args, env = _substituted_args(container)
+    namespace = _parse(_server_parser(), args, env)
+    # The container port named grpc is the one the server listens on, metrics likewise.
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert namespace.port == ports["grpc"]
+    assert namespace.metrics_port == ports["metrics"]
+    assert str(namespace.metrics_port) == statefulset["spec"]["template"]["metadata"]["annotations"][
+        "prometheus.io/port"]
+    assert namespace.host == "0.0.0.0"  # from REMOTELOADER_HOST
+    # Files the args name live on mounted volumes of the right kind.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def volume_of(path: str) -> dict:
+        best = max((m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")), key=len, default=None)
+        assert best is not None, f"{path} is on no mounted volume"
+        return volumes[mounts[best]]
+
+    assert "secret" in volume_of(namespace.token_file)
+    for path in namespace.data:
+        assert "persistentVolumeClaim" in volume_of(path)
+    assert volume_of("/dev/shm")["emptyDir"]["medium"] == "Memory"
+    # The whole configuration is valid once the token file exists (log format etc.).
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    namespace.token_file = str(token)
+    config = config_module.from_args(namespace)
+    assert config.log_format == "json" and config.grace > 0
+
+
+def test_k8s_termination_grace_covers_prestop_and_drain():
+    statefulset, _ = _statefulset_and_service()
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args, env = _substituted_args(container)
+    grace = _parse(_server_parser(), args, env).grace
+    assert grace is not None, "pass --grace explicitly so the pod's grace period can be checked"
+    termination = pod["terminationGracePeriodSeconds"]
+    assert termination > grace
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    sleep = float(command[1]) if command[0] == "sleep" else 0.0
+    assert termination > sleep + grace, (termination, sleep, grace)
+
+
+# ---- CI ------------------------------------------------------------------------------------
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```(?:bash|sh|shell)?\n(.*?)```", readme, re.S)
+    assert block, "no fenced block in README.md"
+    commands = [line.strip() for line in block.group(1).splitlines() if line.strip()]
+    assert len(commands) >= 2, commands
+    test_command = commands[1]
+    assert "pytest" in test_command
+    ci = ROOT / ".ci" / "run"
+    assert ci.is_file() and os.access(ci, os.X_OK), ".ci/run must exist and be executable"
+    lines = [line.strip() for line in ci.read_text().splitlines()]
+    assert test_command in lines, f"{test_command!r} is not a line of .ci/run"
