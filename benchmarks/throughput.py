@@ -1,7 +1,7 @@
 """Images/s delivered to a training loop: RemoteLoader vs. torch DataLoader (PIL and OpenCV).
 
     python benchmarks/throughput.py [--images N] [--epochs E] [--batch-size B] [--workers K]
-                                    [--data DIR] [--json PATH] [--profile]
+                                    [--data DIR] [--json PATH]
 
 One run, on the same cores, measures three loaders that produce the same thing (random
 resized crop to 224x224, scale 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 RGB):
@@ -15,23 +15,18 @@ resized crop to 224x224, scale 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 RGB
 Epochs alternate (remote, pil, opencv, remote, ...) after one warm-up epoch per loader, so
 drift and neighbours' load hit all three alike. Every epoch is read to the end, so no
 loader has work in flight while another is timed; the CPU time the server's processes use
-during the other loaders' epochs is reported to show it. ``--profile`` adds a per-sample
-cost breakdown of the server's "train" pipeline, measured in this process on one core.
+during the other loaders' epochs is reported to show it.
 See benchmarks/README.md for what each figure means.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import math
 import os
 import pathlib
 import platform
-import pstats
-import random
 import shutil
 import signal
 import statistics
@@ -249,188 +244,6 @@ def markdown_table(summary: dict[str, dict], order: list[str]) -> str:
     return "\n".join(lines)
 
 
-# ---- profile of the server's pipeline --------------------------------------------------------
-
-def _pow2_fused(pipeline, dec, data: bytes, seed: int) -> np.ndarray:
-    """Pipeline._fused_crop with the DCT scale restricted to 1, 1/2, 1/4, 1/8 (a suggested fix)."""
-    fmt, height, width = dec.read_size(data, pipeline.max_pixels)
-    pipeline.compose.set_random_seed(seed)
-    crop = pipeline._crop
-    params = crop.get_params()
-    params["shape"] = (height, width, 3)
-    x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
-    out_h, out_w = crop.size
-    need = max(out_h / max(y2 - y1, 1), out_w / max(x2 - x1, 1))
-    f = 1.0
-    while f > 1 / 8 and f / 2 >= need:
-        f /= 2
-    image = dec.decode(data, fmt, math.ceil(height * f) if f < 1 else 0, math.ceil(width * f) if f < 1 else 0)
-    dh, dw = image.shape[:2]
-    if (dh, dw) != (height, width):
-        sy, sx = dh / height, dw / width
-        x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
-        y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
-    region = image[y1:y2, x1:x2]
-    if region.shape[:2] != (out_h, out_w):
-        region = cv2.resize(region, (out_w, out_h), interpolation=crop.interpolation)
-    return pipeline._rest(image=region)["image"]
-
-
-def profile_pipeline(samples: list[tuple[str, int]], size: int, count: int, repeats: int = 3) -> dict:
-    """Per-sample cost of the server's "train" pipeline by stage, in this process, one thread.
-
-    Reproduces ``worker.main``'s loop (read_sample, then ``Pipeline.__call__`` and the copy
-    into the slot) with each stage timed, then times the real ``Pipeline`` end to end, a
-    few variants and the two baseline pipelines on the same files. Every figure is the
-    mean over samples of the fastest of ``repeats`` passes per sample (after a warm-up
-    pass), which keeps other processes' load out of it as far as possible.
-    """
-    from remoteloader.server import decode as dec
-    from remoteloader.server.pipelines import Pipeline, PipelineSpec
-    from remoteloader.server.service import sample_seeds
-    from remoteloader.server.worker import read_sample
-
-    cv2.setNumThreads(1)
-    torch.set_num_threads(1)
-    chosen = random.Random(0).sample(samples, min(count, len(samples)))
-    paths = [p for p, _ in chosen]
-    sizes = [os.path.getsize(p) for p in paths]  # the catalog indexes sizes; workers check them
-    n = len(paths)
-    seeds = sample_seeds(0, 0, 0x1234, np.arange(n))
-    pipeline = Pipeline(PipelineSpec("train", size, size))
-    crop = pipeline._crop
-    out = np.empty((n, size, size, 3), np.uint8)  # stands for the shared arena slot
-    stages = ["read file", "JPEG header", "set_random_seed", "crop params", "decode (DCT-scaled)",
-              "crop + resize", "flip (A.Compose)", "copy into slot"]
-    best = {k: np.full(n, np.inf) for k in stages}
-    full_decode = np.full(n, np.inf)
-    scales = np.ones(n)
-    decoded_px = np.zeros(n)
-    full_px = np.zeros(n)
-    for _ in range(repeats + 1):  # pass 0 warms caches and lazy initialisation, and counts too
-        for i, (path, seed) in enumerate(zip(paths, seeds)):
-            t0 = time.perf_counter_ns()
-            data = read_sample(path, 0, sizes[i])
-            t1 = time.perf_counter_ns()
-            fmt, height, width = dec.read_size(data, pipeline.max_pixels)
-            t2 = time.perf_counter_ns()
-            pipeline.compose.set_random_seed(seed)
-            t3 = time.perf_counter_ns()
-            params = crop.get_params()
-            params["shape"] = (height, width, 3)
-            x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
-            min_h = math.ceil(height * size / max(y2 - y1, 1))
-            min_w = math.ceil(width * size / max(x2 - x1, 1))
-            t4 = time.perf_counter_ns()
-            image = dec.decode(data, fmt, min(min_h, height), min(min_w, width))
-            t5 = time.perf_counter_ns()
-            dh, dw = image.shape[:2]
-            if (dh, dw) != (height, width):
-                sy, sx = dh / height, dw / width
-                x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
-                y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
-            region = image[y1:y2, x1:x2]
-            if region.shape[:2] != (size, size):
-                region = cv2.resize(region, (size, size), interpolation=crop.interpolation)
-            t6 = time.perf_counter_ns()
-            result = pipeline._rest(image=region)["image"]
-            t7 = time.perf_counter_ns()
-            out[i] = result
-            t8 = time.perf_counter_ns()
-            dec.decode(data, fmt)  # full size, for the comparison by scale
-            t9 = time.perf_counter_ns()
-            for k, v in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7)):
-                best[k][i] = min(best[k][i], v / 1000)
-            full_decode[i] = min(full_decode[i], (t9 - t8) / 1000)
-            scales[i] = dh / height
-            decoded_px[i] = dh * dw
-            full_px[i] = height * width
-    breakdown = {k: float(v.mean()) for k, v in best.items()}
-    by_scale = {}
-    for f in sorted(set(np.round(scales * 8) / 8), reverse=True):
-        sel = np.round(scales * 8) / 8 == f
-        by_scale[f"{int(round(f * 8))}/8"] = {
-            "samples": int(sel.sum()), "decode_us": float(best["decode (DCT-scaled)"][sel].mean()),
-            "full_decode_us": float(full_decode[sel].mean())}
-
-    blobs = [read_sample(p, 0, k) for p, k in zip(paths, sizes)]
-
-    def per_sample(fn) -> float:
-        times = np.full(n, np.inf)
-        for rep in range(repeats + 1):
-            for i in range(n):
-                t = time.perf_counter_ns()
-                fn(i)
-                if rep:
-                    times[i] = min(times[i], time.perf_counter_ns() - t)
-        return float(times.mean() / 1000)
-
-    def end_to_end(i):
-        out[i] = pipeline(read_sample(paths[i], 0, sizes[i]), seeds[i])
-
-    flip = A.HorizontalFlip(p=1.0)
-    tile = out[0].copy()
-    pil_set, cv_set = PILTrainSet(chosen, size), OpenCVTrainSet(chosen, size)
-    cv_set.transform.set_random_seed(0)
-    torch.manual_seed(0)
-    compare = {
-        "server worker loop, end to end (read + Pipeline + copy)": per_sample(end_to_end),
-        "Pipeline.__call__, bytes in memory (fused, as shipped)": per_sample(lambda i: pipeline(blobs[i], seeds[i])),
-        "  same, plain path (fused=False: full decode + A.RandomResizedCrop)": per_sample(
-            lambda i: pipeline(blobs[i], seeds[i], fused=False)),
-        "  same, fused with DCT scales 1/2, 1/4, 1/8 only": per_sample(
-            lambda i: _pow2_fused(pipeline, dec, blobs[i], seeds[i])),
-        "  simplejpeg full-size decode (server flags)": per_sample(lambda i: dec.decode(blobs[i], "jpeg")),
-        "  set_random_seed: one np default_rng + one random.Random": per_sample(
-            lambda i: (np.random.default_rng(seeds[i]), random.Random(seeds[i]))),
-        "  cv2.flip alone (224x224)": per_sample(lambda i: cv2.flip(tile, 1)),
-        "  A.HorizontalFlip(p=1) called directly": per_sample(lambda i: flip(image=tile)),
-        "DataLoader+PIL sample (open, convert, crop, resize, flip, to tensor)": per_sample(lambda i: pil_set[i]),
-        "  PIL open + convert('RGB') from memory (full decode)": per_sample(
-            lambda i: Image.open(io.BytesIO(blobs[i])).convert("RGB")),
-        "DataLoader+OpenCV sample (imread, cvtColor, albumentations)": per_sample(lambda i: cv_set[i]),
-        "  cv2.imdecode from memory (full decode, BGR)": per_sample(
-            lambda i: cv2.imdecode(np.frombuffer(blobs[i], np.uint8), cv2.IMREAD_COLOR)),
-    }
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(n):
-        end_to_end(i)
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-    return {"samples": n, "repeats": repeats, "breakdown_us": breakdown, "breakdown_total_us": sum(breakdown.values()),
-            "dct_scaled_fraction": float((scales < 1).mean()),
-            "decoded_pixel_fraction": float(decoded_px.sum() / full_px.sum()),
-            "decode_by_scale": by_scale, "compare_us": compare, "cprofile_top": text.getvalue()}
-
-
-def print_profile(p: dict) -> None:
-    total = p["breakdown_total_us"]
-    print(f"\n## Server pipeline, per-sample cost (one core, in this process, {p['samples']} samples, "
-          f"best of {p['repeats']} passes)\n")
-    print("| stage | us/sample | share |")
-    print("|---|---:|---:|")
-    for stage, us in p["breakdown_us"].items():
-        print(f"| {stage} | {us:.0f} | {100 * us / total:.1f}% |")
-    print(f"| **total** | **{total:.0f}** | 100% |")
-    print(f"\nDCT-scaled decodes: {100 * p['dct_scaled_fraction']:.0f}% of samples; pixels decoded: "
-          f"{100 * p['decoded_pixel_fraction']:.0f}% of full size.\n")
-    print("| DCT scale chosen | samples | decode us | full-size decode us, same files | ratio |")
-    print("|---|---:|---:|---:|---:|")
-    for scale, d in p["decode_by_scale"].items():
-        print(f"| {scale} | {d['samples']} | {d['decode_us']:.0f} | {d['full_decode_us']:.0f} | "
-              f"{d['decode_us'] / d['full_decode_us']:.2f} |")
-    print("\n| for comparison | us/sample |")
-    print("|---|---:|")
-    for what, us in p["compare_us"].items():
-        print(f"| {what} | {us:.0f} |")
-    print("\ncProfile of the worker loop (top 12 by own time):\n")
-    print("\n".join(line for line in p["cprofile_top"].splitlines() if line.strip()))
-
-
-# ---- main ----------------------------------------------------------------------------------
-
 def parse_args(argv=None) -> argparse.Namespace:
     cores = _common.default_cores()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -447,9 +260,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loaders", default=",".join(LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every measurement to this JSON file")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print a per-sample cost breakdown of the server's train pipeline")
-    parser.add_argument("--profile-samples", type=int, default=400, help="samples for --profile (default 400)")
     args = parser.parse_args(argv)
     args.loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     bad = [x for x in args.loaders if x not in LOADERS]
@@ -602,10 +412,6 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} {v:.2f}s" for n, v in idle.items())
               + " (should be ~0: nothing leaks across epochs)")
 
-    profile = None
-    if args.profile:
-        profile = profile_pipeline(samples, args.image_size, args.profile_samples)
-        print_profile(profile)
 
     if args.json:
         document = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
@@ -613,7 +419,7 @@ def main(argv=None) -> int:
                              "python": platform.python_version(), "torch": torch.__version__,
                              "pillow": Image.__version__, "opencv": cv2.__version__,
                              "albumentations": A.__version__, "platform": platform.platform()},
-                    "dataset": stats, "epochs": records, "summary": summary, "ratios": ratios, "profile": profile}
+                    "dataset": stats, "epochs": records, "summary": summary, "ratios": ratios}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2))
         print(f"\nwrote {args.json}")
@@ -623,6 +429,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # outside the measured part (dataset generation, profile)
+    except KeyboardInterrupt:  # outside the measured part (dataset generation)
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
