@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return demo_module.run(args)
+        try:
+            return demo_module.run(args)
+        except KeyboardInterrupt:  # the servers were stopped on the way out
+            print("interrupted; loader servers stopped", file=sys.stderr)
+            return 130
     if args.command == "probe":
         return probe_module.run(args)
     return pack_module.run(args)
