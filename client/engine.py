@@ -157,29 +157,38 @@ class Engine:
 
     # ---- scheduling -----------------------------------------------------------------
     def _pump(self) -> None:
-        while self._pending:
-            ready = [l for l in self.links.values() if l.credits > 0]
+        """Sends pending orders, oldest first, each to the owner expected to finish it first.
+
+        A server's expected finish is (samples it already holds + this order) / its measured
+        rate, so a replica twice as fast gets about twice the work. An order waits rather
+        than go to a server with credits when a busier but faster owner would still finish
+        it sooner (by more than half again).
+        """
+        for order in list(self._pending):
+            owners = [l for l in (self.links.get(a) for a in order.shard.owners) if l is not None and l.state == "up"]
+            if not owners:
+                continue
+            default_rate = max((l.rate for l in owners if l.rate), default=1000.0)
+            n = len(order.positions)
+
+            def finish(link: Link) -> float:
+                return (link.outstanding + n) / (link.rate or default_rate)
+
+            ready = [l for l in owners if l.credits > 0]
             if not ready:
-                break
-            ready.sort(key=lambda l: len(l.inflight) / l.max_inflight)
-            sent = False
-            for link in ready:
-                for i, order in enumerate(self._pending):
-                    if order.shard.id in link.shard_ids:
-                        del self._pending[i]
-                        self._send(link, order)
-                        sent = True
-                        break
-                if sent:
-                    break
-            if not sent:
-                break
+                continue
+            best = min(ready, key=finish)
+            if finish(best) > 1.5 * min(finish(l) for l in owners):
+                continue
+            self._pending.remove(order)
+            self._send(best, order)
         self._check_stranded()
 
     def _send(self, link: Link, order: _Order) -> None:
         order.link = link
         order.received = 0
         link.inflight[order.order_id] = order
+        link.outstanding += len(order.positions)
         link.send(loader_pb2.Order(order_id=order.order_id, shard_id=order.shard.id, indices=order.local.tolist(),
                                    seed=self.seed, epoch=order.epoch))
 
@@ -198,6 +207,7 @@ class Engine:
                 f"count {header.count}, {len(pixels)} pixel bytes, expected {expected})"))
             return
         link.bytes_received += len(pixels)
+        link.record(header.count)
         if not order.cancelled:
             batch = order.batch
             rows = order.positions[header.start:header.start + header.count]
@@ -215,6 +225,7 @@ class Engine:
         order.received += header.count
         if order.received == n:
             del link.inflight[order.order_id]
+            link.outstanding -= n
             link.samples_received += n
             if not order.cancelled:
                 order.batch.remaining -= n
@@ -226,6 +237,7 @@ class Engine:
     def on_link_down(self, link: Link, exc: Exception) -> None:
         orders = [o for o in link.inflight.values() if not o.cancelled]
         link.inflight.clear()
+        link.outstanding = 0
         if is_fatal(exc):
             self.fail(LoaderError(f"loader server {link.address} refused the request: {describe_error(exc)}"))
             return

@@ -64,6 +64,9 @@ class Link:
         self.reconnects = 0
         self.down_since: float | None = None
         self.last_error = ""
+        self.outstanding = 0  # samples sent and not yet received
+        self.rate = 0.0  # samples/s while busy, a moving average (0: not measured yet)
+        self._last_arrival = 0.0
         self._control: grpc.aio.Channel | None = None
         self._data: grpc.aio.Channel | None = None
         self._call = None
@@ -125,7 +128,18 @@ class Link:
         call = self._call
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
 
+    def record(self, samples: int) -> None:
+        """Updates the rate from a chunk's arrival (the gap since the previous one, while busy)."""
+        now = time.monotonic()
+        gap = now - self._last_arrival
+        self._last_arrival = now
+        if 0 < gap < 5.0:  # a longer gap means the server was idle, not slow
+            weight = min(1.0, gap)  # about a one-second memory
+            self.rate = (1 - weight) * self.rate + weight * (samples / gap) if self.rate else samples / gap
+
     def send(self, order: loader_pb2.Order) -> None:
+        if len(self.inflight) == 1:  # it was idle: the next gap starts now
+            self._last_arrival = time.monotonic()
         self.orders_sent += 1
         self._outbox.put_nowait(loader_pb2.StreamRequest(order=order))
 

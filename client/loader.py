@@ -273,7 +273,10 @@ class RemoteLoader:
 
     def _abandon(self, source, out) -> None:
         """The consumer stopped mid-epoch: stop the work and give every buffer back."""
-        self._call(_noop(self._engine.cancel_epoch), timeout=10)
+        try:
+            self._call(_noop(self._engine.cancel_epoch), timeout=10)
+        except RuntimeError:  # close() from another thread got there first
+            return
         self._delivery.close()
         for q in (source, out):
             while True:

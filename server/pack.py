@@ -1,7 +1,7 @@
 """``remoteloader pack SRC DST``: write WebDataset tar shards from an ImageFolder tree.
 
-Each sample becomes ``<class>/<stem>.jpg`` (the original bytes, not re-encoded) and
-``<class>/<stem>.cls`` (its label as decimal text), written in a seeded random order so
+Each sample becomes ``<class>/<file>`` (the original bytes under the ImageFolder key, not
+re-encoded) and ``<class>/<stem>.cls`` (its label as decimal text), written in a seeded random order so
 every shard mixes all classes; ``classes.txt`` beside the shards names the labels. Reading
 one large file by offset is much faster than opening many small files on real disks.
 """
@@ -47,9 +47,10 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
         raise ValueError(f"shard_size={shard_size}: expected a positive number of bytes")
     source = ImageFolderShard(pathlib.Path(src))
     out = pathlib.Path(dst)
+    if out.exists() and any(out.iterdir()):
+        # A server reads every .tar in a folder: packing next to other files would mix datasets.
+        raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
     out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("shard-*.tar")):
-        raise FileExistsError(f"{out} already holds shard-*.tar files; choose an empty folder")
     order = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
     (out / CLASSES_FILE).write_text("".join(f"{c}\n" for c in source.class_names))
     bar = None
@@ -70,8 +71,8 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
                 paths.append(out / f"shard-{len(paths):05d}.tar")
                 tar = tarfile.open(paths[-1], "w", format=tarfile.USTAR_FORMAT)
                 written = 0
-            stem, ext = os.path.splitext(key)
-            _add(tar, f"{stem}{ext.lower()}", data)
+            stem, _ = os.path.splitext(key)
+            _add(tar, key, data)  # the ImageFolder key, so both layouts name samples alike
             _add(tar, f"{stem}.cls", str(int(source.labels[index])).encode())
             written += len(data) + 1536
             if bar is not None:
@@ -92,7 +93,11 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    paths = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle, progress=not args.quiet)
+    try:
+        paths = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle, progress=not args.quiet)
+    except (OSError, ValueError) as exc:  # CatalogError is a ValueError
+        print(f"remoteloader pack: error: {exc}", file=sys.stderr)
+        return 2
     total = sum(p.stat().st_size for p in paths)
     print(f"wrote {len(paths)} shard(s), {total / 1e6:.1f} MB, to {args.dst}")
     return 0

@@ -320,19 +320,18 @@ def _merge(parts: list[asyncio.Future]) -> asyncio.Future:
 
 
 class RateLimiter:
-    """Spaces out work so that at most ``rate`` samples per second start, server-wide."""
+    """Spaces out work so that at most ``rate`` samples per second are rendered, server-wide."""
 
     def __init__(self, rate: float):
         self.rate = rate
         self._next = 0.0
 
     async def take(self, count: int) -> None:
+        """Waits until ``count`` samples fit in the budget, the first ones included."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        start = max(now, self._next)
-        self._next = start + count / self.rate
-        if start > now:
-            await asyncio.sleep(start - now)
+        self._next = max(now, self._next) + count / self.rate
+        await asyncio.sleep(self._next - now)
 
 
 class _Pending(NamedTuple):

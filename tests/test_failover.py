@@ -1,8 +1,8 @@
 """Servers that die, drain, come back or stay away in the middle of an epoch.
 
-Every test runs its own real servers (the ``cluster`` fixture) because it kills or stops
-them. Servers are slowed with ``--max-rate`` so that orders are still in flight when one
-dies; the test then checks the promise of the issue: the epoch is delivered exactly once
+The tests share one module-wide Cluster of real servers (see ``servers``) and kill, stop and
+restart them. Servers are slowed with ``--max-rate`` so that orders are still in flight when
+one dies; each test then checks the promise of the issue: the epoch is delivered exactly once
 and bitwise as it would have been without the failure (the augmentation of a sample
 depends on (seed, epoch, shard, index), never on which server rendered it), or, when no
 server can serve a shard within ``reconnect_timeout``, a LoaderError names the server.
@@ -119,7 +119,7 @@ REPLICAS = (2, 3, 4)  # three servers of one directory: one shard of 96 samples
 
 
 @pytest.fixture(scope="module")
-def failover_cluster(tmp_path_factory):
+def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("failover-data")
     a = make_imagefolder(root / "a", ["cat", "dog", "owl"], 10, size=(48, 64), seed=1)
     b = make_imagefolder(root / "b", ["dog", "fox"], 12, size=(48, 64), seed=2)
@@ -132,11 +132,6 @@ def failover_cluster(tmp_path_factory):
             cluster.wait_ready(i)
         assert first == [A, B] and tuple(second) == REPLICAS
         yield cluster
-
-
-@pytest.fixture
-def servers(failover_cluster):
-    return failover_cluster
 
 
 def up(cluster, indices, need: int | None = None) -> list[int]:
@@ -223,7 +218,7 @@ def test_sigterm_drains_a_replica_mid_epoch_and_the_epoch_completes_once(servers
 # ---- the only server of a shard dies ---------------------------------------------------
 def test_server_of_a_unique_shard_restarted_on_its_port_resumes_the_epoch(servers):
     up(servers, (A, B))
-    with make_loader(target(servers, (A, B)), reconnect_timeout=60) as loader:
+    with make_loader(target(servers, (A, B)), reconnect_timeout=30) as loader:
         total = loader.num_samples
         assert total == 54 and len(loader.catalog.shards) == 2
         reference = epoch(loader, 0)
@@ -247,9 +242,11 @@ def test_server_of_a_unique_shard_restarted_on_its_port_resumes_the_epoch(server
             assert servers.kill(B) == -9
             thread = threading.Thread(target=restart, daemon=True)
             thread.start()
-            got += [tuple(b) for b in it]
-            thread.join(40)
-        assert not errors, f"restart failed: {errors[0]!r}"
+            try:
+                got += [tuple(b) for b in it]
+            finally:
+                thread.join(40)
+                assert not errors, f"the server could not be restarted: {errors[0]!r}"
         assert restarted.is_set()
         stats = loader.stats()["servers"][victim]
         assert stats["reconnects"] >= 1 and stats["failures"] >= 1, stats
@@ -271,8 +268,8 @@ def test_server_that_stays_down_raises_loader_error_naming_it(servers):
                                      f"(reconnect_timeout={limit:g}s)"):
             it = iter(loader)
             take(it, 1)
-            assert servers.kill(B) == -9
             killed = time.monotonic()
+            assert servers.kill(B) == -9
             with pytest.raises(LoaderError) as info:
                 for _ in it:
                     pass
@@ -281,6 +278,6 @@ def test_server_that_stays_down_raises_loader_error_naming_it(servers):
         state = loader.stats()["servers"][victim]
     assert victim in message, message
     assert "reconnect_timeout" in message and "sample" in message, message
-    assert waited >= limit * 0.9, f"gave up after {waited:.1f}s, before reconnect_timeout={limit:g}s"
+    assert waited >= limit * 0.95, f"gave up after {waited:.1f}s, before reconnect_timeout={limit:g}s"
     assert waited < bound, f"took {waited:.1f}s to give up with reconnect_timeout={limit:g}s"
     assert state["failures"] >= 1 and state["state"] in ("down", "dead"), state

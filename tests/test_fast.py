@@ -1,0 +1,496 @@
+"""Fast servers and a lean wire: fused decode+crop, per-transform seeds, the worker pool,
+the RAM cache, the synthetic transport mode and --max-rate.
+
+In-process tests drive ``Pipeline`` and ``decode`` directly (a handful of large images);
+end-to-end tests use one module-wide set of real servers on 127.0.0.1:
+
+    workers   --workers 2 on DATA (image_size 16: the whole order is one chunk of many tasks)
+    cached    --cache-bytes 10 MB on CACHED (a copy of DATA whose files a test deletes)
+    plain     no cache, on CACHED too (the reference for the cached server's pixels)
+    small     a cache too small for SMALL (another copy of DATA, also deleted)
+    rate      --max-rate 100 on RATE (150 samples)
+    synthetic --synthetic 50 and no --data (started by hand: Cluster always passes --data)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pathlib
+import shutil
+import signal
+import time
+
+import albumentations as A
+import numpy as np
+import pytest
+
+from remoteloader.client import RemoteLoader
+from remoteloader.server import decode as dec
+from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
+from remoteloader.server.service import sample_seeds
+from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
+
+pytestmark = pytest.mark.timeout(120)
+
+CLASSES = ["ant", "bee", "cat"]
+PER_CLASS = 12  # 36 samples
+SIZE = 16
+SEED = 7
+CACHE_BYTES = 10_000_000
+RATE, RATE_SAMPLES = 100, 150
+SYNTHETIC = 50
+
+
+# ---- in-process: pipelines and decoding --------------------------------------------------
+
+
+def smooth_photo(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """Smooth photo-like content: per-channel gradients plus low-frequency blobs."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    image = np.zeros((height, width, 3), np.float32)
+    for c in range(3):
+        image[..., c] = (rng.uniform(60, 190) + rng.uniform(-50, 50) * xx / width
+                         + rng.uniform(-50, 50) * yy / height)
+    for _ in range(6):
+        cy, cx = rng.uniform(0, height), rng.uniform(0, width)
+        r = rng.uniform(0.1, 0.3) * min(height, width)
+        blob = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * r * r))
+        image += blob[..., None] * rng.uniform(-60, 60, 3)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def imagenet_like() -> list[bytes]:
+    """ImageNet-sized JPEGs, landscape and portrait (with odd sides)."""
+    rng = np.random.default_rng(11)
+    shapes = [(375, 500), (500, 375), (333, 500), (375, 499)]
+    return [encode_jpeg(make_image(i, 5, rng, h, w), 90) for i, (h, w) in enumerate(shapes)]
+
+
+@pytest.fixture(scope="module")
+def large_photos() -> list[tuple[bytes, int, int]]:
+    rng = np.random.default_rng(3)
+    photos = []
+    for h, w in ((1500, 2000), (2000, 1500), (1501, 2003)):
+        photos.append((encode_jpeg(smooth_photo(rng, h, w), 90), h, w))
+    return photos
+
+
+class DecodeSpy:
+    """Wraps decode.decode (as the pipelines module calls it) and records what it returned."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[tuple, tuple]] = []  # ((min_h, min_w, h, w), decoded shape)
+        real = dec.decode
+
+        def spy(data, fmt, min_height=0, min_width=0, height=0, width=0):
+            image = real(data, fmt, min_height, min_width, height, width)
+            self.calls.append(((min_height, min_width, height, width), image.shape[:2]))
+            return image
+
+        monkeypatch.setattr(dec, "decode", spy)
+
+    def take(self):
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def crop_geometry(pipeline: Pipeline, seed: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """The crop (x1, y1, x2, y2) the pipeline's RandomResizedCrop picks for a seed on an image size."""
+    pipeline.reseed(seed)
+    params = pipeline._crop.get_params()
+    params["shape"] = (height, width, 3)
+    return tuple(pipeline._crop.get_params_dependent_on_data(params, {})["crop_coords"])
+
+
+@pytest.mark.parametrize("name", ["train", "eval"])
+def test_fused_equals_plain_on_imagenet_sized_images(name, imagenet_like, monkeypatch):
+    pipeline = Pipeline(PipelineSpec(name, 224, 224))
+    spy = DecodeSpy(monkeypatch)
+    for data in imagenet_like:
+        _, h, w = dec.read_size(data, 10**8)
+        for seed in range(12):
+            fused = pipeline(data, seed, fused=True)
+            plain = pipeline(data, seed, fused=False)
+            assert fused.shape == (224, 224, 3) and fused.dtype == np.uint8
+            assert np.array_equal(fused, plain), f"{name} seed {seed} on {w}x{h}: fused != plain"
+    # No reduced scale can keep 224 on a side of <= 500 / 2: every decode was full size.
+    for (_, _, h, w), shape in spy.take():
+        assert shape == (h, w)
+
+
+@pytest.mark.parametrize("name", ["train", "eval"])
+def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, large_photos, monkeypatch):
+    pipeline = Pipeline(PipelineSpec(name, 224, 224))
+    spy = DecodeSpy(monkeypatch)
+    reduced = 0
+    for data, h, w in large_photos:
+        for seed in range(5):
+            fused = pipeline(data, seed, fused=True)
+            calls = spy.take()
+            assert len(calls) == 1
+            (min_h, min_w, _, _), shape = calls[0]
+            factor = dec.dct_factor(h, w, min_h, min_w)
+            assert shape == (math.ceil(h / factor), math.ceil(w / factor)), (shape, factor)
+            if name == "train":
+                x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
+                # The decode keeps the crop at least the output size.
+                assert (y2 - y1) * shape[0] / h >= 224 - 1 and (x2 - x1) * shape[1] / w >= 224 - 1
+                assert factor == dec.dct_factor(h, w, math.ceil(h * 224 / (y2 - y1)),
+                                                math.ceil(w * 224 / (x2 - x1)))
+            else:  # eval covers 256 on both sides
+                assert min(shape) >= 256
+            reduced += factor > 1
+            plain = pipeline(data, seed, fused=False)
+            assert spy.take()[0][1] == (h, w)  # the plain path decodes at full size
+            assert fused.shape == plain.shape == (224, 224, 3)
+            diff = np.abs(fused.astype(np.float64) - plain.astype(np.float64))
+            corr = np.corrcoef(fused.ravel().astype(np.float64), plain.ravel().astype(np.float64))[0, 1]
+            assert diff.mean() < 3, f"{name} seed {seed}: mean |fused - plain| = {diff.mean():.2f}"
+            assert corr > 0.99, f"{name} seed {seed}: correlation {corr:.4f} (a different crop?)"
+    assert reduced == 15, f"only {reduced} of 15 large-photo decodes used a reduced DCT scale"
+
+
+def test_dct_factor():
+    # The largest power of two (<= 8) that keeps both sides at least the minimum.
+    assert dec.dct_factor(1500, 2000, 224, 224) == 4
+    assert dec.dct_factor(1500, 2000, 188, 250) == 8
+    assert dec.dct_factor(1500, 2000, 189, 250) == 4
+    assert dec.dct_factor(1500, 2000, 750, 1000) == 2
+    assert dec.dct_factor(1500, 2000, 751, 1000) == 1
+    assert dec.dct_factor(1500, 2000, 750, 1001) == 1
+    assert dec.dct_factor(375, 500, 224, 224) == 1  # ImageNet-sized at 224: never reduced
+    assert dec.dct_factor(100, 100, 400, 400) == 1  # asking for more than the image: full size
+    assert dec.dct_factor(4000, 4000, 1, 1) == 8  # never beyond 1/8
+    # Odd sides: libjpeg rounds up, and so does the check.
+    assert dec.dct_factor(1501, 2003, 751, 1002) == 2
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        h, w = (int(v) for v in rng.integers(1, 5000, 2))
+        mh, mw = int(rng.integers(0, h + 1)), int(rng.integers(0, w + 1))
+        f = dec.dct_factor(h, w, mh, mw)
+        assert f in (1, 2, 4, 8)
+        # Never smaller than the minimum ...
+        assert math.ceil(h / f) >= mh and math.ceil(w / f) >= mw, (h, w, mh, mw, f)
+        # ... and the largest such scale.
+        if f < 8:
+            assert math.ceil(h / (2 * f)) < mh or math.ceil(w / (2 * f)) < mw, (h, w, mh, mw, f)
+
+
+def test_decode_min_zero_is_full_size_and_scales_match_dct_factor(large_photos):
+    data, h, w = large_photos[2]  # 1501 x 2003: odd sides
+    assert dec.decode(data, "jpeg").shape == (h, w, 3)
+    assert dec.decode(data, "jpeg", 0, 0, h, w).shape == (h, w, 3)  # 0 means full size
+    for mh, mw, factor in ((751, 1002, 2), (300, 300, 4), (100, 100, 8), (1000, 10, 1)):
+        assert dec.dct_factor(h, w, mh, mw) == factor
+        image = dec.decode(data, "jpeg", mh, mw, h, w)
+        assert image.shape == (math.ceil(h / factor), math.ceil(w / factor), 3)
+        assert image.shape[0] >= mh and image.shape[1] >= mw
+
+
+def test_first_resize_decodes_no_larger_than_needed(large_photos, monkeypatch):
+    """A custom pipeline starting with SmallestMaxSize or Resize also decodes at a reduced scale."""
+    data, h, w = large_photos[0]  # 1500 x 2000
+    spy = DecodeSpy(monkeypatch)
+    cases = [
+        (A.Compose([A.SmallestMaxSize(max_size=200), A.CenterCrop(64, 64)]), (200, math.ceil(2000 * 200 / 1500))),
+        (A.Compose([A.Resize(100, 300)]), (100, 300)),
+    ]
+    for compose, (min_h, min_w) in cases:
+        size = compose.transforms[-1].height, compose.transforms[-1].width
+        spec = PipelineSpec("custom", *size, json.dumps(A.to_dict(compose)))
+        pipeline = Pipeline(spec, allow_custom=True)
+        fused = pipeline(data, 1)
+        shape = spy.take()[0][1]
+        factor = dec.dct_factor(h, w, min_h, min_w)
+        assert factor > 1
+        assert shape == (math.ceil(h / factor), math.ceil(w / factor))
+        plain = pipeline(data, 1, fused=False)
+        assert spy.take()[0][1] == (h, w)
+        assert np.abs(fused.astype(float) - plain.astype(float)).mean() < 3
+
+
+@pytest.mark.parametrize("name", ["train", "eval"])
+def test_custom_twin_of_a_preset_gives_identical_pixels(name, imagenet_like, large_photos):
+    preset = Pipeline(PipelineSpec(name, 96, 80))
+    document = json.dumps(A.to_dict(Pipeline(PipelineSpec(name, 96, 80)).compose))
+    twin = Pipeline(PipelineSpec("custom", 96, 80, document), allow_custom=True)
+    twin.check_output()
+    with pytest.raises(PipelineError, match="allow-custom-pipelines"):
+        Pipeline(PipelineSpec("custom", 96, 80, document), allow_custom=False)
+    for data in imagenet_like[:2] + [large_photos[0][0]]:
+        for seed in (0, 1, 2**63 + 5, 2**64 - 1):
+            for fused in (True, False):
+                a, b = preset(data, seed, fused=fused), twin(data, seed, fused=fused)
+                assert np.array_equal(a, b), f"{name} seed {seed} fused={fused}: custom twin differs"
+
+
+def test_per_sample_determinism(imagenet_like):
+    data = imagenet_like[0]
+    first = Pipeline(PipelineSpec("train", 64, 64))
+    second = Pipeline(PipelineSpec("train", 64, 64))  # another process/server: a fresh pipeline
+    outputs = {}
+    for seed in (0, 1, 2, 12345, 2**64 - 1):
+        a = first(data, seed)
+        other = imagenet_like[1]
+        first(other, seed + 1)  # whatever ran before does not matter
+        assert np.array_equal(a, first(data, seed))
+        assert np.array_equal(a, second(data, seed))
+        outputs[seed] = a
+    values = list(outputs.values())
+    for i in range(len(values)):
+        for j in range(i + 1, len(values)):
+            assert not np.array_equal(values[i], values[j]), "two seeds gave the same pixels"
+
+
+def test_flip_is_independent_of_crop_scale(imagenet_like):
+    spec = PipelineSpec("train", 32, 32)
+    pipeline = Pipeline(spec)
+    flips = [n for n in pipeline._nodes if isinstance(n, A.HorizontalFlip)]
+    assert len(flips) == 1 and pipeline._crop is not None
+    flip = flips[0]
+    h, w = 375, 500
+    scales, flipped = [], []
+    for seed in range(2000):
+        x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
+        scales.append((x2 - x1) * (y2 - y1) / (h * w))
+        pipeline.reseed(seed)
+        flipped.append(flip.py_random.random() < flip.p)  # what HorizontalFlip.should_apply draws
+    scales, flipped = np.asarray(scales), np.asarray(flipped, dtype=np.float64)
+    assert abs(flipped.mean() - 0.5) < 0.05, f"flip rate {flipped.mean():.3f}"
+    corr = np.corrcoef(scales, flipped)[0, 1]
+    assert abs(corr) < 0.1, f"flip correlated with crop scale: corr={corr:.3f}"
+    assert scales.min() < 0.15 and scales.max() > 0.9  # the crops do vary
+
+    # The prediction is what the pipeline really does: a crop-only twin (same stream
+    # position for the crop) gives the same crop, mirrored exactly when the flip fires.
+    crop_only = A.Compose([pipeline.compose.transforms[0]])
+    twin = Pipeline(PipelineSpec("custom", 32, 32, json.dumps(A.to_dict(crop_only))), allow_custom=True)
+    data = imagenet_like[0]
+    seen = set()
+    for seed in range(40):
+        out, base = pipeline(data, seed), twin(data, seed)
+        expected = base[:, ::-1] if flipped[seed] else base
+        assert np.array_equal(out, expected), f"seed {seed}: flip prediction {bool(flipped[seed])} is wrong"
+        seen.add(bool(flipped[seed]))
+    assert seen == {True, False}
+
+
+# ---- end to end: real servers -----------------------------------------------------------
+
+
+class Synthetic:
+    """A server started by hand: ``--synthetic N`` without ``--data``."""
+
+    def __init__(self, log_dir: pathlib.Path):
+        from conftest import ServerProcess, server_command
+
+        argv = server_command() + ["--synthetic", str(SYNTHETIC), "--host", "127.0.0.1", "--port", "0",
+                                   "--workers", "1", "--grace", "2"]
+        self.process = ServerProcess(argv, log_dir / "synthetic.log")
+        self.address = None
+
+    def wait(self) -> str:
+        self.address = f"127.0.0.1:{self.process.wait_ready(60)}"
+        return self.address
+
+    def close(self) -> None:
+        self.process.signal(signal.SIGTERM)
+        self.process.wait(10)
+        self.process.reap()
+
+
+@pytest.fixture(scope="module")
+def servers(module_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast-data")
+    data = make_imagefolder(root / "data", CLASSES, PER_CLASS, size=(40, 56), seed=1, jitter=0.2)
+    cached = root / "cached"
+    small = root / "small"
+    shutil.copytree(data, cached)
+    shutil.copytree(data, small)
+    rate = make_imagefolder(root / "rate", CLASSES, RATE_SAMPLES // len(CLASSES), size=(24, 32), seed=2)
+    sizes = sorted(p.stat().st_size for p in small.rglob("*.jpg"))
+    small_cache = sum(sizes) // 2
+    synthetic = Synthetic(root)
+    try:
+        c = module_cluster
+        names = {}
+        names["workers"] = c.add(data, "--workers", "2", wait=False)
+        names["cached"] = c.add(cached, "--cache-bytes", str(CACHE_BYTES), wait=False)
+        names["plain"] = c.add(cached, wait=False)
+        names["small"] = c.add(small, "--cache-bytes", str(small_cache), wait=False)
+        names["rate"] = c.add(rate, "--max-rate", str(RATE), wait=False)
+        for i in names.values():
+            c.wait_ready(i, timeout=60)
+        addresses = {k: c.address(i) for k, i in names.items()}
+        pids = {k: c.pid(i) for k, i in names.items()}
+        addresses["synthetic"] = synthetic.wait()
+        yield {"root": root, "data": data, "cached": cached, "small": small, "small_cache": small_cache,
+               "rate": rate, "address": addresses, "pid": pids}
+    finally:
+        synthetic.close()
+
+
+def loader(address: str, **kwargs) -> RemoteLoader:
+    options = dict(batch_size=64, image_size=SIZE, seed=SEED, shuffle=False, drop_last=False, return_ids=True,
+                   connect_timeout=20, reconnect_timeout=5)
+    options.update(kwargs)
+    return RemoteLoader(address, **options)
+
+
+def collect(run_bounded, ld: RemoteLoader, seconds: float = 40) -> dict[int, tuple[np.ndarray, int]]:
+    """One epoch as {sample id: (pixels, label)}, failing on a duplicate id."""
+    out = {}
+    for images, labels, ids in run_bounded(ld, seconds):
+        for image, label, i in zip(images.numpy(), labels.tolist(), ids.tolist()):
+            assert i not in out, f"sample {i} delivered twice"
+            out[i] = (image.copy(), label)
+    return out
+
+
+def session_processes(sid: int) -> set[int]:
+    """Pids in a session (the server runs in its own: its forkserver and workers are there too)."""
+    pids = set()
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.add(int(entry.name))
+    return pids
+
+
+def shard_key(shard_id: str) -> int:
+    return int(hashlib.sha256(shard_id.encode()).hexdigest()[:16], 16)
+
+
+def test_worker_pool_serves_every_sample_once_with_locally_reproducible_pixels(servers, run_bounded):
+    root = servers["data"]
+    with loader(servers["address"]["workers"], batch_size=40, shuffle=True) as ld:
+        assert ld.num_samples == len(CLASSES) * PER_CLASS
+        assert ld.class_names == CLASSES
+        (shard,) = ld.catalog.shards
+        reference = Pipeline(PipelineSpec("train", SIZE, SIZE))
+        server_pid = servers["pid"]["workers"]
+        processes = session_processes(server_pid)
+        # The server, its forkserver and two workers (perhaps a resource tracker).
+        forked = [p for p in processes if b"forkserver" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert server_pid in processes and len(forked) >= 3, processes
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            got = collect(run_bounded, ld)
+            assert sorted(got) == list(range(ld.num_samples)), "not every sample exactly once"
+            for i, (image, label) in got.items():
+                key = ld.sample_key(i)
+                assert CLASSES[label] == key.split("/")[0], f"sample {i} {key!r} has label {label}"
+                seed = sample_seeds(SEED, epoch, shard_key(shard.id), np.asarray([i - shard.offset]))[0]
+                expected = reference((root / key).read_bytes(), seed)
+                assert np.array_equal(image, expected), f"epoch {epoch} sample {i} {key!r}: pixels differ"
+            if epoch == 0:
+                first = got
+        # The workers are persistent: no process was started or ended for the epochs.
+        assert session_processes(server_pid) == processes
+        # A new epoch draws new augmentations.
+        changed = sum(not np.array_equal(first[i][0], got[i][0]) for i in got)
+        assert changed > len(got) // 2
+
+
+def test_worker_pool_eval_pixels_match_reference(servers, run_bounded):
+    root = servers["data"]
+    with loader(servers["address"]["workers"], pipeline="eval", batch_size=36, image_size=(16, 24)) as ld:
+        got = collect(run_bounded, ld)
+        assert sorted(got) == list(range(36))
+        for i, (image, label) in got.items():
+            key = ld.sample_key(i)
+            expected = Pipeline(PipelineSpec("eval", 16, 24))((root / key).read_bytes(), 0)
+            assert np.array_equal(image, expected), f"sample {i} {key!r}: pixels differ"
+            assert CLASSES[label] == key.split("/")[0]
+
+
+def eval_epoch(run_bounded, address: str, **kwargs) -> dict[str, tuple[np.ndarray, int]]:
+    """An eval epoch by key, and the failures reported: ({key: (pixels, label)}, [SampleFailure])."""
+    failures = []
+    with loader(address, pipeline="eval", on_error=failures.extend, **kwargs) as ld:
+        got = collect(run_bounded, ld)
+        by_key = {ld.sample_key(i): v for i, v in got.items()}
+    return by_key, failures
+
+
+def test_cache_serves_from_memory_after_the_first_epoch(servers, run_bounded):
+    cached, plain = servers["address"]["cached"], servers["address"]["plain"]
+    root = servers["cached"]
+    files = sorted(root.rglob("*.jpg"))
+    reference, failures = eval_epoch(run_bounded, plain)
+    assert not failures and len(reference) == len(files)
+    first, failures = eval_epoch(run_bounded, cached)
+    assert not failures
+    assert first.keys() == reference.keys()
+    for key, (image, label) in reference.items():
+        assert np.array_equal(first[key][0], image) and first[key][1] == label
+    second, failures = eval_epoch(run_bounded, cached)
+    assert not failures
+    for key, (image, label) in reference.items():
+        assert np.array_equal(second[key][0], image) and second[key][1] == label
+    # The files are gone or changed: only the cache can serve them now.
+    for n, path in enumerate(files):
+        if n % 2:
+            path.unlink()
+        else:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    third, failures = eval_epoch(run_bounded, cached)
+    assert not failures, f"the cache did not serve: {failures[:3]}"
+    assert third.keys() == reference.keys()
+    for key, (image, label) in reference.items():
+        assert np.array_equal(third[key][0], image) and third[key][1] == label
+    # The uncached server really sees the damage.
+    _, failures = eval_epoch(run_bounded, plain)
+    assert len(failures) == len(files)
+
+
+def test_cache_too_small_serves_cached_files_and_fails_the_others(servers, run_bounded):
+    address, root, capacity = servers["address"]["small"], servers["small"], servers["small_cache"]
+    sizes = {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*.jpg")}
+    first, failures = eval_epoch(run_bounded, address)
+    assert not failures and first.keys() == sizes.keys()
+    for path in root.rglob("*.jpg"):
+        path.unlink()
+    second, failures = eval_epoch(run_bounded, address)
+    failed = {f.key for f in failures}
+    served = set(second) - failed
+    assert failed and served, f"{len(failed)} failed, {len(served)} served"
+    assert failed | served == set(sizes)
+    assert sum(sizes[k] for k in served) <= capacity  # only what fits in the cache is served
+    for f in failures:
+        assert "No such file" in f.reason or "changed" in f.reason, f.reason
+    for key in served:
+        assert np.array_equal(second[key][0], first[key][0]), f"{key}: cached pixels differ"
+        assert second[key][1] == first[key][1]
+
+
+def test_synthetic_mode_serves_generated_pixels(servers, run_bounded):
+    with loader(servers["address"]["synthetic"], batch_size=8, image_size=24) as ld:
+        assert ld.num_samples == SYNTHETIC
+        classes = len(ld.class_names)
+        assert classes > 0
+        got = collect(run_bounded, ld)
+        assert sorted(got) == list(range(SYNTHETIC))
+        for i, (image, label) in got.items():
+            assert 0 <= label < classes
+            assert image.shape == (24, 24, 3)
+        pixels = np.stack([image for image, _ in got.values()])
+        assert pixels.any(), "synthetic pixels are all zeros"
+        assert pixels.std() > 10
+
+
+def test_max_rate_bounds_throughput(servers, run_bounded):
+    with loader(servers["address"]["rate"], batch_size=10, image_size=SIZE) as ld:
+        assert ld.num_samples == RATE_SAMPLES
+        started = time.monotonic()
+        got = collect(run_bounded, ld, seconds=60)
+        elapsed = time.monotonic() - started
+    assert len(got) == RATE_SAMPLES
+    assert elapsed >= 1.0, f"{RATE_SAMPLES} samples at --max-rate {RATE} took only {elapsed:.2f}s"

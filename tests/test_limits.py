@@ -1,0 +1,354 @@
+"""Server limits (streams per client and in all, order size, orders in flight), Prometheus
+metrics, and the SIGTERM drain.
+
+Two servers for the module:
+    small   --max-streams-per-client 2 --max-order-samples 8 --max-inflight-orders 2
+    metered --max-streams 3 --metrics-port P --grace 2, with a few corrupt images
+"""
+
+from __future__ import annotations
+
+import pathlib
+import queue
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from remoteloader.client import RemoteLoader
+from remoteloader.protos import codec, loader_pb2
+from remoteloader.server.synthetic import make_imagefolder
+
+pytestmark = pytest.mark.timeout(150)
+
+STREAM = "/remoteloader.v1.Loader/Stream"
+SIZE = 32
+GOOD = 12  # 2 classes x 6
+CORRUPT = {"b/empty.jpg": b"", "b/text.jpg": b"not a jpeg at all\n" * 20}
+SMALL, METERED = 0, 1
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class Servers:
+    def __init__(self, cluster, metrics_port: int, n_metered: int, n_corrupt: int):
+        self.cluster = cluster
+        self.metrics_port = metrics_port
+        self.n_metered = n_metered
+        self.n_corrupt = n_corrupt
+
+    def address(self, i: int) -> str:
+        return self.cluster.address(i)
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            assert reply.status == 200
+            return reply.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics: name -> value."""
+        out = {}
+        for line in self.metrics_text().splitlines():
+            match = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)", line)
+            if match:
+                out[match.group(1)] = float(match.group(2))
+        return out
+
+
+@pytest.fixture(scope="module")
+def servers(module_cluster, tmp_path_factory, free_port):
+    base = tmp_path_factory.mktemp("limits")
+    small = make_imagefolder(base / "small", ["a", "b"], 6, size=(48, 64), seed=1)
+    metered = make_imagefolder(base / "metered", ["a", "b"], GOOD // 2, size=(48, 64), seed=2)
+    valid = next((metered / "a").iterdir()).read_bytes()
+    corrupt = dict(CORRUPT, **{"b/truncated.jpg": valid[: len(valid) // 3]})
+    for key, data in corrupt.items():
+        (metered / key).write_bytes(data)
+    metrics_port = free_port()
+    c = module_cluster
+    c.add(small, "--max-streams-per-client", "2", "--max-order-samples", "8", "--max-inflight-orders", "2",
+          wait=False)
+    c.add(metered, "--max-streams", "3", "--metrics-port", str(metrics_port), "--grace", "2", wait=False)
+    c.wait_ready(SMALL)
+    c.wait_ready(METERED)
+    return Servers(c, metrics_port, GOOD + len(corrupt), len(corrupt))
+
+
+# ---- raw streams ----------------------------------------------------------------------------
+def _shard_id(channel) -> str:
+    describe = channel.unary_unary("/remoteloader.v1.Loader/Describe",
+                                   response_deserializer=loader_pb2.DescribeResponse.FromString)
+    return describe(b"", timeout=10).shards[0].id
+
+
+def _setup(pipeline: str = "eval", size: int = SIZE) -> loader_pb2.StreamRequest:
+    return loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline=pipeline, height=size, width=size))
+
+
+def _order(order_id: int, shard_id: str, indices) -> loader_pb2.StreamRequest:
+    return loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=order_id, shard_id=shard_id,
+                                                           indices=list(indices)))
+
+
+class OpenStream:
+    """A Stream call kept open: requests go in through a queue, chunks come out of ``call``."""
+
+    _END = object()
+
+    def __init__(self, channel, timeout: float = 60):
+        self.requests: queue.Queue = queue.Queue()
+        method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                       response_deserializer=codec.decode_chunk)
+        self.call = method(self._iterate(), timeout=timeout)
+
+    def _iterate(self):
+        while True:
+            item = self.requests.get()
+            if item is self._END:
+                return
+            yield item
+
+    def send(self, request) -> None:
+        self.requests.put(request)
+
+    def receive(self, samples: int) -> list:
+        chunks, got = [], 0
+        while got < samples:
+            chunk = next(self.call)
+            chunks.append(chunk)
+            got += chunk.header.count
+        return chunks
+
+    def close(self) -> None:
+        self.requests.put(self._END)
+        self.call.cancel()
+
+
+def _finish(call) -> tuple[int, grpc.StatusCode, str]:
+    """Reads a call to its end: (chunks received, status, details)."""
+    chunks = 0
+    try:
+        for _ in call:
+            chunks += 1
+    except grpc.RpcError as exc:
+        return chunks, exc.code(), exc.details() or ""
+    return chunks, grpc.StatusCode.OK, ""
+
+
+def _open_refused(channel, shard_id: str, count: int) -> list[tuple[int, grpc.StatusCode, str]]:
+    """Opens ``count`` streams at once (each with a Setup and an order); returns how each ended."""
+    method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                   response_deserializer=codec.decode_chunk)
+    calls = [method(iter([_setup(), _order(1, shard_id, [0])]), timeout=20) for _ in range(count)]
+    return [_finish(call) for call in calls]
+
+
+def _bounded_epoch(loader, seconds: float, after_first=None) -> list[int]:
+    """Iterates one epoch (closing the loader and failing after ``seconds``); returns the ids."""
+    fired = threading.Event()
+    timer = threading.Timer(seconds, lambda: (fired.set(), loader.close()))
+    timer.daemon = True
+    timer.start()
+    ids = []
+    try:
+        for n, (images, _labels, batch_ids) in enumerate(loader):
+            assert tuple(images.shape[1:]) == (SIZE, SIZE, 3)
+            ids += batch_ids.tolist()
+            if n == 0 and after_first is not None:
+                after_first()
+    except Exception:
+        if fired.is_set():
+            pytest.fail(f"the epoch did not finish within {seconds:g}s")
+        raise
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        pytest.fail(f"the epoch did not finish within {seconds:g}s")
+    return ids
+
+
+# ---- stream limits --------------------------------------------------------------------------
+def test_streams_over_the_per_client_limit_are_refused_and_admitted_ones_are_served(servers):
+    with grpc.insecure_channel(servers.address(SMALL)) as channel:
+        shard_id = _shard_id(channel)
+        admitted = OpenStream(channel)
+        try:
+            admitted.send(_setup())
+            admitted.send(_order(1, shard_id, [0, 1, 2]))
+            assert sum(c.header.count for c in admitted.receive(3)) == 3
+            outcomes: list = []
+            loader = RemoteLoader(servers.address(SMALL), batch_size=4, image_size=SIZE, pipeline="eval",
+                                  drop_last=False, return_ids=True, connect_timeout=10)
+            with loader:
+                # The loader's stream is this client's second: admitted. 25 more are not.
+                ids = _bounded_epoch(loader, 60, lambda: outcomes.extend(_open_refused(channel, shard_id, 25)))
+            assert sorted(ids) == list(range(12)), "the admitted loader did not get every sample exactly once"
+            assert len(outcomes) == 25
+            for chunks, code, details in outcomes:
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+                assert chunks == 0
+                assert "max_streams_per_client=2" in details, details
+            # The first admitted stream is still served.
+            admitted.send(_order(2, shard_id, [3, 4]))
+            chunks = admitted.receive(2)
+            assert [c.header.order_id for c in chunks] == [2] * len(chunks)
+        finally:
+            admitted.close()
+        # Closed streams free their places: a new one is admitted again.
+        deadline = time.monotonic() + 10
+        while True:
+            chunks, code, details = _finish(channel.stream_stream(
+                STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                response_deserializer=codec.decode_chunk)(iter([_setup(), _order(1, shard_id, [5])]), timeout=10))
+            if code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert code == grpc.StatusCode.OK and chunks == 1, (code, details)
+
+
+def test_streams_over_the_server_limit_are_refused_and_counted(servers):
+    before = servers.metrics()
+    with grpc.insecure_channel(servers.address(METERED)) as channel:
+        shard_id = _shard_id(channel)
+        held = [OpenStream(channel) for _ in range(2)]
+        try:
+            for n, stream in enumerate(held):
+                stream.send(_setup())
+                stream.send(_order(1, shard_id, [n]))
+                stream.receive(1)
+            outcomes: list = []
+            with RemoteLoader(servers.address(METERED), batch_size=5, image_size=SIZE, pipeline="eval",
+                              drop_last=False, return_ids=True, on_error="skip", connect_timeout=10) as loader:
+                ids = _bounded_epoch(loader, 60, lambda: outcomes.extend(_open_refused(channel, shard_id, 30)))
+            assert len(set(ids)) == len(ids) == GOOD
+            for chunks, code, details in outcomes:
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and chunks == 0, (code, details)
+                assert "max_streams=3" in details, details
+        finally:
+            for stream in held:
+                stream.close()
+    after = servers.metrics()
+    assert after["remoteloader_refused_streams_total"] - before["remoteloader_refused_streams_total"] == 30
+
+
+# ---- order limits ---------------------------------------------------------------------------
+def test_an_order_over_max_order_samples_is_refused(servers):
+    with grpc.insecure_channel(servers.address(SMALL)) as channel:
+        shard_id = _shard_id(channel)
+        method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                       response_deserializer=codec.decode_chunk)
+        for indices in (list(range(9)), [0] * 1000, []):
+            chunks, code, details = _finish(method(iter([_setup(), _order(7, shard_id, indices)]), timeout=20))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and chunks == 0, (code, details)
+            assert "max_order_samples" in details and "1..8" in details, details
+        # Exactly the limit is fine.
+        chunks, code, details = _finish(method(iter([_setup(), _order(7, shard_id, range(8))]), timeout=20))
+        assert code == grpc.StatusCode.OK, details
+
+
+def test_more_orders_in_flight_than_allowed_are_refused(servers):
+    with grpc.insecure_channel(servers.address(SMALL)) as channel:
+        shard_id = _shard_id(channel)
+        method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                       response_deserializer=codec.decode_chunk)
+        # Six orders at once, nothing read in between: the third finds two in flight.
+        requests = [_setup("train", 128)] + [_order(k, shard_id, range(8)) for k in range(1, 7)]
+        call = method(iter(requests), timeout=20)
+        chunks, code, details = _finish(call)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert "max_inflight_orders=2" in details, details
+    assert chunks <= 2 * 8
+
+
+def test_orders_within_every_limit_are_served(servers):
+    """max_order_samples-sized orders, several in flight on one stream: all within the limits."""
+    with grpc.insecure_channel(servers.address(METERED)) as channel:
+        shard_id = _shard_id(channel)
+        method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                       response_deserializer=codec.decode_chunk)
+        orders, per_order = 4, 1024  # the defaults allow 1024 samples per order and 16 orders in flight
+        indices = [i % GOOD for i in range(per_order)]  # the good images only
+        requests = [_setup("train", 64)] + [_order(k, shard_id, indices) for k in range(1, orders + 1)]
+        received = {k: 0 for k in range(1, orders + 1)}
+        code, details = grpc.StatusCode.OK, ""
+        try:
+            for header, pixels in method(iter(requests), timeout=60):
+                assert len(pixels) == header.count * 64 * 64 * 3 and not header.errors
+                received[header.order_id] += header.count
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+    assert code == grpc.StatusCode.OK, f"{code.name}: {details} after {received}"
+    assert received == {k: per_order for k in received}
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def test_metrics_count_exactly_what_an_epoch_served(servers):
+    names = servers.metrics()
+    for name in ("remoteloader_images_served_total", "remoteloader_bytes_served_bytes_total",
+                 "remoteloader_decode_errors_total", "remoteloader_active_streams", "remoteloader_orders_total",
+                 "remoteloader_refused_streams_total", "remoteloader_queue_depth",
+                 "remoteloader_order_duration_seconds_count"):
+        assert name in names, f"{name} not in /metrics: {sorted(names)}"
+    # The names the deployment notes promise are the names served.
+    notes = (ROOT / "deploy" / "README.md").read_text()
+    promised = set(re.findall(r"`(remoteloader_[a-z_]+)`", notes))
+    assert promised, "deploy/README.md lists no metric names"
+    text = servers.metrics_text()
+    for name in promised:
+        assert re.search(rf"^{name}(_bucket|_count|_sum)?[ {{]", text, re.M), f"{name} (deploy/README.md) not served"
+
+    before = servers.metrics()
+    failures = []
+    with RemoteLoader(servers.address(METERED), batch_size=4, image_size=SIZE, pipeline="eval", drop_last=False,
+                      return_ids=True, on_error=failures.extend, connect_timeout=10) as loader:
+        ids = _bounded_epoch(loader, 60)
+        assert servers.metrics()["remoteloader_active_streams"] == 1
+    n = servers.n_metered
+    assert sorted(ids) == list(range(n))
+    assert len(failures) == servers.n_corrupt
+    after = servers.metrics()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["remoteloader_images_served_total"] == n
+    assert delta["remoteloader_bytes_served_bytes_total"] == n * SIZE * SIZE * 3
+    assert delta["remoteloader_decode_errors_total"] == servers.n_corrupt
+    assert delta["remoteloader_orders_total"] == delta["remoteloader_order_duration_seconds_count"] > 0
+    deadline = time.monotonic() + 10
+    while servers.metrics()["remoteloader_active_streams"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert servers.metrics()["remoteloader_active_streams"] == 0, "the closed loader's stream is still counted"
+
+
+# ---- SIGTERM --------------------------------------------------------------------------------
+def test_sigterm_drains_health_goes_not_serving_and_exits_0(servers):
+    cluster = servers.cluster
+    statuses: list[tuple[float, int]] = []
+    watching = threading.Event()
+    with grpc.insecure_channel(servers.address(METERED)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        def watch() -> None:
+            try:
+                for reply in stub.Watch(health_pb2.HealthCheckRequest(service="remoteloader.v1.Loader"), timeout=30):
+                    statuses.append((time.monotonic(), reply.status))
+                    watching.set()
+            except grpc.RpcError:
+                pass
+            finally:
+                watching.set()
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        assert watching.wait(10) and statuses and statuses[0][1] == health_pb2.HealthCheckResponse.SERVING
+        sent = time.monotonic()
+        code = cluster.stop(METERED, timeout=30)
+        thread.join(10)
+    assert code == 0, cluster.servers[METERED].process.stderr()[-3000:]
+    not_serving = [t for t, s in statuses if s == health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert not_serving, f"health never reported NOT_SERVING after SIGTERM: {statuses}"
+    assert not_serving[0] - sent < 5
+    log = cluster.servers[METERED].process.stderr()
+    assert "draining" in log and "stopped" in log

@@ -1,0 +1,266 @@
+"""Tar shards: ``remoteloader pack`` (the real CLI), TarShard indexing, and servers on tar folders.
+
+One module-wide set of servers on 127.0.0.1 (tests only read from them):
+    0     the original ImageFolder SRC
+    1, 2  the packed tar folder DST, twice: replicas of the same shards
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+
+from remoteloader.client import RemoteLoader
+from remoteloader.server.catalog import CatalogError, TarShard, open_shards
+from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
+
+pytestmark = pytest.mark.timeout(120)
+
+CLASSES = ["ant", "bee", "cat"]
+PER_CLASS = 8  # 24 samples
+SIZE = 16
+SHARDS = 3
+
+
+def pack_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+    return subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "pack", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def shard_size_for(src: pathlib.Path, shards: int) -> int:
+    """A --shard-size giving about ``shards`` shards (pack counts data + 1536 bytes of headers)."""
+    total = sum(p.stat().st_size + 1536 for p in src.rglob("*.jpg"))
+    return total // shards + 1
+
+
+def members(path: pathlib.Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path) as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tar-data")
+    src = make_imagefolder(root / "src", CLASSES, PER_CLASS, size=(40, 56), seed=4, jitter=0.2)
+    dst = root / "dst"
+    result = pack_cli(src, dst, "--shard-size", shard_size_for(src, SHARDS))
+    assert result.returncode == 0, result.stderr
+    return src, dst, result
+
+
+# ---- pack ---------------------------------------------------------------------------------
+
+
+def test_pack_writes_webdataset_shards_and_classes(packed):
+    src, dst, result = packed
+    shards = sorted(dst.glob("*.tar"))
+    assert [p.name for p in shards] == [f"shard-{i:05d}.tar" for i in range(len(shards))]
+    assert 2 <= len(shards) <= SHARDS + 1, [p.name for p in shards]
+    assert sorted(os.listdir(dst)) == sorted([p.name for p in shards] + ["classes.txt"])
+    assert (dst / "classes.txt").read_text() == "".join(f"{c}\n" for c in CLASSES)
+    assert f"wrote {len(shards)} shard(s)" in result.stdout
+    seen = {}
+    for shard in shards:
+        entries = members(shard)
+        assert len(entries) % 2 == 0
+        for (image_name, data), (cls_name, label) in zip(entries[0::2], entries[1::2]):
+            # <class>/<stem>.jpg, then <class>/<stem>.cls right after it
+            assert re.fullmatch(r"[a-z]+/[a-z]+_\d{5}\.jpg", image_name), image_name
+            assert cls_name == image_name[:-len(".jpg")] + ".cls"
+            assert image_name not in seen, f"{image_name} packed twice"
+            seen[image_name] = shard.name
+            assert data == (src / image_name).read_bytes(), f"{image_name}: bytes re-encoded or changed"
+            assert int(label.decode()) == CLASSES.index(image_name.split("/")[0])
+    assert sorted(seen) == sorted(str(p.relative_to(src)) for p in src.rglob("*.jpg"))
+    # Classes are mixed across shards by default.
+    for shard in shards:
+        classes = {name.split("/")[0] for name, _ in members(shard)}
+        assert len(classes) >= 2, f"{shard.name} holds only {classes}"
+
+
+def test_pack_shows_progress_on_stderr_unless_quiet(packed, tmp_path):
+    src, _, result = packed
+    assert "packing into" in result.stderr and "100%" in result.stderr, result.stderr
+    assert f"{len(CLASSES) * PER_CLASS}/{len(CLASSES) * PER_CLASS}" in result.stderr
+    quiet = pack_cli(src, tmp_path / "quiet", "--shard-size", "1MB", "--quiet")
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr.strip() == "", quiet.stderr
+    assert "wrote 1 shard(s)" in quiet.stdout
+    assert len(members(tmp_path / "quiet" / "shard-00000.tar")) == 2 * len(CLASSES) * PER_CLASS
+
+
+def test_pack_refuses_a_destination_holding_shards(packed):
+    src, dst, _ = packed
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    again = pack_cli(src, dst, "--shard-size", "1MB", "--quiet")
+    assert again.returncode != 0
+    assert "not empty" in again.stderr and str(dst) in again.stderr, again.stderr
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # nothing overwritten
+
+
+def test_pack_refuses_a_non_empty_destination(packed, tmp_path):
+    """Any content, not only shard-*.tar: a server on the folder would also index other .tar files
+    (open_shards globs *.tar) and mix them into the dataset, and classes.txt would be overwritten."""
+    src, _, _ = packed
+    out = tmp_path / "busy"
+    out.mkdir()
+    other = write_tar(out / "other-dataset.tar", [("z/q.jpg", b"\xff\xd8\xff"), ("z/q.cls", b"0")])
+    before = other.read_bytes()
+    result = pack_cli(src, out, "--shard-size", "1MB", "--quiet")
+    assert result.returncode != 0, f"packed into a non-empty folder: {sorted(os.listdir(out))}"
+    assert sorted(os.listdir(out)) == ["other-dataset.tar"] and other.read_bytes() == before
+
+
+def test_pack_no_shuffle_keeps_classes_together(packed, tmp_path):
+    src, _, _ = packed
+    out = tmp_path / "ordered"
+    result = pack_cli(src, out, "--shard-size", shard_size_for(src, 6), "--no-shuffle", "--quiet")
+    assert result.returncode == 0, result.stderr
+    first = members(out / "shard-00000.tar")
+    assert {name.split("/")[0] for name, _ in first} == {CLASSES[0]}
+
+
+# ---- TarShard indexing ---------------------------------------------------------------------
+
+
+def write_tar(path: pathlib.Path, entries: list[tuple[str, bytes]]) -> pathlib.Path:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def jpegs() -> dict[str, bytes]:
+    rng = np.random.default_rng(5)
+    return {k: encode_jpeg(make_image(i, 6, rng, 24, 32)) for i, k in enumerate("abcdefg")}
+
+
+def test_tar_shard_labels_wherever_the_cls_is(tmp_path, jpegs):
+    j = jpegs
+    path = write_tar(tmp_path / "mixed.tar", [
+        ("x/a.cls", b"3"), ("x/a.jpg", j["a"]),  # label before its image
+        ("x/b.jpg", j["b"]), ("x/b.cls", b"1\n"),  # right after (the WebDataset way)
+        ("x/c.jpg", j["c"]), ("x/d.jpg", j["d"]), ("x/c.cls", b" 2 "), ("x/d.cls", b"0"),  # not adjacent
+        ("x/g.cls", b"5"), ("x/e.jpg", j["e"]), ("x/e.cls", b"4"), ("x/g.jpg", j["g"]),  # before, not adjacent
+        ("x/f.jpg", j["f"]), ("notes.txt", b"not a sample"), ("x/f.cls", b"5"),  # another member between
+    ])
+    shard = TarShard(path, [])
+    labels = {shard.key(i): int(shard.labels[i]) for i in range(len(shard))}
+    assert labels == {"x/a.jpg": 3, "x/b.jpg": 1, "x/c.jpg": 2, "x/d.jpg": 0, "x/e.jpg": 4, "x/g.jpg": 5,
+                      "x/f.jpg": 5}
+    for i in range(len(shard)):
+        location = shard.locate(i)
+        with open(location.path, "rb") as f:
+            f.seek(location.offset)
+            assert f.read(location.length) == j[shard.key(i)[2]]
+    assert shard.id.startswith("tar-") and shard.name == "mixed.tar"
+
+
+def test_tar_shard_bad_label_names_the_file(tmp_path, jpegs):
+    path = write_tar(tmp_path / "bad.tar", [("k/one.jpg", jpegs["a"]), ("k/one.cls", b"1"),
+                                            ("k/two.jpg", jpegs["b"]), ("k/two.cls", b"dog")])
+    with pytest.raises(CatalogError) as info:
+        TarShard(path, [])
+    message = str(info.value)
+    assert "k/two.cls" in message and "bad.tar" in message and "dog" in message
+
+
+def test_tar_without_images_is_an_error(tmp_path):
+    path = write_tar(tmp_path / "empty.tar", [("k/one.cls", b"1"), ("readme.txt", b"hello")])
+    with pytest.raises(CatalogError, match="no images"):
+        TarShard(path, [])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_tar(folder / "nothing.tar", [])
+    with pytest.raises(CatalogError, match="no images"):
+        open_shards([str(folder)])
+
+
+def test_server_refuses_a_tar_folder_without_images(tmp_path):
+    from conftest import _server_env, server_command
+
+    write_tar(tmp_path / "shard-00000.tar", [("k/one.cls", b"1")])
+    result = subprocess.run(server_command() + ["--data", str(tmp_path), "--port", "0", "--workers", "1"],
+                            capture_output=True, text=True, timeout=60, env=_server_env())
+    assert result.returncode == 2, result.stderr
+    assert "shard-00000.tar" in result.stderr and "no images" in result.stderr, result.stderr
+
+
+def test_tar_shard_ids_are_fingerprints_of_the_contents(packed, tmp_path):
+    _, dst, _ = packed
+    first = open_shards([str(dst)])
+    second = open_shards([str(dst)])
+    assert [s.id for s in first] == [s.id for s in second]
+    assert len({s.id for s in first}) == len(first)
+    assert all(s.class_names == CLASSES for s in first)
+    # The same bytes elsewhere (another mount) are the same shard; other bytes are not.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "shard-00000.tar").write_bytes((dst / "shard-00000.tar").read_bytes())
+    assert open_shards([str(copy)])[0].id == first[0].id
+
+
+# ---- servers on tar folders ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(module_cluster, packed):
+    src, dst, _ = packed
+    indices = module_cluster.add_many([src, dst, dst], wait=False)
+    for i in indices:
+        module_cluster.wait_ready(i, timeout=60)
+    return [module_cluster.address(i) for i in indices]
+
+
+def eval_epoch(run_bounded, address, **kwargs):
+    """{key: (pixels, class name)} for one eval epoch of the given server(s)."""
+    options = dict(batch_size=10, image_size=SIZE, pipeline="eval", shuffle=False, drop_last=False,
+                   return_ids=True, connect_timeout=20, reconnect_timeout=5)
+    options.update(kwargs)
+    with RemoteLoader(address, **options) as loader:
+        out, ids = {}, []
+        for images, labels, batch_ids in run_bounded(loader, 40):
+            for image, label, i in zip(images.numpy(), labels.tolist(), batch_ids.tolist()):
+                ids.append(i)
+                out[loader.sample_key(i)] = (image.copy(), loader.class_names[label])
+        assert sorted(ids) == list(range(loader.num_samples)), "not every sample exactly once"
+        return out, loader
+
+
+def test_tar_server_serves_what_the_imagefolder_server_serves(servers, run_bounded):
+    folder, _ = eval_epoch(run_bounded, servers[0])
+    tars, loader = eval_epoch(run_bounded, servers[1])
+    assert len(loader.catalog.shards) >= 2
+    assert len(folder) == len(tars) == len(CLASSES) * PER_CLASS
+    assert folder.keys() == tars.keys()
+    for key, (image, name) in folder.items():
+        assert name == key.split("/")[0]
+        assert tars[key][1] == name, f"{key}: label {tars[key][1]!r} from tars, {name!r} from the folder"
+        assert np.array_equal(tars[key][0], image), f"{key}: eval pixels differ between tar and folder"
+
+
+def test_two_servers_on_one_tar_folder_are_replicas(servers, run_bounded):
+    with RemoteLoader([servers[1], servers[2]], batch_size=8, image_size=SIZE, connect_timeout=20) as loader:
+        describes = [loader._links[a].describe for a in (servers[1], servers[2])]
+        ids = [sorted(s.id for s in d.shards) for d in describes]
+        assert ids[0] == ids[1]
+        assert loader.num_samples == len(CLASSES) * PER_CLASS  # not twice
+        for shard in loader.catalog.shards:
+            assert sorted(shard.owners) == sorted([servers[1], servers[2]])
+    both, loader = eval_epoch(run_bounded, [servers[1], servers[2]])
+    single, _ = eval_epoch(run_bounded, servers[1])
+    assert both.keys() == single.keys()
+    for key, (image, name) in single.items():
+        assert np.array_equal(both[key][0], image) and both[key][1] == name
