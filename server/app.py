@@ -69,6 +69,9 @@ class LoaderServer:
 async def create_server(config: ServerConfig) -> LoaderServer:
     """Indexes the shards, starts the workers and binds the port (``port=0``: a free one)."""
     started = time.perf_counter()
+    token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
+    credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                   if config.tls_cert else None)
     shards = open_shards(list(config.data))
     if config.synthetic:
         shards.append(SyntheticShard(config.synthetic))
@@ -81,11 +84,20 @@ async def create_server(config: ServerConfig) -> LoaderServer:
             0, 256, arena.size, dtype=np.uint8)
     else:
         pool.start()
+    try:
+        return await _serve_on(config, shards, pool, arena, cache, token, credentials, started)
+    except BaseException:
+        pool.close()
+        arena.close()
+        if cache is not None:
+            cache.close()
+        raise
+
+
+async def _serve_on(config, shards, pool, arena, cache, token, credentials, started) -> LoaderServer:
     service = LoaderService(config, shards, pool, arena, cache)
     limit = config.max_message_bytes
-    interceptors = []
-    if config.token_file:
-        interceptors.append(TokenInterceptor(read_token(config.token_file)))
+    interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", 4 << 20),  # orders are small: max_order_samples x 10 bytes
@@ -100,14 +112,8 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
     try:
-        if config.tls_cert:
-            port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key,
-                                                                      config.tls_client_ca))
-        else:
-            port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
-        pool.close()
-        arena.close()
         raise OSError(f"cannot bind {config.host}:{config.port}: {exc}") from None
     await server.start()
     for name in (SERVICE, ""):

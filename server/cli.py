@@ -23,11 +23,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     from remoteloader.server.app import run
-    from remoteloader.server.catalog import CatalogError
 
     try:
         run(config)
-    except (CatalogError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # bad data, token, certificates or port: say so, no traceback
         print(f"remoteloader-server: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 SERVICE = "remoteloader.v1.Loader"
 MAX_KEYS_PER_CALL = 10_000
-TASK_SAMPLES = 8  # samples per worker task: small enough to spread one chunk over many workers
+TASK_SAMPLES = 8  # fewest samples per worker task
+MAX_TASK_SAMPLES = 128  # most: a task message stays well under the 64 KiB a pipe holds
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -232,12 +233,14 @@ class LoaderService:
             if mode == 1:
                 fills.append((pos, index, cache_offset))
             locations.append((path, offset, length, mode, cache_offset))
-        # A chunk may hold hundreds of small samples: split it so that all workers share it.
+        # Split the chunk so that all workers share it (two tasks each), in tasks of
+        # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
+        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // (2 * self.config.workers))))
         spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json)
-        parts = [self.pool.submit(Task(slot, first, spec_tuple, locations[first:first + TASK_SAMPLES],
-                                       seeds[first:first + TASK_SAMPLES]))
-                 for first in range(0, len(locations), TASK_SAMPLES)]
-        future = _merge(parts)
+        firsts = range(0, len(locations), size)
+        parts = [self.pool.submit(Task(slot, first, spec_tuple, locations[first:first + size],
+                                       seeds[first:first + size])) for first in firsts]
+        future = _merge(parts, list(firsts))
         if fills:
             def mark(f: asyncio.Future) -> None:
                 failed = {pos for pos, _ in f.result()} if not f.cancelled() else None
@@ -296,7 +299,7 @@ class LoaderService:
             self.metrics.order_latency.observe(time.monotonic() - item.received)
 
 
-def _merge(parts: list[asyncio.Future]) -> asyncio.Future:
+def _merge(parts: list[asyncio.Future], firsts: list[int]) -> asyncio.Future:
     """One future for a chunk's tasks: their errors, with positions relative to the chunk.
 
     Unlike gather, it completes only when every part has, so the slot is never released
@@ -310,8 +313,8 @@ def _merge(parts: list[asyncio.Future]) -> asyncio.Future:
         remaining[0] -= 1
         if remaining[0] == 0 and not merged.done():
             errors = []
-            for index, part in enumerate(parts):
-                errors.extend((index * TASK_SAMPLES + pos, reason) for pos, reason in part.result())
+            for first, part in zip(firsts, parts):
+                errors.extend((first + pos, reason) for pos, reason in part.result())
             merged.set_result(errors)
 
     for part in parts:

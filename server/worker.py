@@ -30,7 +30,7 @@ def read_sample(path: str, offset: int, length: int) -> bytes:
     return data
 
 
-def main(conn, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int, allow_custom: bool,
+def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int, allow_custom: bool,
          max_pixels: int, cache_bytes: int) -> None:
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -45,7 +45,7 @@ def main(conn, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int,
     pipelines: OrderedDict[tuple, Pipeline | str] = OrderedDict()
     while True:
         try:
-            message = conn.recv()
+            message = tasks.recv()
         except (EOFError, OSError):
             return
         if message is None:
@@ -82,4 +82,4 @@ def main(conn, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int,
                 out[i] = 0
                 errors.append((i, f"{type(exc).__name__}: {exc}"))
         del out
-        conn.send((task_id, errors))
+        results.send((task_id, errors))

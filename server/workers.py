@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import tempfile
 from multiprocessing import reduction
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,16 +132,23 @@ class SampleCache(SharedFile):
 class WorkerPool:
     """Persistent worker processes fed over pipes, driven from the asyncio loop.
 
+    Tasks wait in one queue and go to a worker only while it holds fewer than
+    ``AHEAD`` of them: every worker stays busy, a slow worker gets less, and the task pipe
+    never fills (so writing to it never blocks the event loop). Results come back on a
+    second pipe that the loop watches.
+
     Args:
         arena: The shared slots the workers write into.
         workers: Number of processes.
         allow_custom: Whether workers may build client-sent albumentations pipelines.
         max_pixels: Decode size cap passed to the pipelines.
+        cache: Shared cache of encoded samples, if any.
     """
+
+    AHEAD = 2
 
     def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int,
                  cache: "SampleCache | None" = None):
-        self.arena = arena
         self.size = workers
         self._arena = arena
         self._cache = cache
@@ -150,6 +158,7 @@ class WorkerPool:
         self._ctx = ctx
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
+        self._queue: deque[tuple[int, tuple, asyncio.Future, int]] = deque()
         self._next_id = 0
         self._closed = False
 
@@ -158,67 +167,78 @@ class WorkerPool:
         self._workers = [self._spawn() for _ in range(self.size)]
 
     def _spawn(self) -> "_Worker":
-        parent, child = self._ctx.Pipe()
         from remoteloader.server import worker as worker_module
 
+        task_read, task_write = self._ctx.Pipe(duplex=False)
+        result_read, result_write = self._ctx.Pipe(duplex=False)
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)
-        process = self._ctx.Process(target=worker_module.main, args=(child, *fds, *self._settings),
+        process = self._ctx.Process(target=worker_module.main, args=(task_read, result_write, *fds, *self._settings),
                                     name="remoteloader-worker", daemon=True)
         process.start()
-        child.close()
-        worker = _Worker(process, parent)
-        self._loop.add_reader(parent.fileno(), self._on_readable, worker)
+        task_read.close()
+        result_write.close()
+        worker = _Worker(process, task_write, result_read)
+        self._loop.add_reader(result_read.fileno(), self._on_readable, worker)
         return worker
 
     @property
     def outstanding(self) -> int:
-        return sum(len(w.pending) for w in self._workers)
+        """Tasks queued or in a worker."""
+        return len(self._queue) + sum(len(w.pending) for w in self._workers)
 
     def submit(self, task: Task) -> asyncio.Future:
-        """Sends a task to the least busy worker; the future gives [(position, reason)]."""
+        """Queues a task; the future gives [(position, reason)] once a worker has done it."""
         if self._closed:
             raise RuntimeError("worker pool is closed")
-        worker = min(self._workers, key=lambda w: len(w.pending))
         self._next_id += 1
         future = self._loop.create_future()
-        worker.pending[self._next_id] = (future, len(task.locations))
-        worker.conn.send((self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds))
+        message = (self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds)
+        self._queue.append((self._next_id, message, future, len(task.locations)))
+        self._feed()
         return future
+
+    def _feed(self) -> None:
+        while self._queue:
+            worker = min(self._workers, key=lambda w: len(w.pending))
+            if len(worker.pending) >= self.AHEAD:
+                return
+            task_id, message, future, count = self._queue.popleft()
+            worker.pending[task_id] = (future, count)
+            worker.tasks.send(message)
 
     def _on_readable(self, worker: "_Worker") -> None:
         try:
-            task_id, errors = worker.conn.recv()
+            task_id, errors = worker.results.recv()
         except (EOFError, OSError):
             self._on_death(worker)
             return
         entry = worker.pending.pop(task_id, None)
         if entry is not None and not entry[0].done():
             entry[0].set_result(errors)
+        self._feed()
 
     def _on_death(self, worker: "_Worker") -> None:
-        self._loop.remove_reader(worker.conn.fileno())
-        worker.conn.close()
+        self._loop.remove_reader(worker.results.fileno())
+        worker.results.close()
+        worker.tasks.close()
         worker.process.join(timeout=1)
         code = worker.process.exitcode
-        for future, count in worker.pending.values():
-            if not future.done():
-                future.set_result([(i, f"decode worker died (exit code {code})") for i in range(count)])
-        worker.pending.clear()
+        worker.fail(f"decode worker died (exit code {code})")
         if self._closed:
             return
         log.error("decode worker pid %s died with exit code %s; starting a new one", worker.process.pid, code)
-        index = self._workers.index(worker)
-        self._workers[index] = self._spawn()
+        self._workers[self._workers.index(worker)] = self._spawn()
+        self._feed()
 
     def close(self) -> None:
-        """Stops the workers (idempotent); outstanding tasks are failed."""
+        """Stops the workers (idempotent); queued and outstanding tasks are failed."""
         if self._closed:
             return
         self._closed = True
         for worker in self._workers:
             try:
-                self._loop.remove_reader(worker.conn.fileno())
-                worker.conn.send(None)
+                self._loop.remove_reader(worker.results.fileno())
+                worker.tasks.send(None)
             except (OSError, ValueError):
                 pass
         for worker in self._workers:
@@ -226,17 +246,24 @@ class WorkerPool:
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(timeout=5)
-            for future, count in worker.pending.values():
-                if not future.done():
-                    future.set_result([(i, "server shutting down") for i in range(count)])
-            worker.conn.close()
+            worker.fail("server shutting down")
+            worker.tasks.close()
+            worker.results.close()
+        while self._queue:
+            _, _, future, count = self._queue.popleft()
+            if not future.done():
+                future.set_result([(i, "server shutting down") for i in range(count)])
 
 
-@dataclass
 class _Worker:
-    process: mp.Process
-    conn: object
-    pending: dict = None
+    def __init__(self, process: mp.Process, tasks, results):
+        self.process = process
+        self.tasks = tasks  # write end of the task pipe
+        self.results = results  # read end of the result pipe
+        self.pending: dict[int, tuple[asyncio.Future, int]] = {}
 
-    def __post_init__(self):
-        self.pending = {}
+    def fail(self, reason: str) -> None:
+        for future, count in self.pending.values():
+            if not future.done():
+                future.set_result([(i, reason) for i in range(count)])
+        self.pending.clear()

@@ -321,5 +321,4 @@ def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounde
     problems = [p for f in fuzzers for p in f.problems]
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:20])
     log = cluster.stderr(0)
-    for marker in ("stream reader failed", "died with exit code"):
-        assert marker not in log, f"server log has {marker!r}:\n{log[-3000:]}"
+    assert "died with exit code" not in log, f"a decode worker died:\n{log[-3000:]}"
