@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import signal
@@ -114,7 +115,8 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise OSError(f"cannot bind {config.host}:{config.port}: {exc}") from None
+        hint = " (or the TLS certificate and key are not a valid PEM pair)" if credentials else ""
+        raise OSError(f"cannot bind {config.host}:{config.port}{hint}: {exc}") from None
     await server.start()
     for name in (SERVICE, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -124,14 +126,31 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
     if config.metrics_port:
         bound = service.metrics.serve(config.metrics_port, config.host)
         log.info("Prometheus metrics on http://%s:%d/metrics", config.host, bound)
-    auth = [name for name, on in (("mutual TLS", config.tls_client_ca), ("bearer token", config.token_file)) if on]
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not auth:
-        log.warning("bound to %s without authentication (no --token-file, no --tls-client-ca): anyone who can "
-                    "reach this port can read the data", config.host)
+    warning = auth_warning(config)
+    if warning:
+        log.warning(warning)
     else:
+        auth = [n for n, on in (("mutual TLS", config.tls_client_ca), ("bearer token", config.token_file)) if on]
         log.info("transport: %s; authentication: %s", "TLS" if config.tls_cert else "plaintext",
                  ", ".join(auth) or "none (loopback only)")
     return LoaderServer(config, server, service, health_servicer, port)
+
+
+def auth_warning(config: ServerConfig) -> str | None:
+    """The warning for a server others can reach without authenticating, if that is the case."""
+    if _is_loopback(config.host) or config.token_file or config.tls_client_ca:
+        return None
+    return (f"bound to {config.host} without authentication (no --token-file, no --tls-client-ca): anyone "
+            f"who can reach this port can read the data")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: assume it is reachable from elsewhere
+        return False
 
 
 async def serve(config: ServerConfig) -> None:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, loader_pb2
 from remoteloader.server.catalog import Shard
@@ -64,6 +65,7 @@ class LoaderService:
         self.arena = arena
         self._pipelines: dict[PipelineSpec, Pipeline] = {}
         self._draining = asyncio.Event()
+        self._slot_freed = asyncio.Condition()
         self.metrics = Metrics()
         self._streams_by_client: dict[str, int] = {}
 
@@ -157,7 +159,7 @@ class LoaderService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         spec = pipeline.spec
         queue: asyncio.Queue = asyncio.Queue()
-        state = {"inflight": 0}
+        state = {"inflight": 0, "slots": 0}
         log.info("stream opened by %s: pipeline %s %dx%d", peer, spec.name, spec.height, spec.width)
         reader = asyncio.create_task(self._read_orders(context, spec, queue, state))
         try:
@@ -174,7 +176,7 @@ class LoaderService:
             while not queue.empty():
                 item = queue.get_nowait()
                 if isinstance(item, _Pending):
-                    item.future.add_done_callback(lambda _f, slot=item.slot: self.arena.release(slot))
+                    item.future.add_done_callback(lambda _f, slot=item.slot: self._give_slot(slot, state))
 
     async def _read_orders(self, context, spec: PipelineSpec, queue: asyncio.Queue, state: dict) -> None:
         c = self.config
@@ -208,16 +210,41 @@ class LoaderService:
                     count = min(per_chunk, len(indices) - start)
                     if self.limiter is not None:
                         await self.limiter.take(count)
-                    slot = await self.arena.acquire()
+                    slot = await self._take_slot(state)
                     future = self._render(spec, shard, indices[start:start + count], seeds[start:start + count], slot)
                     queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
         except asyncio.CancelledError:
             pass
+        except DecodeError as exc:  # a message that is not a StreamRequest
+            queue.put_nowait((grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}"))
         except Exception as exc:  # surface server bugs as a stream error, never a hang
             log.exception("stream reader failed")
             queue.put_nowait((grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
         finally:
             drain.cancel()
+
+    async def _take_slot(self, state: dict) -> int:
+        """A slot for this stream, within its fair share of all slots.
+
+        A client that sends orders and never reads would otherwise hold every slot and
+        starve the others: a stream may hold at most slots / open streams, and never the
+        last two slots, so a stream that opens later can always start (at least 2 each).
+        """
+        count = self.arena.count
+        while state["slots"] >= max(2, min(count - 2, count // max(1, self.active_streams))):
+            async with self._slot_freed:
+                await self._slot_freed.wait()
+        state["slots"] += 1
+        return await self.arena.acquire()
+
+    def _give_slot(self, slot: int, state: dict) -> None:
+        state["slots"] -= 1
+        self.arena.release(slot)
+        asyncio.ensure_future(self._notify_slot_freed())
+
+    async def _notify_slot_freed(self) -> None:
+        async with self._slot_freed:
+            self._slot_freed.notify_all()
 
     def _render(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int],
                 slot: int) -> asyncio.Future:
@@ -290,9 +317,9 @@ class LoaderService:
             m.queue_depth.set(self.pool.outstanding if self.pool is not None else 0)
         finally:
             if item.future.done():
-                self.arena.release(item.slot)
+                self._give_slot(item.slot, state)
             else:
-                item.future.add_done_callback(lambda _f, slot=item.slot: self.arena.release(slot))
+                item.future.add_done_callback(lambda _f, slot=item.slot: self._give_slot(slot, state))
         if item.start + item.count == len(item.indices):
             state["inflight"] -= 1
             self.metrics.orders.inc()

@@ -404,14 +404,12 @@ class Process:
 
 
 @pytest.fixture(scope="module")
-def compose_server(tmp_path_factory):
+def compose_server(tmp_path_factory, free_port):
     """loader-0 exactly as compose starts it, but on a local ImageFolder, a free port and 127.0.0.1."""
-    from conftest import _free_port
-
     service = _compose()["services"]["loader-0"]
     stages = _dockerfile()
     data = make_imagefolder(tmp_path_factory.mktemp("compose-data"), ["x", "y"], 5, size=(48, 64), seed=5)
-    port = _free_port()
+    port = free_port()
     entry = _exec_form(_inherited(stages, "server", "ENTRYPOINT"))
     command = list(service["command"])
     argv = [_script_path(entry[0])] + entry[1:]
@@ -459,14 +457,12 @@ def _probe(port: int) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30)
 
 
-def test_healthcheck_command_against_the_server_and_a_free_port(compose_server):
-    from conftest import _free_port
-
+def test_healthcheck_command_against_the_server_and_a_free_port(compose_server, free_port):
     ok = _probe(compose_server.port)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "SERVING" in ok.stdout
     started = time.monotonic()
-    down = _probe(_free_port())
+    down = _probe(free_port())
     assert down.returncode != 0, down.stdout + down.stderr
     assert time.monotonic() - started < 20
 

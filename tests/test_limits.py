@@ -16,7 +16,6 @@ import time
 import urllib.request
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -283,6 +282,25 @@ def test_orders_within_every_limit_are_served(servers):
             code, details = exc.code(), exc.details()
     assert code == grpc.StatusCode.OK, f"{code.name}: {details} after {received}"
     assert received == {k: per_order for k in received}
+
+
+def test_a_client_that_never_reads_cannot_starve_the_others(servers):
+    """One stream fills the server with large orders and never reads its chunks; another
+    client's epoch must still be served (each stream holds at most its share of the slots)."""
+    with grpc.insecure_channel(servers.address(METERED)) as channel:
+        shard_id = _shard_id(channel)
+        hog = OpenStream(channel, timeout=120)
+        try:
+            hog.send(_setup("eval", 512))  # 768 KiB per sample: a few samples fill a slot
+            for k in range(1, 17):
+                hog.send(_order(k, shard_id, [i % GOOD for i in range(64)]))
+            time.sleep(2)  # let it take what it can
+            with RemoteLoader(servers.address(METERED), batch_size=4, image_size=SIZE, pipeline="eval",
+                              shuffle=False, drop_last=False, return_ids=True, on_error="skip") as loader:
+                ids = _bounded_epoch(loader, 60)
+            assert sorted(ids) == sorted(set(ids)) and len(ids) == GOOD
+        finally:
+            hog.close()
 
 
 # ---- metrics --------------------------------------------------------------------------------
