@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fast-rate", type=float, default=600.0, help="--max-rate of the fast replica (img/s)")
     p.add_argument("--slow-rate", type=float, default=300.0, help="--max-rate of the slow replica (img/s)")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration (default 3)")
+    p.add_argument("--prefetch", type=int, default=8, help="RemoteLoader prefetch, in batches (default 8, as RemoteLoader)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1, help="decode workers per server (default 1)")
@@ -83,7 +84,7 @@ def run_epochs(servers: list[LocalServer], epochs: int, args, ordered: bool = Tr
     """Shares are reported per server in the order of ``servers`` (the order they are listed in)."""
     addresses = [s.address for s in servers]
     with RemoteLoader(addresses, batch_size=args.batch_size, image_size=args.image_size, seed=0, drop_last=False,
-                      ordered=ordered, connect_timeout=60) as loader:
+                      ordered=ordered, connect_timeout=60, prefetch=args.prefetch) as loader:
         for _ in loader:  # warm-up: streams open, workers and page cache warm
             pass
         before = {a: s["samples"] for a, s in loader.stats()["servers"].items()}

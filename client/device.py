@@ -12,7 +12,7 @@ event has completed; the consumer's stream waits on the batch's event and the te
 are recorded on it, so the caching allocator never hands their memory out early.
 
 Memory: pinned host memory = (prefetch + 2) x batch bytes; GPU memory for batches
-waiting in the queue = prefetch x output batch bytes.
+ready ahead of the loop = GPU_AHEAD (2) x output batch bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-STOP = object()
+GPU_AHEAD = 2  # batches converted on the GPU and waiting for the training loop
 
 
 @dataclass
@@ -126,7 +126,7 @@ class CudaDelivery:
         device: The CUDA device.
         normalize / dtype: As in RemoteLoader.
         batch_bytes: Largest batch in bytes (uint8 NHWC).
-        prefetch: Batches kept ready on the GPU ahead of the loop.
+        prefetch: Batches in flight from the servers (each holds a pinned buffer).
         on_free: Called (from the transfer thread) when a pinned buffer is back in the pool.
     """
 
@@ -161,7 +161,7 @@ class CudaDelivery:
         """Starts a transfer thread for one epoch's batches (stopping the previous one)."""
         self.close()
         self._stop = threading.Event()
-        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        out: queue.Queue = queue.Queue(maxsize=GPU_AHEAD)
         self._thread = threading.Thread(target=self._run, args=(source, out, self._stop),
                                         name="remoteloader-cuda", daemon=True)
         self._thread.start()
