@@ -47,29 +47,30 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _skip_group(buf: memoryview, pos: int, field: int) -> int:
-    while True:
-        key, pos = _read_varint(buf, pos)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == 4:
-            if number != field:
-                raise ValueError("malformed Chunk: mismatched end of group")
-            return pos
-        if wire_type == 0:
-            _, pos = _read_varint(buf, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            length, pos = _read_varint(buf, pos)
-            pos += length
-        elif wire_type == 3:
-            pos = _skip_group(buf, pos, number)
-        else:
-            raise ValueError(f"malformed Chunk: unsupported wire type {wire_type}")
-        if pos > len(buf):
-            raise ValueError("malformed Chunk: truncated group")
+def _skip(buf: memoryview, pos: int, field: int, wire_type: int) -> int:
+    """Skips the value of an unknown field (groups included); returns the position after it."""
+    if wire_type == 0:
+        _, pos = _read_varint(buf, pos)
+    elif wire_type == 1:
+        pos += 8
+    elif wire_type == 5:
+        pos += 4
+    elif wire_type == 2:
+        length, pos = _read_varint(buf, pos)
+        pos += length
+    elif wire_type == 3:  # a group: fields up to the matching end-group key
+        while True:
+            key, pos = _read_varint(buf, pos)
+            if key & 7 == 4:
+                if key >> 3 != field:
+                    raise ValueError("malformed Chunk: mismatched end of group")
+                break
+            pos = _skip(buf, pos, key >> 3, key & 7)
+    else:
+        raise ValueError(f"malformed Chunk: unsupported wire type {wire_type}")
+    if pos > len(buf):
+        raise ValueError("malformed Chunk: truncated field")
+    return pos
 
 
 def encode_chunk(header: loader_pb2.ChunkHeader, pixels) -> bytes:
@@ -93,7 +94,7 @@ def decode_chunk(data: bytes) -> DecodedChunk:
     while pos < len(buf):
         key, pos = _read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7
-        if wire_type == 2:
+        if wire_type == 2 and field in (1, 2):
             length, pos = _read_varint(buf, pos)
             end = pos + length
             if end > len(buf):
@@ -103,19 +104,11 @@ def decode_chunk(data: bytes) -> DecodedChunk:
                     header.MergeFromString(buf[pos:end])
                 except Exception as exc:  # protobuf's DecodeError: a malformed header
                     raise ValueError(f"malformed Chunk: bad header: {exc}") from None
-            elif field == 2:
+            else:
                 pixels = buf[pos:end]
             pos = end
-        elif wire_type == 0:
-            _, pos = _read_varint(buf, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 3:  # an unknown group: skip to its matching end
-            pos = _skip_group(buf, pos, field)
         else:
-            raise ValueError(f"malformed Chunk: unsupported wire type {wire_type}")
+            pos = _skip(buf, pos, field, wire_type)
     if pos != len(buf):
         raise ValueError("malformed Chunk: truncated field")
     return DecodedChunk(header, pixels)
