@@ -119,6 +119,15 @@ class TarShard(Shard):
 
     def __init__(self, path: pathlib.Path, class_names: list[str]):
         self.path = str(path)
+        cached = load_index(path)
+        if cached is not None:
+            table, fingerprint = cached
+            super().__init__(path.name, table, class_names, fingerprint)
+            return
+        self._scan(path, class_names)
+        save_index(path, self)
+
+    def _scan(self, path: pathlib.Path, class_names: list[str]) -> None:
         table = KeyTable()
         digest = hashlib.sha256()
         last_stem, last_index = None, -1
@@ -157,6 +166,55 @@ class TarShard(Shard):
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
+
+
+INDEX_SUFFIX = ".index.npz"
+_INDEX_VERSION = 1
+
+
+def _tar_signature(path: pathlib.Path) -> np.ndarray:
+    """Size and a hash of the first and last 64 KiB: survives copies, catches rewrites."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(65536)
+        f.seek(max(0, size - 65536))
+        tail = f.read(65536)
+    digest = hashlib.sha256(head + tail).digest()
+    return np.frombuffer(size.to_bytes(8, "little") + digest, dtype=np.uint8)
+
+
+def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
+    """The sidecar index ``<tar>.index.npz`` (written by pack or a first start), if it matches the tar."""
+    sidecar = pathlib.Path(str(path) + INDEX_SUFFIX)
+    if not sidecar.is_file():
+        return None
+    try:
+        with np.load(sidecar, allow_pickle=False) as data:
+            if int(data["version"]) != _INDEX_VERSION or not np.array_equal(data["signature"], _tar_signature(path)):
+                return None
+            table = KeyTable()
+            table.blob = bytearray(data["blob"].tobytes())
+            for name in ("ends", "labels", "offsets", "sizes"):
+                setattr(table, name, array("q", data[name].astype(np.int64).tobytes()))
+            return table, str(data["fingerprint"])
+    except (OSError, ValueError, KeyError):  # unreadable or foreign: index the tar itself
+        return None
+
+
+def save_index(path: pathlib.Path, shard: "TarShard") -> bool:
+    """Writes the sidecar index beside the tar when the folder is writable (best effort)."""
+    sidecar = pathlib.Path(str(path) + INDEX_SUFFIX)
+    partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
+    try:
+        with open(partial, "wb") as f:
+            np.savez(f, version=_INDEX_VERSION, signature=_tar_signature(path), fingerprint=np.str_(shard.id),
+                     blob=np.frombuffer(shard._key_blob, dtype=np.uint8), ends=shard._key_ends,
+                     labels=shard.labels, offsets=shard._offsets, sizes=shard._sizes)
+        os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
+        return True
+    except OSError:  # a read-only mount: index again next time
+        partial.unlink(missing_ok=True)
+        return False
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:

@@ -1,7 +1,8 @@
 """``remoteloader pack SRC DST``: write WebDataset tar shards from an ImageFolder tree.
 
 Each sample becomes ``<class>/<file>`` (the original bytes under the ImageFolder key, not
-re-encoded) and ``<class>/<stem>.cls`` (its label as decimal text), written in a seeded random order so
+re-encoded) and ``<class>/<stem>.cls`` (its label as decimal text); beside each tar,
+``<tar>.index.npz`` holds its index so servers start without scanning it, written in a seeded random order so
 every shard mixes all classes; ``classes.txt`` beside the shards names the labels. Reading
 one large file by offset is much faster than opening many small files on real disks.
 """
@@ -18,7 +19,7 @@ import tarfile
 
 import numpy as np
 
-from remoteloader.server.catalog import CLASSES_FILE, ImageFolderShard
+from remoteloader.server.catalog import CLASSES_FILE, ImageFolderShard, TarShard
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -82,6 +83,9 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
             tar.close()
         if bar is not None:
             bar.close()
+    names = list(source.class_names)
+    for path in paths:  # the sidecar indexes: servers start without scanning the tars
+        TarShard(path, names)
     return paths
 
 

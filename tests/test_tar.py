@@ -65,7 +65,8 @@ def test_pack_writes_webdataset_shards_and_classes(packed):
     shards = sorted(dst.glob("*.tar"))
     assert [p.name for p in shards] == [f"shard-{i:05d}.tar" for i in range(len(shards))]
     assert 2 <= len(shards) <= SHARDS + 1, [p.name for p in shards]
-    assert sorted(os.listdir(dst)) == sorted([p.name for p in shards] + ["classes.txt"])
+    indexes = [p.name + ".index.npz" for p in shards]  # sidecar indexes: servers start without scanning
+    assert sorted(os.listdir(dst)) == sorted([p.name for p in shards] + indexes + ["classes.txt"])
     assert (dst / "classes.txt").read_text() == "".join(f"{c}\n" for c in CLASSES)
     assert f"wrote {len(shards)} shard(s)" in result.stdout
     seen = {}
@@ -118,6 +119,30 @@ def test_pack_refuses_a_non_empty_destination(packed, tmp_path):
     result = pack_cli(src, out, "--shard-size", "1MB", "--quiet")
     assert result.returncode != 0, f"packed into a non-empty folder: {sorted(os.listdir(out))}"
     assert sorted(os.listdir(out)) == ["other-dataset.tar"] and other.read_bytes() == before
+
+
+def test_a_sidecar_index_matches_a_scan_and_a_stale_one_is_ignored(packed, tmp_path):
+    from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, load_index
+
+    _, dst, _ = packed
+    tar = sorted(dst.glob("*.tar"))[0]
+    copy = tmp_path / "copy" / tar.name
+    copy.parent.mkdir()
+    copy.write_bytes(tar.read_bytes())  # no sidecar: scanned, and one is written
+    scanned = TarShard(copy, [])
+    assert (copy.parent / (tar.name + INDEX_SUFFIX)).is_file()
+    loaded = TarShard(copy, [])  # from the sidecar
+    packed_one = TarShard(tar, [])  # from pack's sidecar
+    for shard in (loaded, packed_one):
+        assert shard.id == scanned.id and len(shard) == len(scanned)
+        assert [shard.key(i) for i in range(len(shard))] == [scanned.key(i) for i in range(len(scanned))]
+        assert shard.labels.tolist() == scanned.labels.tolist()
+        assert [shard.locate(i)[1:] for i in range(len(shard))] == [scanned.locate(i)[1:] for i in range(len(scanned))]
+    with open(copy, "ab") as f:  # the tar changed: the sidecar no longer matches and is ignored
+        f.write(b"\0" * 1024)
+    assert load_index(copy) is None
+    rescanned = TarShard(copy, [])  # scanned again, and the sidecar rewritten
+    assert rescanned.id == scanned.id and load_index(copy) is not None
 
 
 def test_pack_no_shuffle_keeps_classes_together(packed, tmp_path):
