@@ -57,6 +57,8 @@ class ServerConfig:
         token_file: File holding a bearer token every call must carry (health excepted).
         max_streams: Open order streams the server accepts in all (default 64).
         max_streams_per_client: Open order streams per client address (default 8).
+        stall_timeout: Seconds a stream may leave a finished chunk unread before it is ended
+            with DEADLINE_EXCEEDED and its slots are freed (default 120).
     Operations:
         metrics_port: Serve Prometheus metrics on this port (default 0: off).
         grace: Seconds in-flight work may take to finish after SIGTERM.
@@ -85,6 +87,7 @@ class ServerConfig:
     token_file: str = ""
     max_streams: int = 64
     max_streams_per_client: int = 8
+    stall_timeout: float = 120.0
     metrics_port: int = 0
     grace: float = 30.0
     log_level: str = "INFO"
@@ -117,7 +120,7 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}={path!r}: no such file")
-        _positive(self, "max_streams", "max_streams_per_client")
+        _positive(self, "max_streams", "max_streams_per_client", "stall_timeout")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off)")
         if self.log_format not in ("text", "json"):
@@ -209,6 +212,7 @@ _FIELD_HELP = {
     "token_file": "file holding the bearer token clients must send",
     "max_streams": "open order streams accepted in all",
     "max_streams_per_client": "open order streams accepted per client address",
+    "stall_timeout": "seconds a client may leave a chunk unread before its stream is ended",
     "metrics_port": "serve Prometheus metrics on this port (0: off)",
     "grace": "seconds in-flight work may take to finish after SIGTERM",
     "log_level": "logging level",

@@ -170,6 +170,11 @@ class LoaderService:
                 if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], grpc.StatusCode):
                     await context.abort(*item)
                 await self._write_chunk(context, spec, item, state)
+        except _Stalled:
+            log.warning("stream from %s left a chunk unread for %gs (stall_timeout); ending it", peer,
+                        self.config.stall_timeout)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the client read nothing for stall_timeout={self.config.stall_timeout:g}s")
         finally:
             reader.cancel()
             # Slots still being written by a worker go back only when the worker is done.
@@ -308,7 +313,11 @@ class LoaderService:
                                                key=item.shard.key(int(indices[pos])), reason=reason)
                         for pos, reason in errors])
             nbytes = item.count * spec.height * spec.width * 3
-            await context.write(OutChunk(header, self.arena.view(item.slot, nbytes)))
+            try:
+                await asyncio.wait_for(context.write(OutChunk(header, self.arena.view(item.slot, nbytes))),
+                                       self.config.stall_timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled() from None
             m = self.metrics
             m.images.inc(item.count)
             m.bytes.inc(nbytes)
@@ -347,6 +356,10 @@ def _merge(parts: list[asyncio.Future], firsts: list[int]) -> asyncio.Future:
     for part in parts:
         part.add_done_callback(done)
     return merged
+
+
+class _Stalled(Exception):
+    """The client stopped reading: a chunk waited longer than stall_timeout to be sent."""
 
 
 class RateLimiter:

@@ -303,6 +303,26 @@ def test_a_client_that_never_reads_cannot_starve_the_others(servers):
             hog.close()
 
 
+def test_a_stream_that_stops_reading_is_ended_after_stall_timeout(cluster, tmp_path):
+    data = make_imagefolder(tmp_path / "stall", ["a"], 8, size=(48, 64), seed=5)
+    index = cluster.add(data, "--stall-timeout", "2")
+    with grpc.insecure_channel(cluster.address(index)) as channel:
+        shard_id = _shard_id(channel)
+        hog = OpenStream(channel, timeout=60)
+        try:
+            hog.send(_setup("eval", 512))  # big chunks: gRPC's buffers fill and the writes block
+            for k in range(1, 9):
+                hog.send(_order(k, shard_id, list(range(8))))
+            cluster.wait_for_log(index, r"stall_timeout", 30)
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in hog.call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "stall_timeout=2" in info.value.details()
+        finally:
+            hog.close()
+
+
 # ---- metrics --------------------------------------------------------------------------------
 def test_metrics_count_exactly_what_an_epoch_served(servers):
     names = servers.metrics()
