@@ -65,13 +65,15 @@ class _Order:
     received: int = 0
     cancelled: bool = False
     link: Link | None = None
+    failures: list = field(default_factory=list)  # merged into the batch when the order completes
+    nbytes: int = 0
 
 
 class Engine:
     """Owns the links and runs one epoch at a time; lives on the I/O loop thread."""
 
     def __init__(self, links: dict[str, Link], catalog: Catalog, setup: loader_pb2.Setup, *, seed: int,
-                 prefetch: int, ordered: bool, reconnect_timeout: float, delivery):
+                 prefetch: int, ordered: bool, reconnect_timeout: float, delivery, progress_timeout: float = 60.0):
         self.links = links
         self.catalog = catalog
         self.setup = setup
@@ -86,10 +88,14 @@ class Engine:
         self._pending: deque[_Order] = deque()
         self._reconnecting: dict[str, asyncio.Task] = {}
         self._run: _Run | None = None
+        self._tokens = itertools.count(1)
+        self.progress_timeout = progress_timeout
+        self._watchdog: asyncio.Task | None = None
 
     # ---- epochs ---------------------------------------------------------------------
     async def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int,
-                          catalog: Catalog | None = None) -> None:
+                          catalog: Catalog | None = None, skip: frozenset = frozenset()) -> int:
+        """Starts an epoch at batch ``first_seq`` (leaving out the batches in ``skip``); returns its token."""
         self.cancel_epoch()
         if catalog is not None:
             self.catalog = catalog
@@ -97,25 +103,42 @@ class Engine:
         for link in self.links.values():
             if link.state == "new":
                 await link.open_stream(self.setup)
-            elif link.state == "dead":  # gave up last epoch: it gets another reconnect_timeout
+            elif link.state in ("down", "dead") and link.address not in self._reconnecting:
+                # given up on (or refused) earlier: it gets another reconnect_timeout
                 link.state = "down"
                 link.down_since = time.monotonic()
                 self._reconnecting[link.address] = asyncio.ensure_future(self._reconnect(link))
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch_progress())
         self.out = queue.Queue()
-        self._run = _Run(epoch, batches, first_seq, self.out)
-        if first_seq >= len(batches):
+        self._run = _Run(next(self._tokens), epoch, batches, first_seq, self.out, skip)
+        if self._run.expected == 0:
             self.out.put(END)
-            return
+            return self._run.token
         self._dispatch()
+        return self._run.token
 
-    def cancel_epoch(self) -> None:
-        """Abandons the current epoch (the consumer stopped early); in-flight work is dropped."""
-        if self._run is None:
+    @property
+    def token(self) -> int | None:
+        """The running epoch's token (read from the consumer thread)."""
+        run = self._run
+        return run.token if run is not None else None
+
+    def cancel_epoch(self, token: int | None = None, drain: bool = True) -> None:
+        """Abandons the current epoch, if ``token`` is still it; in-flight work is dropped."""
+        if self._run is None or (token is not None and self._run.token != token):
             return
         self._run.cancelled = True
         for batch in self._run.open.values():  # never handed out: their buffers are free again
             self.delivery.release(batch.images)
         self._run.open.clear()
+        while drain:  # handed out but never taken by the consumer
+            try:
+                item = self._run.out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Batch):
+                self.delivery.release(item.images)
         for order in self._pending:
             order.cancelled = True
         self._pending.clear()
@@ -124,8 +147,8 @@ class Engine:
                 order.cancelled = True
         self._run = None
 
-    def consumed(self) -> None:
-        if self._run is not None:
+    def consumed(self, token: int) -> None:
+        if self._run is not None and self._run.token == token:
             self._run.consumed += 1
             self._dispatch()
 
@@ -136,13 +159,18 @@ class Engine:
     def _dispatch(self) -> None:
         run = self._run
         h, w = self.setup.height, self.setup.width
-        while run.next_dispatch < len(run.batches) and run.next_dispatch - run.first_seq - run.consumed < self.prefetch:
+        while True:
+            while run.next_dispatch in run.skip:
+                run.next_dispatch += 1
+            if run.next_dispatch >= len(run.batches) or run.dispatched - run.consumed >= self.prefetch:
+                break
             seq = run.next_dispatch
             ids = run.batches[seq]
             images = self.delivery.allocate(len(ids), h, w)
             if images is None:  # every pinned buffer is in use: resume when one comes back
                 break
             run.next_dispatch += 1
+            run.dispatched += 1
             batch = Batch(seq, ids, images, images.numpy(), np.full(len(ids), -1, np.int64), len(ids))
             run.open[seq] = batch
             shard_idx = self.catalog.shard_of(ids)
@@ -187,6 +215,8 @@ class Engine:
     def _send(self, link: Link, order: _Order) -> None:
         order.link = link
         order.received = 0
+        order.failures = []
+        order.nbytes = 0
         link.inflight[order.order_id] = order
         link.outstanding += len(order.positions)
         link.send(loader_pb2.Order(order_id=order.order_id, shard_id=order.shard.id, indices=order.local.tolist(),
@@ -199,7 +229,8 @@ class Engine:
         n = len(order.positions) if order is not None else 0
         h, w = self.setup.height, self.setup.width
         expected = header.count * h * w * 3
-        if (order is None or header.start + header.count > n or header.count == 0 or header.height != h
+        if (order is None or header.start != order.received or header.start + header.count > n
+                or header.count == 0 or header.height != h
                 or header.width != w or header.channels != 3 or len(pixels) != expected
                 or len(header.labels) != header.count):
             link._fail(ConnectionError(
@@ -217,17 +248,20 @@ class Engine:
             else:
                 batch.pixels[rows] = block
             batch.labels[rows] = self.catalog.global_labels(order.shard, np.asarray(header.labels, dtype=np.int64))
-            batch.nbytes += len(pixels)
+            order.nbytes += len(pixels)
             for e in header.errors:
                 if header.start <= e.position < header.start + header.count:
                     row = order.positions[e.position]
-                    batch.failures.append(SampleFailure(int(batch.ids[row]), e.key, e.reason, link.address))
+                    order.failures.append(SampleFailure(int(batch.ids[row]), e.key, e.reason, link.address))
         order.received += header.count
         if order.received == n:
             del link.inflight[order.order_id]
             link.outstanding -= n
             link.samples_received += n
             if not order.cancelled:
+                # Only now: a server that failed half-way must not leave its reports behind.
+                order.batch.failures.extend(order.failures)
+                order.batch.nbytes += order.nbytes
                 order.batch.remaining -= n
                 if order.batch.remaining == 0:
                     self._run.complete(order.batch, self.ordered)
@@ -238,15 +272,17 @@ class Engine:
         orders = [o for o in link.inflight.values() if not o.cancelled]
         link.inflight.clear()
         link.outstanding = 0
-        if is_fatal(exc):
-            self.fail(LoaderError(f"loader server {link.address} refused the request: {describe_error(exc)}"))
-            return
-        log.warning("loader server %s failed (%s); %d order(s) go back to the queue",
-                    link.address, describe_error(exc), len(orders))
         for order in sorted(orders, key=lambda o: o.order_id, reverse=True):
             self._pending.appendleft(order)
-        if link.address not in self._reconnecting:
-            self._reconnecting[link.address] = asyncio.ensure_future(self._reconnect(link))
+        if is_fatal(exc):  # the request itself is refused: retrying this server cannot help
+            log.error("loader server %s refused this client: %s", link.address, describe_error(exc))
+            link.state = "dead"
+            link.gave_up = f"refused: {describe_error(exc)}"
+        else:
+            log.warning("loader server %s failed (%s); %d order(s) go back to the queue",
+                        link.address, describe_error(exc), len(orders))
+            if link.address not in self._reconnecting:
+                self._reconnecting[link.address] = asyncio.ensure_future(self._reconnect(link))
         self._pump()
 
     async def _reconnect(self, link: Link) -> None:
@@ -258,8 +294,7 @@ class Engine:
                 delay = min(delay * 2, 2.0)
                 try:
                     await link.reset_channels()
-                    link.connect_timeout = max(0.5, min(link.connect_timeout, deadline - time.monotonic()))
-                    await link.fetch_describe()
+                    await link.fetch_describe(max(0.5, min(link.connect_timeout, deadline - time.monotonic())))
                     await link.open_stream(self.setup)
                 except Exception as exc:  # still down; try again until the deadline
                     link.last_error = describe_error(exc)
@@ -268,7 +303,10 @@ class Engine:
                 log.info("loader server %s is back", link.address)
                 self._pump()
                 return
-            link.state = "dead" if link.state == "down" else link.state
+            if link.state == "down":
+                link.state = "dead"
+                link.gave_up = (f"unreachable for more than reconnect_timeout={self.reconnect_timeout:g}s "
+                                f"({link.last_error})")
             self._reconnecting.pop(link.address, None)  # no longer hopeful: check what it strands
             self._check_stranded()
         finally:
@@ -282,24 +320,34 @@ class Engine:
         for order in self._pending:
             if not any(owner in hopeful for owner in order.shard.owners):
                 owners = [self.links[o] for o in order.shard.owners if o in self.links]
-                detail = "; ".join(f"{l.address}: {l.last_error or l.state}" for l in owners)
+                detail = "; ".join(f"{l.address}: {l.gave_up or l.last_error or l.state}" for l in owners)
                 ids = order.batch.ids[order.positions]
                 self.fail(LoaderError(
-                    f"no loader server can serve shard {order.shard.name} ({order.shard.id}): every server holding "
-                    f"it stayed unreachable for more than reconnect_timeout={self.reconnect_timeout:g}s ({detail}); "
+                    f"no loader server can serve shard {order.shard.name} ({order.shard.id}): {detail}; "
                     f"{len(ids)} sample(s) of batch {order.batch.seq} could not be served, ids "
                     f"{_abbrev(ids.tolist())}"))
                 return
 
+    async def _watch_progress(self) -> None:
+        """Fails a server that holds orders but sent nothing for progress_timeout (it is stuck)."""
+        while True:
+            await asyncio.sleep(min(2.0, self.progress_timeout / 4))
+            now = time.monotonic()
+            for link in list(self.links.values()):
+                if link.state == "up" and link.inflight and now - link.last_progress > self.progress_timeout:
+                    link._fail(TimeoutError(f"no data for progress_timeout={self.progress_timeout:g}s with "
+                                            f"{len(link.inflight)} order(s) in flight"))
+
     def fail(self, error: BaseException) -> None:
         run = self._run
         if run is not None and not run.cancelled:
-            run.cancelled = True
-            self.out.put(error)
-            self.cancel_epoch()
+            self.cancel_epoch(drain=False)  # the consumer takes what is ready, then the error
+            run.out.put(error)
 
     async def close(self) -> None:
         self.cancel_epoch()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for task in list(self._reconnecting.values()):
             task.cancel()
         for link in self.links.values():
@@ -307,12 +355,19 @@ class Engine:
 
 
 class _Run:
-    def __init__(self, epoch: int, batches: list[np.ndarray], first_seq: int, out: queue.Queue):
+    """One epoch's batches, from ``first_seq`` on, less ``skip`` (already delivered before a resume)."""
+
+    def __init__(self, token: int, epoch: int, batches: list[np.ndarray], first_seq: int, out: queue.Queue,
+                 skip: frozenset = frozenset()):
+        self.token = token
         self.epoch = epoch
         self.batches = batches
         self.first_seq = first_seq
+        self.skip = frozenset(s for s in skip if first_seq <= s < len(batches))
+        self.expected = len(batches) - first_seq - len(self.skip)
         self.next_dispatch = first_seq
         self.next_deliver = first_seq
+        self.dispatched = 0
         self.consumed = 0
         self.delivered = 0
         self.ready: dict[int, Batch] = {}
@@ -327,7 +382,11 @@ class _Run:
             self._emit(batch)
             return
         self.ready[batch.seq] = batch
-        while self.next_deliver in self.ready:
+        while True:
+            while self.next_deliver in self.skip:
+                self.next_deliver += 1
+            if self.next_deliver not in self.ready:
+                return
             self._emit(self.ready.pop(self.next_deliver))
             self.next_deliver += 1
 
@@ -335,7 +394,7 @@ class _Run:
         self.open.pop(batch.seq, None)
         self.out.put(batch)
         self.delivered += 1
-        if self.delivered == len(self.batches) - self.first_seq:
+        if self.delivered == self.expected:
             self.out.put(END)
 
 

@@ -20,10 +20,10 @@ _STREAM = "/remoteloader.v1.Loader/Stream"
 MiB = 1 << 20
 
 # Status codes that mean the request itself is wrong: retrying elsewhere cannot help.
+# (RESOURCE_EXHAUSTED is not among them: "too many open streams" passes when others close.)
 FATAL_CODES = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
 
 
@@ -64,6 +64,9 @@ class Link:
         self.reconnects = 0
         self.down_since: float | None = None
         self.last_error = ""
+        self.gave_up = ""  # why the engine stopped trying this server, if it did
+        self.last_progress = 0.0  # when it last sent a chunk (or was given work while idle)
+        self._up_since = 0.0
         self.outstanding = 0  # samples sent and not yet received
         self.rate = 0.0  # samples/s while busy, a moving average (0: not measured yet)
         self._last_arrival = 0.0
@@ -86,19 +89,20 @@ class Link:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name))
         return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
 
-    async def fetch_describe(self) -> loader_pb2.DescribeResponse:
+    async def fetch_describe(self, timeout: float | None = None) -> loader_pb2.DescribeResponse:
         """Connects the control channel and asks what the server holds (bounded in time)."""
+        timeout = self.connect_timeout if timeout is None else timeout
         if self._control is None:
             self._control = self._channel(16 * MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         try:
-            describe = await stub.Describe(loader_pb2.DescribeRequest(), timeout=self.connect_timeout,
+            describe = await stub.Describe(loader_pb2.DescribeRequest(), timeout=timeout,
                                            wait_for_ready=True, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise PermissionError(f"loader server {self.address} refused this client: {exc.code().name}: "
                                       f"{exc.details()}") from None
-            raise ConnectionError(f"loader server {self.address} did not answer within {self.connect_timeout:g}s "
+            raise ConnectionError(f"loader server {self.address} did not answer within {timeout:g}s "
                                   f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
                                   f"{exc.details()}") from None
         self.describe = describe
@@ -124,7 +128,9 @@ class Link:
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
         self.state = "up"
+        self.gave_up = ""
         self._healthy = False  # until a chunk arrives on this stream
+        self._up_since = self.last_progress = time.monotonic()
         call = self._call
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
 
@@ -138,8 +144,8 @@ class Link:
             self.rate = (1 - weight) * self.rate + weight * (samples / gap) if self.rate else samples / gap
 
     def send(self, order: loader_pb2.Order) -> None:
-        if len(self.inflight) == 1:  # it was idle: the next gap starts now
-            self._last_arrival = time.monotonic()
+        if len(self.inflight) == 1:  # it was idle: the next gap and the progress clock start now
+            self._last_arrival = self.last_progress = time.monotonic()
         self.orders_sent += 1
         self._outbox.put_nowait(loader_pb2.StreamRequest(order=order))
 
@@ -150,7 +156,10 @@ class Link:
                 await call.write(request)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the reader sees the same failure with its status
+        except Exception as exc:
+            # The reader sees the same failure with the server's status: let it report, and
+            # only report here if it does not within a moment.
+            await asyncio.sleep(1.0)
             if call is self._call:
                 self._fail(exc)
 
@@ -162,6 +171,7 @@ class Link:
                 if not self._healthy:
                     self._healthy = True
                     self.down_since = None
+                self.last_progress = time.monotonic()
                 self.engine.on_chunk(self, chunk)
             raise ConnectionError("the server closed the stream")
         except asyncio.CancelledError:
@@ -175,11 +185,12 @@ class Link:
             return
         self.state = "down"
         self.failures += 1
-        # A stream that failed again before delivering anything keeps the first failure's
-        # time, so a server that accepts connections but fails every stream still runs
-        # out of reconnect_timeout.
-        if self.down_since is None or self._healthy:
-            self.down_since = time.monotonic()
+        # A stream that failed again soon, before delivering anything, keeps the first
+        # failure's time, so a server that accepts connections but fails every stream
+        # still runs out of reconnect_timeout; one that worked, or lasted, starts afresh.
+        now = time.monotonic()
+        if self.down_since is None or self._healthy or now - self._up_since > 10.0:
+            self.down_since = now
         self.last_error = describe_error(exc)
         self._stop_stream()
         self.engine.on_link_down(self, exc)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
+import queue
 import threading
 import time
 import warnings
@@ -21,6 +23,8 @@ from remoteloader.client.engine import END, Batch, Engine, LoaderError, SampleFa
 from remoteloader.client.link import Link
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import codec, loader_pb2
+
+log = logging.getLogger("remoteloader.client")
 
 ON_ERROR = ("raise", "warn", "skip")
 _KEY_BLOCK = 1024
@@ -71,6 +75,8 @@ class RemoteLoader:
         connect_timeout: Seconds to wait for each server at start (default 10).
         reconnect_timeout: Seconds a failed server may take to come back before its
             unserved samples raise an error, when no other server holds its shards (default 60).
+        progress_timeout: Seconds a server may hold orders without sending anything before it
+            is treated as failed and its orders go elsewhere (default 60).
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.
@@ -84,7 +90,7 @@ class RemoteLoader:
                  dtype: torch.dtype = torch.float32, return_ids: bool = False, ordered: bool = True,
                  on_error: str | Callable[[list[SampleFailure]], None] = "raise", prefetch: int = 8,
                  max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0,
-                 tls: str | TLSConfig | None = None, token: str | None = None):
+                 progress_timeout: float = 60.0, tls: str | TLSConfig | None = None, token: str | None = None):
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
         self.batch_size = batch_size
@@ -109,13 +115,18 @@ class RemoteLoader:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r}: expected a positive int")
         self.prefetch = prefetch
-        for name, value in (("connect_timeout", connect_timeout), ("reconnect_timeout", reconnect_timeout)):
+        for name, value in (("connect_timeout", connect_timeout), ("reconnect_timeout", reconnect_timeout),
+                            ("progress_timeout", progress_timeout)):
             if not value >= 0:
                 raise ValueError(f"{name}={value!r}: expected seconds >= 0")
+        if progress_timeout == 0:
+            raise ValueError("progress_timeout=0: expected seconds > 0")
         self._epoch = 0
         self._epoch_set = False
-        self._position = 0  # batches of the current epoch already yielded
-        self._resume: tuple[int, int] | None = None
+        self._position = 0  # first batch of the current epoch not yet delivered
+        self._done: set[int] = set()  # later batches already delivered (ordered=False)
+        self._token: int | None = None  # the current iteration's epoch token
+        self._resume: tuple[int, int, frozenset] | None = None
         self._closed = False
         self._stats = {"batches": 0, "images": 0, "bytes": 0, "wait_s": 0.0, "start": None, "busy_s": 0.0}
         self._keys: dict[tuple[str, int], list[str]] = {}
@@ -138,7 +149,8 @@ class RemoteLoader:
             else:
                 self._delivery = HostDelivery(self.normalize, self.dtype)
             self._engine = Engine(self._links, None, self._setup, seed=self.seed, prefetch=prefetch,
-                                  ordered=self.ordered, reconnect_timeout=reconnect_timeout, delivery=self._delivery)
+                                  ordered=self.ordered, reconnect_timeout=reconnect_timeout, delivery=self._delivery,
+                                  progress_timeout=progress_timeout)
             self.catalog = self._discover()
         except BaseException:
             self.close()
@@ -168,7 +180,8 @@ class RemoteLoader:
             raise ValueError(f"epoch={epoch!r}: expected an int >= 0")
         self._epoch = epoch
         self._epoch_set = True
-        self._resume = None
+        if self._resume is not None and self._resume[0] != epoch:
+            self._resume = None  # a loaded position applies to its own epoch only
 
     @property
     def epoch(self) -> int:
@@ -186,16 +199,23 @@ class RemoteLoader:
         block = local // _KEY_BLOCK
         keys = self._keys.get((shard.id, block))
         if keys is None:
-            link = next(self._links[o] for o in shard.owners)
-            keys = self._call(link.get_keys(shard.id, block * _KEY_BLOCK, _KEY_BLOCK), timeout=30)
+            owners = [self._links[o] for o in shard.owners if o in self._links]
+            live = [l for l in owners if l.state == "up"] or [l for l in owners if l.describe is not None]
+            if not live:
+                raise LoaderError(f"no server holding shard {shard.name} is reachable to look up keys")
+            keys = self._call(live[0].get_keys(shard.id, block * _KEY_BLOCK, _KEY_BLOCK), timeout=30)
             self._keys[(shard.id, block)] = keys
         return keys[local % _KEY_BLOCK]
 
     def state_dict(self) -> dict:
-        """A small JSON-serializable position: resume with load_state_dict in a fresh loader."""
+        """A small JSON-serializable position: resume with load_state_dict in a fresh loader.
+
+        ``position`` is the first plan batch not yet delivered; with ``ordered=False``,
+        ``delivered_after`` lists the later batches that already were.
+        """
         return {"version": 1, "seed": self.seed, "epoch": self._epoch, "position": self._position,
-                "num_samples": self.num_samples, "batch_size": self.batch_size, "world_size": self.world_size,
-                "rank": self.rank}
+                "delivered_after": sorted(self._done), "num_samples": self.num_samples,
+                "batch_size": self.batch_size, "world_size": self.world_size, "rank": self.rank}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues at the saved position: the rest of that epoch is bitwise the same."""
@@ -207,7 +227,8 @@ class RemoteLoader:
                                  f"a resumed epoch is only identical with the same {key}")
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
-        self._resume = (self._epoch, self._position)
+        self._done = {int(seq) for seq in state.get("delivered_after", ())}
+        self._resume = (self._epoch, self._position, frozenset(self._done))
         self._epoch_set = True
 
     def stats(self) -> dict:
@@ -227,16 +248,19 @@ class RemoteLoader:
         if self._closed:
             raise RuntimeError("RemoteLoader is closed")
         epoch = self._epoch
-        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        start, done = 0, frozenset()
+        if self._resume is not None and self._resume[0] == epoch:
+            start, done = self._resume[1], self._resume[2]
         self._resume = None
         self._call(_noop(self._engine.cancel_epoch), timeout=10)
         self.catalog = self._discover()
         batches = self.plan(epoch)
-        self._call(self._engine.start_epoch(epoch, batches, start, self.catalog), timeout=None)
-        self._position = start
-        return self._iterate(epoch, self._engine.out)
+        token = self._call(self._engine.start_epoch(epoch, batches, start, self.catalog, done), timeout=None)
+        self._token = token
+        self._position, self._done = start, set(done)
+        return self._iterate(epoch, self._engine.out, token)
 
-    def _iterate(self, epoch: int, source) -> Iterator:
+    def _iterate(self, epoch: int, source, token: int) -> Iterator:
         out = self._delivery.start(source)
         finished = False
         try:
@@ -244,38 +268,50 @@ class RemoteLoader:
                 waited = time.perf_counter()
                 if self._stats["start"] is None:
                     self._stats["start"] = waited
-                item = self._get(out)
+                item = self._get(out, token)
                 self._stats["wait_s"] += time.perf_counter() - waited
                 if item is END:
                     finished = True
                     break
                 if isinstance(item, BaseException):
                     raise item
-                self._loop.call_soon_threadsafe(self._engine.consumed)
-                self._position += 1
+                self._loop.call_soon_threadsafe(self._engine.consumed, token)
                 result = self._deliver(item)
+                self._delivered(item.seq)  # only once delivered: a batch that raised is not skipped on resume
                 if result is not None:
                     yield result
         finally:
-            if not finished:
-                self._abandon(source, out)
-            elif not self._epoch_set or self._epoch == epoch:
-                self._epoch = epoch + 1
-                self._position = 0
-            self._epoch_set = False
+            if token != self._token:  # a newer iteration has started: this one owns nothing any more
+                pass
+            elif not finished:
+                self._abandon(source, out, token)
+            else:
+                if not self._epoch_set or self._epoch == epoch:
+                    self._epoch = epoch + 1
+                self._position, self._done = 0, set()
+                self._epoch_set = False
 
-    def _get(self, out):
+    def _delivered(self, seq: int) -> None:
+        self._done.add(seq)
+        while self._position in self._done:
+            self._done.discard(self._position)
+            self._position += 1
+
+    def _get(self, out, token: int):
         while True:
             try:
                 return out.get(timeout=1.0)
-            except Exception:
-                if not self._thread.is_alive():
-                    raise LoaderError("the RemoteLoader I/O thread stopped") from None
+            except queue.Empty:
+                if not self._thread.is_alive() or self._closed:
+                    raise LoaderError("the RemoteLoader was closed or its I/O thread stopped") from None
+                if self._engine.token != token:
+                    raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
+                                       "which starts the epoch anew") from None
 
-    def _abandon(self, source, out) -> None:
+    def _abandon(self, source, out, token: int) -> None:
         """The consumer stopped mid-epoch: stop the work and give every buffer back."""
         try:
-            self._call(_noop(self._engine.cancel_epoch), timeout=10)
+            self._call(_noop(self._engine.cancel_epoch, token), timeout=10)
         except RuntimeError:  # close() from another thread got there first
             return
         self._delivery.close()
@@ -376,13 +412,21 @@ class RemoteLoader:
         Called at start-up and before every epoch, so servers added behind a DNS name join
         at the next epoch. Servers that no longer resolve are kept: they may be restarting.
         """
-        new = [a for a in discover(self._address) if a not in self._links]
-        if new:
+        starting = not self._links
+        try:
+            new = [a for a in discover(self._address) if a not in self._links]
+            if not new:
+                return self.catalog
             links = [Link(a, self._engine, self._connect_timeout, self._max_inflight, self._tls, self._metadata)
                      for a in new]
             self._check_offer(self._call(self._describe_all(links), timeout=self._connect_timeout + 5))
-            return Catalog({a: l.describe for a, l in self._links.items()})
-        return self.catalog
+        except (ConnectionError, OSError) as exc:
+            if starting:
+                raise
+            # A DNS hiccup or a server still starting: carry on with the servers known, retry next epoch.
+            log.warning("looking for new loader servers failed (%s); continuing with %d known", exc, len(self._links))
+            return self.catalog
+        return Catalog({a: l.describe for a, l in self._links.items()})
 
     async def _describe_all(self, links: list[Link]) -> dict:
         results = await asyncio.gather(*(l.fetch_describe() for l in links), return_exceptions=True)
@@ -412,8 +456,8 @@ async def _wrap(coro):
     return await coro
 
 
-async def _noop(function):
-    function()
+async def _noop(function, *args):
+    function(*args)
 
 
 def _size(image_size) -> tuple[int, int]:
