@@ -80,10 +80,10 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
     pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache)
     if config.synthetic:
-        # Transport benchmark: fill the slots once with noise; nothing is decoded.
+        # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
         np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
             0, 256, arena.size, dtype=np.uint8)
-    else:
+    if config.data:
         pool.start()
     try:
         return await _serve_on(config, shards, pool, arena, cache, token, credentials, started)

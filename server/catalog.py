@@ -10,6 +10,7 @@ that mount the same files report the same id.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pathlib
 import tarfile
@@ -17,6 +18,8 @@ from array import array
 from typing import NamedTuple
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 CLASSES_FILE = "classes.txt"
@@ -92,13 +95,21 @@ class ImageFolderShard(Shard):
         classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
         table = KeyTable()
         digest = hashlib.sha256()
+        # The class list is part of the identity: an extra (even empty) class folder shifts labels.
+        digest.update(("\0".join(classes) + "\n").encode("utf-8", "surrogateescape"))
+        skipped = []
         for label, cls in enumerate(classes):
             entries = sorted((e.name, e.stat().st_size) for e in os.scandir(root / cls)
                              if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS))
             for name, size in entries:
                 key = f"{cls}/{name}"
+                if not _utf8(key):  # keys travel as protobuf strings, which must be UTF-8
+                    skipped.append(key.encode("utf-8", "surrogateescape"))
+                    continue
                 table.add(key, label, 0, size)
                 digest.update(f"{key}\0{size}\n".encode())
+        if skipped:
+            log.warning("%s: skipped %d file(s) whose names are not UTF-8, e.g. %r", root, len(skipped), skipped[0])
         if not len(table):
             raise CatalogError(f"{root} holds no images: expected an ImageFolder tree "
                                f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}, "
@@ -121,8 +132,9 @@ class TarShard(Shard):
         self.path = str(path)
         cached = load_index(path)
         if cached is not None:
-            table, fingerprint = cached
-            super().__init__(path.name, table, class_names, fingerprint)
+            table, index_digest = cached
+            super().__init__(path.name, table, class_names, _tar_id(index_digest, table.labels, class_names))
+            self.index_digest = index_digest
             return
         self._scan(path, class_names)
         save_index(path, self)
@@ -157,19 +169,37 @@ class TarShard(Shard):
             raise CatalogError(f"{path}: cannot read tar shard: {exc}") from None
         if not len(table):
             raise CatalogError(f"{path} holds no images (expected members <key>.jpg and <key>.cls)")
-        super().__init__(path.name, table, class_names, "tar-" + digest.hexdigest()[:24])
+        self.index_digest = digest.hexdigest()
+        super().__init__(path.name, table, class_names, "")
         if unmatched:  # labels whose image came earlier, not just before: match by stem once
             for index in range(len(self)):
                 label = unmatched.pop(self.key(index).rpartition(".")[0], None)
                 if label is not None:
                     self.labels[index] = label
+        self.id = _tar_id(self.index_digest, self.labels, class_names)
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
 
 
 INDEX_SUFFIX = ".index.npz"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2
+
+
+def _tar_id(index_digest: str, labels, class_names: list[str]) -> str:
+    """Members, sizes and offsets (the index digest), labels and class names: all that a client sees."""
+    digest = hashlib.sha256(index_digest.encode())
+    digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+    digest.update("\0".join(class_names).encode())
+    return "tar-" + digest.hexdigest()[:24]
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _tar_signature(path: pathlib.Path) -> np.ndarray:
@@ -196,9 +226,16 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
             table.blob = bytearray(data["blob"].tobytes())
             for name in ("ends", "labels", "offsets", "sizes"):
                 setattr(table, name, array("q", data[name].astype(np.int64).tobytes()))
-            return table, str(data["fingerprint"])
-    except (OSError, ValueError, KeyError):  # unreadable or foreign: index the tar itself
+            digest = str(data["index_digest"])
+    except Exception:  # unreadable, damaged or foreign: index the tar itself
         return None
+    ends = np.frombuffer(table.ends, dtype=np.int64)
+    offsets, sizes = np.frombuffer(table.offsets, dtype=np.int64), np.frombuffer(table.sizes, dtype=np.int64)
+    size = path.stat().st_size
+    consistent = (len(ends) == len(table.labels) == len(offsets) == len(sizes) > 0
+                  and ends[-1] == len(table.blob) and bool(np.all(np.diff(ends) > 0)) and ends[0] > 0
+                  and bool(np.all(offsets >= 0)) and bool(np.all(offsets + sizes <= size)))
+    return (table, digest) if consistent else None
 
 
 def save_index(path: pathlib.Path, shard: "TarShard") -> bool:
@@ -207,7 +244,7 @@ def save_index(path: pathlib.Path, shard: "TarShard") -> bool:
     partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
     try:
         with open(partial, "wb") as f:
-            np.savez(f, version=_INDEX_VERSION, signature=_tar_signature(path), fingerprint=np.str_(shard.id),
+            np.savez(f, version=_INDEX_VERSION, signature=_tar_signature(path), index_digest=np.str_(shard.index_digest),
                      blob=np.frombuffer(shard._key_blob, dtype=np.uint8), ends=shard._key_ends,
                      labels=shard.labels, offsets=shard._offsets, sizes=shard._sizes)
         os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
@@ -266,4 +303,6 @@ def open_shards(paths: list[str]) -> list[Shard]:
 
 def _read_classes(folder: pathlib.Path) -> list[str]:
     file = folder / CLASSES_FILE
-    return file.read_text().split("\n")[:-1] if file.exists() else []
+    if not file.exists():
+        return []
+    return [line.strip() for line in file.read_text().splitlines() if line.strip()]

@@ -169,13 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs="+", default=_env_list(env),
                                 help=f"{doc} [env {env}, space-separated]")
         elif f.type in (bool, "bool"):
+            # A string default goes through type=, so a bad variable is a usage error, not a traceback.
             parser.add_argument(flag, type=_bool, nargs="?", const=True,
-                                default=_bool(os.environ[env]) if env in os.environ else getattr(defaults, f.name),
+                                default=os.environ.get(env, getattr(defaults, f.name)),
                                 help=f"{doc} [env {env}]")
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            default = os.environ.get(env)
-            parser.add_argument(flag, type=kind, default=kind(default) if default is not None else None,
+            parser.add_argument(flag, type=kind, default=os.environ.get(env),
                                 help=f"{doc} (default {getattr(defaults, f.name)}) [env {env}]")
 
 

@@ -71,13 +71,36 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
         raise PipelineError(f"albumentations_json is {len(spec.albumentations_json)} bytes, "
                             f"over the limit of {MAX_PIPELINE_JSON}")
     try:
+        document = json.loads(spec.albumentations_json)
+    except ValueError as exc:
+        raise PipelineError(f"albumentations_json is not JSON: {exc}") from None
+    limit = 4 * max(spec.height, spec.width, 256)
+    for path, value in _numbers(document):
+        if abs(value) > limit and path.rsplit(".", 1)[-1] not in ("seed",):
+            raise PipelineError(f"albumentations_json: {path}={value} is over this server's limit of {limit} for "
+                                f"any size-like parameter (4 x the output size, at least 1024)")
+    try:
         # from_dict only instantiates classes from albumentations' own registry: no code runs.
-        compose = A.from_dict(json.loads(spec.albumentations_json))
+        compose = A.from_dict(document)
     except Exception as exc:  # any malformed document is the client's error
         raise PipelineError(f"cannot rebuild the albumentations pipeline: {type(exc).__name__}: {exc}") from None
     if not isinstance(compose, A.Compose):
         compose = A.Compose([compose])
     return compose
+
+
+def _numbers(node, path: str = "pipeline"):
+    """Every number in a JSON document, with its path: sizes and kernels are checked before anything runs."""
+    if isinstance(node, bool):
+        return
+    if isinstance(node, (int, float)):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _numbers(value, f"{path}[{i}]")
 
 
 def _walk(node):

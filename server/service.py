@@ -13,7 +13,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, loader_pb2
-from remoteloader.server.catalog import Shard
+from remoteloader.server.catalog import Shard, SyntheticShard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
@@ -25,7 +25,7 @@ VERSION = "0.1.0"
 SERVICE = "remoteloader.v1.Loader"
 MAX_KEYS_PER_CALL = 10_000
 TASK_SAMPLES = 8  # fewest samples per worker task
-MAX_TASK_SAMPLES = 128  # most: a task message stays well under the 64 KiB a pipe holds
+MAX_TASK_SAMPLES = 32  # most: a task message (paths included) stays well under the 64 KiB a pipe holds
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -216,7 +216,12 @@ class LoaderService:
                     if self.limiter is not None:
                         await self.limiter.take(count)
                     slot = await self._take_slot(state)
-                    future = self._render(spec, shard, indices[start:start + count], seeds[start:start + count], slot)
+                    try:
+                        future = self._render(spec, shard, indices[start:start + count], seeds[start:start + count],
+                                              slot)
+                    except BaseException:
+                        self._give_slot(slot, state)
+                        raise
                     queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
         except asyncio.CancelledError:
             pass
@@ -254,7 +259,7 @@ class LoaderService:
     def _render(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int],
                 slot: int) -> asyncio.Future:
         """Starts rendering samples into a slot; the future gives [(position, reason)]."""
-        if self.config.synthetic:  # transport benchmark: the slot already holds pixels
+        if isinstance(shard, SyntheticShard):  # transport benchmark: the slot already holds pixels
             future = asyncio.get_running_loop().create_future()
             future.set_result([])
             return future
@@ -304,7 +309,9 @@ class LoaderService:
 
     async def _write_chunk(self, context, spec: PipelineSpec, item: "_Pending", state: dict) -> None:
         try:
-            errors = await item.future
+            # Shielded: a cancelled stream must not cancel the chunk's future, which completes
+            # only when every worker task is done with the slot.
+            errors = await asyncio.shield(item.future)
             indices = item.indices[item.start:item.start + item.count]
             header = loader_pb2.ChunkHeader(
                 order_id=item.order.order_id, start=item.start, count=item.count, order_size=len(item.indices),

@@ -43,6 +43,7 @@ def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_b
         cache = mmap.mmap(cache_fd, cache_bytes)
         os.close(cache_fd)
     pipelines: OrderedDict[tuple, Pipeline | str] = OrderedDict()
+    specs: dict[int, tuple] = {}
     while True:
         try:
             message = tasks.recv()
@@ -50,10 +51,19 @@ def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_b
             return
         if message is None:
             return
-        task_id, slot, first, spec, locations, seeds = message
+        if message[0] == "spec":  # a pipeline spec, sent once, named by its id in tasks
+            specs[message[1]] = message[2]
+            continue
+        if message[0] == "forget":
+            specs.clear()
+            continue
+        task_id, slot, first, spec_id, locations, seeds = message
+        spec = specs[spec_id]
         name, height, width, albu_json = spec
         pipeline = pipelines.get(spec)
-        if pipeline is None:
+        if pipeline is not None:
+            pipelines.move_to_end(spec)
+        else:
             try:
                 pipeline = Pipeline(PipelineSpec(name, height, width, albu_json), allow_custom, max_pixels)
             except PipelineError as exc:

@@ -47,7 +47,14 @@ class SharedFile:
         self.fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
         os.unlink(path)
         self.size = size
-        os.ftruncate(self.fd, size)
+        try:  # reserve the memory now: a full /dev/shm fails here, not as SIGBUS in a worker
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            os.close(self.fd)
+            raise OSError(f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory or 'the temp dir'}: "
+                          f"{exc} (a container needs shm_size for slots x chunk bytes plus --cache-bytes)") from None
+        except AttributeError:  # not on this platform
+            os.ftruncate(self.fd, size)
         self._mmap = mmap.mmap(self.fd, size)
         self.buffer = memoryview(self._mmap)
 
@@ -96,6 +103,10 @@ class Arena(SharedFile):
         return self.buffer[start:start + nbytes]
 
 
+_MAX_SPECS = 64  # pipeline specs a worker remembers before it is told to forget them
+_RESERVED = -3  # cache index values <= this: reserved at offset (_RESERVED - value), not filled
+
+
 class SampleCache(SharedFile):
     """Encoded samples kept in shared memory after their first read; filled, never evicted.
 
@@ -118,6 +129,9 @@ class SampleCache(SharedFile):
         if state >= 0:
             self.hits += 1
             return 2, state
+        if state <= _RESERVED:  # space kept from a fill that failed: try again there
+            where[index] = self.FILLING
+            return 1, _RESERVED - state
         if state == self.NONE and 0 < length <= self.size - self.used:
             where[index] = self.FILLING
             offset = self.used
@@ -126,7 +140,8 @@ class SampleCache(SharedFile):
         return 0, 0
 
     def filled(self, shard: str, index: int, offset: int, ok: bool) -> None:
-        self._where[shard][index] = offset if ok else self.NONE
+        # A failed fill keeps its space for the next try, so failures never use up the cache.
+        self._where[shard][index] = offset if ok else _RESERVED - offset
 
 
 class WorkerPool:
@@ -198,13 +213,24 @@ class WorkerPool:
         return future
 
     def _feed(self) -> None:
-        while self._queue:
+        while self._queue and self._workers:
             worker = min(self._workers, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.AHEAD:
                 return
             task_id, message, future, count = self._queue.popleft()
             worker.pending[task_id] = (future, count)
-            worker.tasks.send(message)
+            try:
+                # The pipeline spec (up to 64 KiB of JSON) goes to each worker once; tasks name it.
+                spec = message[3]
+                if spec not in worker.specs and len(worker.specs) >= _MAX_SPECS:
+                    worker.tasks.send(("forget",))
+                    worker.specs.clear()
+                if spec not in worker.specs:
+                    worker.tasks.send(("spec", len(worker.specs), spec))
+                    worker.specs[spec] = len(worker.specs)
+                worker.tasks.send((*message[:3], worker.specs[spec], *message[4:]))
+            except OSError:  # died before the loop saw it: fail its tasks, start another, go on
+                self._on_death(worker)
 
     def _on_readable(self, worker: "_Worker") -> None:
         try:
@@ -218,6 +244,8 @@ class WorkerPool:
         self._feed()
 
     def _on_death(self, worker: "_Worker") -> None:
+        if worker not in self._workers:  # already handled
+            return
         self._loop.remove_reader(worker.results.fileno())
         worker.results.close()
         worker.tasks.close()
@@ -227,7 +255,18 @@ class WorkerPool:
         if self._closed:
             return
         log.error("decode worker pid %s died with exit code %s; starting a new one", worker.process.pid, code)
-        self._workers[self._workers.index(worker)] = self._spawn()
+        index = self._workers.index(worker)
+        try:
+            self._workers[index] = self._spawn()
+        except Exception:  # cannot start one now (fork failed, out of file descriptors...)
+            log.exception("could not start a decode worker; %d left", len(self._workers) - 1)
+            del self._workers[index]
+            if not self._workers:
+                while self._queue:
+                    _, _, future, count = self._queue.popleft()
+                    if not future.done():
+                        future.set_result([(i, "no decode worker could be started") for i in range(count)])
+                return
         self._feed()
 
     def close(self) -> None:
@@ -261,6 +300,7 @@ class _Worker:
         self.tasks = tasks  # write end of the task pipe
         self.results = results  # read end of the result pipe
         self.pending: dict[int, tuple[asyncio.Future, int]] = {}
+        self.specs: dict[tuple, int] = {}  # pipeline specs this worker has been sent, by id
 
     def fail(self, reason: str) -> None:
         for future, count in self.pending.values():

@@ -1,0 +1,87 @@
+"""Server pieces in isolation: cache bookkeeping, catalog parsing, config from the environment, pipeline caps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import io
+
+import pytest
+
+from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, _read_classes, open_shards
+
+
+def test_a_failed_cache_fill_keeps_its_space_for_the_next_try(tmp_path):
+    from remoteloader.server.workers import SampleCache
+
+    cache = SampleCache(1000, {"s": 4})
+    try:
+        for _ in range(5):  # a corrupt file requested again and again
+            mode, offset = cache.plan("s", 0, 300)
+            assert (mode, offset) == (1, 0)
+            cache.filled("s", 0, offset, ok=False)
+        assert cache.used == 300
+        assert cache.plan("s", 1, 300) == (1, 300)  # the rest of the cache is still there
+        cache.filled("s", 1, 300, ok=True)
+        assert cache.plan("s", 1, 300) == (2, 300)
+    finally:
+        cache.close()
+
+
+def test_classes_txt_without_a_final_newline_or_with_crlf(tmp_path):
+    (tmp_path / "classes.txt").write_bytes(b"cat\r\ndog")
+    assert _read_classes(tmp_path) == ["cat", "dog"]
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_damaged_sidecar_index_is_ignored(tmp_path):
+    tar = _tar(tmp_path / "a.tar", [("x/1.jpg", b"\xff\xd8\xff" + b"0" * 50), ("x/1.cls", b"3")])
+    first = TarShard(tar, [])
+    sidecar = tmp_path / ("a.tar" + INDEX_SUFFIX)
+    assert sidecar.is_file()
+    sidecar.write_bytes(sidecar.read_bytes()[:100])  # truncated
+    again = TarShard(tar, [])
+    assert again.id == first.id and again.labels.tolist() == [3]
+
+
+def test_class_names_are_part_of_the_shard_id(tmp_path):
+    tar = _tar(tmp_path / "a.tar", [("x/1.jpg", b"\xff\xd8\xff" + b"0" * 50), ("x/1.cls", b"0")])
+    assert TarShard(tar, ["cat"]).id != TarShard(tar, ["dog"]).id
+    for folder, classes in (("one", ["a"]), ("two", ["a", "b"])):  # an extra, empty class folder
+        for cls in classes:
+            (tmp_path / folder / cls).mkdir(parents=True)
+        (tmp_path / folder / "a" / "1.jpg").write_bytes(b"\xff\xd8\xff")
+    assert open_shards([str(tmp_path / "one")])[0].id != open_shards([str(tmp_path / "two")])[0].id
+
+
+def test_a_bad_environment_variable_is_a_usage_error(tmp_path):
+    env = {**os.environ, "REMOTELOADER_WORKERS": "abc"}
+    result = subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "serve", "--data", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2
+    assert "--workers: invalid int value: 'abc'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("transforms", [
+    [{"__class_fullname__": "Resize", "height": 100000, "width": 100000}],
+    [{"__class_fullname__": "GaussianBlur", "blur_limit": [3, 9999]}],
+])
+def test_custom_pipelines_with_absurd_sizes_are_refused_before_they_run(transforms):
+    from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
+
+    document = {"__version__": "2.0.8", "transform": {"__class_fullname__": "Compose", "p": 1.0,
+                                                        "transforms": transforms}}
+    with pytest.raises(PipelineError, match="over this server's limit"):
+        Pipeline(PipelineSpec("custom", 64, 64, json.dumps(document)), allow_custom=True)
