@@ -392,6 +392,10 @@ class RemoteLoader:
 
     # ---- helpers ------------------------------------------------------------------------
     def _call(self, coro, timeout: float | None):
+        """Runs a coroutine on the I/O loop and waits for it (RuntimeError once the loop is closed)."""
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("RemoteLoader is closed")
         future = asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop)
         return future.result(timeout)
 
