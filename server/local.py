@@ -1,11 +1,13 @@
 """Loader servers as local subprocesses: for the demo, benchmarks and tests.
 
 ``LocalServer`` runs exactly the command a container runs (``remoteloader-server``
-flags), waits for its ``listening on`` line and stops it with SIGTERM (drain) on exit.
+flags), waits for its ``listening on`` line and stops it with SIGTERM (drain) on exit;
+on Linux the server also gets SIGTERM if its parent dies without stopping it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -16,6 +18,14 @@ import time
 from collections import deque
 
 _READY = re.compile(r"listening on (\S+):(\d+)")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class LocalServer:
@@ -53,7 +63,8 @@ class LocalServer:
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         self._ready.clear()
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        env=env, text=True, start_new_session=True)
+                                        env=env, text=True, start_new_session=True,
+                                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.05):
