@@ -17,6 +17,7 @@ ready ahead of the loop = GPU_AHEAD (2) x output batch bytes.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import queue
 import threading
@@ -45,13 +46,19 @@ def normalize_images(images: torch.Tensor, normalize, dtype: torch.dtype) -> tor
     """uint8 NHWC -> dtype NCHW (channels_last memory), (x / 255 - mean) / std."""
     if normalize is None:
         return images
-    mean, std = normalize
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32, device=images.device)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32, device=images.device)
+    scale, shift = _affine(tuple(normalize[0]), tuple(normalize[1]), images.device)
     # permute is a view: NHWC memory read as NCHW has channels_last strides already.
     x = images.permute(0, 3, 1, 2).to(torch.float32)
     x = torch.addcmul(shift.view(1, 3, 1, 1), x, scale.view(1, 3, 1, 1))
     return x.to(dtype).contiguous(memory_format=torch.channels_last)
+
+
+@functools.lru_cache(maxsize=16)
+def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / 255 - mean) / std as x * scale + shift, built once per device (no copy per batch)."""
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32, device=device)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32, device=device)
+    return scale, shift
 
 
 def host_buffer(n: int, h: int, w: int) -> torch.Tensor:
