@@ -65,11 +65,10 @@ class Link:
         self.down_since: float | None = None
         self.last_error = ""
         self.gave_up = ""  # why the engine stopped trying this server, if it did
-        self.last_progress = 0.0  # when it last sent a chunk (or was given work while idle)
+        self.last_progress = 0.0  # its last chunk, or when it was given work while idle
         self._up_since = 0.0
         self.outstanding = 0  # samples sent and not yet received
         self.rate = 0.0  # samples/s while busy, a moving average (0: not measured yet)
-        self._last_arrival = 0.0
         self._control: grpc.aio.Channel | None = None
         self._data: grpc.aio.Channel | None = None
         self._call = None
@@ -137,15 +136,15 @@ class Link:
     def record(self, samples: int) -> None:
         """Updates the rate from a chunk's arrival (the gap since the previous one, while busy)."""
         now = time.monotonic()
-        gap = now - self._last_arrival
-        self._last_arrival = now
+        gap = now - self.last_progress
+        self.last_progress = now
         if 0 < gap < 5.0:  # a longer gap means the server was idle, not slow
             weight = min(1.0, gap)  # about a one-second memory
             self.rate = (1 - weight) * self.rate + weight * (samples / gap) if self.rate else samples / gap
 
     def send(self, order: loader_pb2.Order) -> None:
         if len(self.inflight) == 1:  # it was idle: the next gap and the progress clock start now
-            self._last_arrival = self.last_progress = time.monotonic()
+            self.last_progress = time.monotonic()
         self.orders_sent += 1
         self._outbox.put_nowait(loader_pb2.StreamRequest(order=order))
 
@@ -171,8 +170,7 @@ class Link:
                 if not self._healthy:
                     self._healthy = True
                     self.down_since = None
-                self.last_progress = time.monotonic()
-                self.engine.on_chunk(self, chunk)
+                self.engine.on_chunk(self, chunk)  # which calls record(): progress and rate
             raise ConnectionError("the server closed the stream")
         except asyncio.CancelledError:
             raise

@@ -19,7 +19,7 @@ from remoteloader.client import plan as plan_module
 from remoteloader.client.catalog import Catalog
 from remoteloader.client.discovery import discover
 from remoteloader.client.device import CudaDelivery, Delivered, HostDelivery
-from remoteloader.client.engine import END, Batch, Engine, LoaderError, SampleFailure
+from remoteloader.client.engine import END, Engine, LoaderError, SampleFailure
 from remoteloader.client.link import Link
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import codec, loader_pb2
@@ -252,7 +252,6 @@ class RemoteLoader:
         if self._resume is not None and self._resume[0] == epoch:
             start, done = self._resume[1], self._resume[2]
         self._resume = None
-        self._call(_noop(self._engine.cancel_epoch), timeout=10)
         self.catalog = self._discover()
         batches = self.plan(epoch)
         token = self._call(self._engine.start_epoch(epoch, batches, start, self.catalog, done), timeout=None)
@@ -284,7 +283,7 @@ class RemoteLoader:
             if token != self._token:  # a newer iteration has started: this one owns nothing any more
                 pass
             elif not finished:
-                self._abandon(source, out, token)
+                self._abandon(token)
             else:
                 if not self._epoch_set or self._epoch == epoch:
                     self._epoch = epoch + 1
@@ -308,21 +307,13 @@ class RemoteLoader:
                     raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
                                        "which starts the epoch anew") from None
 
-    def _abandon(self, source, out, token: int) -> None:
-        """The consumer stopped mid-epoch: stop the work and give every buffer back."""
+    def _abandon(self, token: int) -> None:
+        """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
         try:
             self._call(_noop(self._engine.cancel_epoch, token), timeout=10)
         except RuntimeError:  # close() from another thread got there first
             return
         self._delivery.close()
-        for q in (source, out):
-            while True:
-                try:
-                    item = q.get_nowait()
-                except Exception:
-                    break
-                if isinstance(item, Batch):
-                    self._delivery.release(item.images)
 
     def _buffer_freed(self) -> None:
         if not self._closed:
