@@ -416,6 +416,16 @@ def _eval_reference(path, size: int | tuple[int, int]):
     return image[top:top + h, left:left + w]
 
 
+def pixels_by_id(batches) -> dict:
+    """{sample id: HWC uint8 pixels} of (images, labels, ids) batches; each id must come once."""
+    out = {}
+    for images, _labels, ids in batches:
+        for image, i in zip(images.numpy(), ids.tolist()):
+            assert i not in out, f"sample {i} delivered twice"
+            out[i] = image
+    return out
+
+
 def _run_bounded(loader, seconds: float = 60.0) -> list[tuple]:
     """Iterates one epoch of ``loader``; fails the test (closing the loader) if it takes over ``seconds``.
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import pixels_by_id
 from remoteloader.client import RemoteLoader
 from remoteloader.server.synthetic import make_imagefolder
 
@@ -85,15 +86,6 @@ def assert_same_batches(got, expected, what: str = "") -> None:
         assert torch.equal(i, ie), f"{what}batch {n}: ids {i.tolist()} != {ie.tolist()}"
         assert torch.equal(y, ye), f"{what}batch {n}: labels differ"
         assert x.shape == xe.shape and torch.equal(x, xe), f"{what}batch {n}: pixels differ"
-
-
-def pixels_by_id(batches) -> dict[int, np.ndarray]:
-    out = {}
-    for images, _labels, ids in batches:
-        for image, i in zip(images.numpy(), ids.tolist()):
-            assert i not in out, f"sample {i} delivered twice"
-            out[i] = image
-    return out
 
 
 # ---- the plan is a pure function ----------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import pixels_by_id
 from remoteloader.client import RemoteLoader
 from remoteloader.server.synthetic import make_imagefolder
 
@@ -62,15 +63,6 @@ def loader_for(data: Data, **kwargs) -> RemoteLoader:
     options = dict(batch_size=BATCH, image_size=SIZE, connect_timeout=20)
     options.update(kwargs)
     return RemoteLoader(data.target, **options)
-
-
-def pixels_by_id(batches) -> dict[int, np.ndarray]:
-    out = {}
-    for images, _labels, ids in batches:
-        for image, i in zip(images.numpy(), ids.tolist()):
-            assert i not in out, f"sample {i} delivered twice"
-            out[i] = image
-    return out
 
 
 # ---- exactly once ---------------------------------------------------------------------
