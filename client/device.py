@@ -1,7 +1,8 @@
 """Delivery to the training loop: host buffers, and the CUDA path.
 
-On the CPU, each batch is received into its own fresh buffer (huge-page backed) that is
-handed to the user as is; normalization, when asked for, runs in the consumer's thread.
+On the CPU, each batch is received into its own buffer (huge-page backed) that is handed to
+the user as is, and reused for a later batch once the user has dropped it; normalization,
+when asked for, runs in the consumer's thread.
 
 On CUDA, batches are received into pinned host buffers from a fixed pool. A transfer
 thread copies each finished batch to the GPU on its own stream, a few batches ahead of
@@ -21,6 +22,7 @@ import functools
 import mmap
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,36 +63,70 @@ def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor
     return scale, shift
 
 
-def host_buffer(n: int, h: int, w: int) -> torch.Tensor:
-    """A fresh uint8 NHWC batch in its own anonymous mapping, backed by huge pages if possible.
+class HostPool:
+    """uint8 NHWC batches handed to the user, their memory reused once the user drops them.
 
-    Receiving into fresh 4 KiB pages costs a page fault every 4 KiB, which held the copy
-    of received pixels under 2 GB/s; with transparent huge pages it runs at memory speed.
-    The mapping is freed with the last tensor that uses it.
+    Each batch of 4 MiB or more lives in its own anonymous mapping backed by transparent
+    huge pages. A fresh mapping costs the kernel a page fault and a zeroed page for every
+    byte received into it: measured in ``benchmarks/wire.py``, zeroing fresh huge pages was
+    a fifth of the receiving process's CPU. So when the last tensor using a batch's memory
+    is gone (tracked on the numpy array that the tensor keeps alive), the mapping goes back
+    to a free list and the next batch of that size is received into memory already mapped.
+
+    Memory: at most ``keep`` free batches are held; the batches the user still holds, and
+    those being received (``prefetch``), are the user's and in flight.
     """
-    nbytes = n * h * w * 3
-    if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty((n, h, w, 3), dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass
-    return torch.from_numpy(np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3))
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        self.reused = 0  # batches received into recycled memory (for tests and stats)
+
+    def take(self, n: int, h: int, w: int) -> torch.Tensor:
+        nbytes = n * h * w * 3
+        if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty((n, h, w, 3), dtype=torch.uint8)
+        with self._lock:
+            spare = self._free.get(nbytes)
+            region = spare.pop() if spare else None
+        if region is None:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                region.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        else:
+            self.reused += 1
+        array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3)
+        # The tensor holds the array until its storage is freed (views and .numpy() included).
+        weakref.finalize(array, self._give, region, nbytes)
+        return torch.from_numpy(array)
+
+    def _give(self, region: mmap.mmap, nbytes: int) -> None:
+        with self._lock:
+            if sum(len(v) for v in self._free.values()) < self.keep:
+                self._free.setdefault(nbytes, []).append(region)
+        # otherwise the mapping is unmapped when its last reference goes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
 
 
 class HostDelivery:
-    """CPU: fresh buffers, handed to the user; optional normalization in the consumer thread."""
+    """CPU: batches handed to the user as received; optional normalization in the consumer thread."""
 
-    def __init__(self, normalize, dtype: torch.dtype):
+    def __init__(self, normalize, dtype: torch.dtype, prefetch: int):
         self.normalize = normalize
         self.dtype = dtype
+        self.pool = HostPool(keep=prefetch + 2)
 
     def allocate(self, n: int, h: int, w: int):
-        return host_buffer(n, h, w)
+        return self.pool.take(n, h, w)
 
     def release(self, buffer) -> None:
-        pass
+        pass  # the pool takes the memory back when the last reference to it is gone
 
     def start(self, source: queue.Queue) -> queue.Queue:
         return source
@@ -104,7 +140,7 @@ class HostDelivery:
                          torch.from_numpy(batch.labels), torch.from_numpy(batch.ids), batch.failures, batch.nbytes)
 
     def close(self) -> None:
-        pass
+        self.pool.clear()
 
 
 class PinnedPool:

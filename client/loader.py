@@ -147,7 +147,7 @@ class RemoteLoader:
                 self._delivery = CudaDelivery(self.device, self.normalize, self.dtype, batch_size * h * w * 3,
                                               prefetch, on_free=self._buffer_freed)
             else:
-                self._delivery = HostDelivery(self.normalize, self.dtype)
+                self._delivery = HostDelivery(self.normalize, self.dtype, prefetch)
             self._engine = Engine(self._links, None, self._setup, seed=self.seed, prefetch=prefetch,
                                   ordered=self.ordered, reconnect_timeout=reconnect_timeout, delivery=self._delivery,
                                   progress_timeout=progress_timeout)

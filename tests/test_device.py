@@ -1,11 +1,11 @@
-"""Delivery on the CPU: fresh buffers per batch, and the normalization the CUDA path also uses."""
+"""Delivery on the CPU: batch buffers the user owns until dropped, and the normalization the CUDA path also uses."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from remoteloader.client.device import HostDelivery, host_buffer, normalize_images
+from remoteloader.client.device import HostDelivery, HostPool, normalize_images
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -31,14 +31,39 @@ def test_without_normalize_the_uint8_batch_is_handed_over_as_is():
     assert normalize_images(images, None, torch.float32) is images
 
 
-def test_host_buffers_are_fresh_writable_and_sized():
-    small, big = host_buffer(2, 8, 8), host_buffer(64, 224, 224)  # big takes the huge-page mapping
+def test_host_buffers_are_writable_and_sized():
+    pool = HostPool(keep=2)
+    small, big = pool.take(2, 8, 8), pool.take(64, 224, 224)  # big takes a huge-page mapping
     for buf, n in ((small, 2), (big, 64)):
-        assert buf.dtype == torch.uint8 and tuple(buf.shape[1:]) == (buf.shape[1], buf.shape[2], 3)
-        assert buf.shape[0] == n
+        assert buf.dtype == torch.uint8 and buf.shape == (n, buf.shape[1], buf.shape[2], 3)
         buf.fill_(7)
         assert int(buf.sum()) == 7 * buf.numel()
-    other = host_buffer(64, 224, 224)
-    assert other.data_ptr() != big.data_ptr()  # a batch the user keeps is never overwritten
-    delivery = HostDelivery(None, torch.float32)
-    assert delivery.allocate(1, 4, 4).shape == (1, 4, 4, 3)
+    assert HostDelivery(None, torch.float32, prefetch=2).allocate(1, 4, 4).shape == (1, 4, 4, 3)
+
+
+def test_a_batch_the_user_holds_is_never_reused():
+    pool = HostPool(keep=4)
+    kept = pool.take(64, 224, 224)
+    view = kept[3:5].permute(0, 3, 1, 2)  # views and numpy arrays hold the memory too
+    array = kept.numpy()
+    kept.fill_(1)
+    del kept
+    others = [pool.take(64, 224, 224) for _ in range(3)]
+    for other in others:
+        other.fill_(2)
+    assert pool.reused == 0
+    assert int(view.sum()) == view.numel() and int(array.sum()) == array.size
+    assert view.data_ptr() not in {o.data_ptr() + 3 * 224 * 224 * 3 for o in others}
+
+
+def test_a_dropped_batch_is_received_into_again_and_the_free_list_is_bounded():
+    pool = HostPool(keep=2)
+    first = pool.take(64, 224, 224)
+    address = first.data_ptr()
+    del first
+    again = pool.take(64, 224, 224)
+    assert pool.reused == 1 and again.data_ptr() == address
+    batches = [pool.take(64, 224, 224) for _ in range(5)] + [again]
+    del again, batches
+    assert sum(len(v) for v in pool._free.values()) == 2
+    assert pool.take(32, 224, 224).shape[0] == 32  # another size gets its own mapping
