@@ -5,6 +5,7 @@ pixels are generated once and never decoded, so the figures are gRPC + framing +
 client's copy into the batch, nothing else. Everything runs on 127.0.0.1.
 
     python benchmarks/wire.py [--servers 1 3] [--epochs 4] [--image-size 224] [--batch-size 256]
+    python benchmarks/wire.py --servers 1 --chunk-bytes 1048576 2097152 4194304 8388608   # message size sweep
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import resource
 import time
 
 from remoteloader.client import RemoteLoader
+from remoteloader.server.config import ServerConfig
 from remoteloader.server.local import LocalServer
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -33,9 +35,9 @@ def self_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(servers: int, args) -> dict:
+def measure(servers: int, chunk_bytes: int, args) -> dict:
     started = [LocalServer([], args=["--synthetic", str(args.samples), "--log-level", "WARNING",
-                                     "--chunk-bytes", str(args.chunk_bytes)]).start() for _ in range(servers)]
+                                     "--chunk-bytes", str(chunk_bytes)]).start() for _ in range(servers)]
     try:
         with RemoteLoader([s.address for s in started], batch_size=args.batch_size, image_size=args.image_size,
                           shuffle=False, prefetch=args.prefetch) as loader:
@@ -57,7 +59,7 @@ def measure(servers: int, args) -> dict:
             s.stop()
     rows.sort(key=lambda r: r["gb_per_s"])
     median = rows[len(rows) // 2]
-    return {"servers": servers, **median}
+    return {"servers": servers, "chunk_bytes": chunk_bytes, **median}
 
 
 def main() -> None:
@@ -68,16 +70,18 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--prefetch", type=int, default=4)
-    parser.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    parser.add_argument("--chunk-bytes", type=int, nargs="+", default=[ServerConfig.chunk_bytes],
+                        help="pixel bytes per message (default: the server's)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = [measure(n, args) for n in args.servers]
+    results = [measure(n, c, args) for c in args.chunk_bytes for n in args.servers]
     print(f"wire alone, {args.image_size}x{args.image_size} RGB, batch {args.batch_size}, "
-          f"chunk {args.chunk_bytes >> 10} KiB, median of {args.epochs} epochs, {os.cpu_count()} CPUs")
-    print("| servers | GB/s | client CPU-s/GB | server CPU-s/GB |")
-    print("| --- | --- | --- | --- |")
+          f"median of {args.epochs} epochs, {os.cpu_count()} CPUs")
+    print("| chunk KiB | servers | GB/s | client CPU-s/GB | server CPU-s/GB |")
+    print("| --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['servers']} | {r['gb_per_s']:.2f} | {r['client_cpu_s_per_gb']:.2f} | {r['server_cpu_s_per_gb']:.2f} |")
+        print(f"| {r['chunk_bytes'] >> 10} | {r['servers']} | {r['gb_per_s']:.2f} | {r['client_cpu_s_per_gb']:.2f} "
+              f"| {r['server_cpu_s_per_gb']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -34,7 +34,8 @@ class ServerConfig:
         port: TCP port; 0 picks a free one (the bound port is logged and returned).
     Work:
         workers: Decode/augment worker processes (default: the CPUs this process may use).
-        chunk_bytes: Pixel payload per streamed message (default 4 MiB, chosen by measurement).
+        chunk_bytes: Pixel payload per streamed message (default 2 MiB, chosen by measurement:
+            benchmarks/wire.py --chunk-bytes ...; 1.5-2 MiB moved the most per receiver CPU-second).
         slots: Shared chunk buffers, the bound on decoded pixels held by the server:
             memory = slots x max(chunk_bytes, largest sample) (default 4 x workers + 4).
         max_order_samples: Most samples in one order.
@@ -70,7 +71,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     workers: int = field(default_factory=default_workers)
-    chunk_bytes: int = 4 * MiB
+    chunk_bytes: int = 2 * MiB
     slots: int = 0
     max_order_samples: int = 1024
     max_inflight_orders: int = 16
