@@ -35,23 +35,29 @@ def self_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(servers: int, chunk_bytes: int, args) -> dict:
+def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
     started = [LocalServer([], args=["--synthetic", str(args.samples), "--log-level", "WARNING",
                                      "--chunk-bytes", str(chunk_bytes)]).start() for _ in range(servers)]
     try:
         with RemoteLoader([s.address for s in started], batch_size=args.batch_size, image_size=args.image_size,
-                          shuffle=False, prefetch=args.prefetch) as loader:
+                          shuffle=False, prefetch=args.prefetch, receiver=receiver) as loader:
+            child = loader._io.process.pid if receiver == "process" else None
             rows = []
             for epoch in range(args.epochs + 1):
                 server_cpu = [process_cpu(s.process.pid) for s in started]
+                receiver_cpu = process_cpu(child) if child else 0.0
                 client_cpu, start, images = self_cpu(), time.perf_counter(), 0
                 for batch, labels in loader:
                     images += len(labels)
                 elapsed = time.perf_counter() - start
                 gb = images * args.image_size ** 2 * 3 / 1e9
                 if epoch:  # the first epoch warms up connections and caches
+                    trainer = (self_cpu() - client_cpu) / gb
+                    received = (process_cpu(child) - receiver_cpu) / gb if child else 0.0
                     rows.append({"gb_per_s": gb / elapsed,
-                                 "client_cpu_s_per_gb": (self_cpu() - client_cpu) / gb,
+                                 "client_cpu_s_per_gb": trainer + received,
+                                 "trainer_cpu_s_per_gb": trainer,
+                                 "trainer_core_s_per_1000_images": trainer * args.image_size ** 2 * 3 * 1000 / 1e9,
                                  "server_cpu_s_per_gb": sum(process_cpu(s.process.pid) - c
                                                             for s, c in zip(started, server_cpu)) / gb})
     finally:
@@ -59,7 +65,7 @@ def measure(servers: int, chunk_bytes: int, args) -> dict:
             s.stop()
     rows.sort(key=lambda r: r["gb_per_s"])
     median = rows[len(rows) // 2]
-    return {"servers": servers, "chunk_bytes": chunk_bytes, **median}
+    return {"servers": servers, "chunk_bytes": chunk_bytes, "receiver": receiver, **median}
 
 
 def main() -> None:
@@ -72,16 +78,21 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=[ServerConfig.chunk_bytes],
                         help="pixel bytes per message (default: the server's)")
+    parser.add_argument("--receiver", nargs="+", default=["thread", "process"], choices=["thread", "process"],
+                        help="where the client receives: an I/O thread of the training process, or a child process")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = [measure(n, c, args) for c in args.chunk_bytes for n in args.servers]
+    results = [measure(n, c, r, args) for c in args.chunk_bytes for r in args.receiver for n in args.servers]
     print(f"wire alone, {args.image_size}x{args.image_size} RGB, batch {args.batch_size}, "
           f"median of {args.epochs} epochs, {os.cpu_count()} CPUs")
-    print("| chunk KiB | servers | GB/s | client CPU-s/GB | server CPU-s/GB |")
-    print("| --- | --- | --- | --- | --- |")
+    print("client = the training process plus its receiver process, if any")
+    print("| chunk KiB | receiver | servers | GB/s | client CPU-s/GB | training process CPU-s/GB "
+          "| training process core-s per 1000 images | server CPU-s/GB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['chunk_bytes'] >> 10} | {r['servers']} | {r['gb_per_s']:.2f} | {r['client_cpu_s_per_gb']:.2f} "
-              f"| {r['server_cpu_s_per_gb']:.2f} |")
+        print(f"| {r['chunk_bytes'] >> 10} | {r['receiver']} | {r['servers']} | {r['gb_per_s']:.2f} "
+              f"| {r['client_cpu_s_per_gb']:.2f} | {r['trainer_cpu_s_per_gb']:.2f} "
+              f"| {r['trainer_core_s_per_1000_images']:.3f} | {r['server_cpu_s_per_gb']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -22,6 +22,7 @@ import functools
 import mmap
 import queue
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -115,12 +116,17 @@ class HostPool:
 
 
 class HostDelivery:
-    """CPU: batches handed to the user as received; optional normalization in the consumer thread."""
+    """CPU: batches handed to the user as received; optional normalization in the consumer thread.
 
-    def __init__(self, normalize, dtype: torch.dtype, prefetch: int):
+    With a receiver process (``receiver``), batches arrive in its shared slots: each is
+    copied out once (or normalized straight out of it) and its slot is given back.
+    """
+
+    def __init__(self, normalize, dtype: torch.dtype, prefetch: int, receiver=None):
         self.normalize = normalize
         self.dtype = dtype
         self.pool = HostPool(keep=prefetch + 2)
+        self.receiver = receiver
 
     def allocate(self, n: int, h: int, w: int):
         return self.pool.take(n, h, w)
@@ -136,10 +142,22 @@ class HostDelivery:
         pass
 
     def convert(self, batch) -> Delivered:
-        return Delivered(batch.seq, normalize_images(batch.images, self.normalize, self.dtype),
-                         torch.from_numpy(batch.labels), torch.from_numpy(batch.ids), batch.failures, batch.nbytes)
+        images = batch.images
+        if self.receiver is not None:
+            if self.normalize is None:
+                images = self.pool.take(*batch.images.shape[:3])
+                # numpy's copy: one thread; torch's copy_ woke OpenMP threads that then spun,
+                # which tripled the training process's CPU per GB (perf, benchmarks/wire.py).
+                np.copyto(images.numpy(), batch.images)
+            else:
+                images = normalize_images(torch.from_numpy(batch.images), self.normalize, self.dtype)
+            self.receiver.free(batch.images)
+        else:
+            images = normalize_images(images, self.normalize, self.dtype)
+        return Delivered(batch.seq, images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids),
+                         batch.failures, batch.nbytes)
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
         self.pool.clear()
 
 
@@ -171,14 +189,18 @@ class CudaDelivery:
         batch_bytes: Largest batch in bytes (uint8 NHWC).
         prefetch: Batches in flight from the servers (each holds a pinned buffer).
         on_free: Called (from the transfer thread) when a pinned buffer is back in the pool.
+        receiver: A ProcessReceiver: batches arrive in its shared slots, which are pinned
+            here (cudaHostRegister) in place of the pool, and go back to it after the copy.
     """
 
     def __init__(self, device: torch.device, normalize, dtype: torch.dtype, batch_bytes: int, prefetch: int,
-                 on_free):
+                 on_free, receiver=None):
         self.device = device
         self.normalize = normalize
         self.dtype = dtype
-        self.pool = PinnedPool(prefetch + 2, batch_bytes)
+        self.receiver = receiver
+        self.pool = PinnedPool(prefetch + 2, batch_bytes) if receiver is None else None
+        self._registered = register_pinned(receiver.slots.array) if receiver is not None else None
         self.on_free = on_free
         self.prefetch = prefetch
         self._stream = torch.cuda.Stream(device)
@@ -195,6 +217,9 @@ class CudaDelivery:
         return view
 
     def release(self, view: torch.Tensor) -> None:
+        if self.receiver is not None:
+            self.receiver.free(view)
+            return
         base = self._owner.pop(view.data_ptr(), None)
         if base is not None:
             self.pool.give(base)
@@ -224,14 +249,15 @@ class CudaDelivery:
             try:
                 delivered = self._transfer(item)
             except BaseException as exc:  # hand it to the training thread
-                self.release(item.images)
+                self.release(item.images if isinstance(item.images, torch.Tensor) else torch.from_numpy(item.images))
                 self._put(out, exc, stop)
                 return
             self._put(out, delivered, stop)
 
     def _transfer(self, batch) -> Delivered:
+        host = batch.images if isinstance(batch.images, torch.Tensor) else torch.from_numpy(batch.images)
         with torch.cuda.stream(self._stream):
-            images = batch.images.to(self.device, non_blocking=True)
+            images = host.to(self.device, non_blocking=True)
             labels = torch.from_numpy(batch.labels).pin_memory().to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
@@ -240,7 +266,7 @@ class CudaDelivery:
             ready.record(self._stream)
         # The pinned buffer may be refilled only once the copy out of it has finished.
         copied.synchronize()
-        self.release(batch.images)
+        self.release(host)
         return Delivered(batch.seq, images, labels, torch.from_numpy(batch.ids), batch.failures, batch.nbytes,
                          ready)
 
@@ -263,8 +289,27 @@ class CudaDelivery:
         delivered.images.record_stream(stream)
         delivered.labels.record_stream(stream)
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
+        """Stops the transfer thread; ``final``: the loader is closing, unpin the slots too."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if final and self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+
+
+def register_pinned(array: np.ndarray):
+    """Page-locks memory we did not allocate (the receiver's shared slots) for async copies.
+
+    Returns the address to unregister, or None (with a warning) where CUDA refuses, in
+    which case copies still work but are synchronous from pageable memory.
+    """
+    address, nbytes = array.ctypes.data, array.nbytes
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(getattr(error, "value", error)) != 0:
+        warnings.warn(f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed "
+                      f"({error}); host-to-device copies will not overlap compute", stacklevel=3)
+        return None
+    return address

@@ -171,7 +171,8 @@ class Engine:
                 break
             run.next_dispatch += 1
             run.dispatched += 1
-            batch = Batch(seq, ids, images, images.numpy(), np.full(len(ids), -1, np.int64), len(ids))
+            pixels = images if isinstance(images, np.ndarray) else images.numpy()
+            batch = Batch(seq, ids, images, pixels, np.full(len(ids), -1, np.int64), len(ids))
             run.open[seq] = batch
             shard_idx = self.catalog.shard_of(ids)
             for s in np.unique(shard_idx):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import queue
-import threading
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -17,16 +15,16 @@ import torch
 
 from remoteloader.client import plan as plan_module
 from remoteloader.client.catalog import Catalog
-from remoteloader.client.discovery import discover
 from remoteloader.client.device import CudaDelivery, Delivered, HostDelivery
-from remoteloader.client.engine import END, Engine, LoaderError, SampleFailure
-from remoteloader.client.link import Link
+from remoteloader.client.engine import END, LoaderError, SampleFailure
+from remoteloader.client.receiver import ProcessReceiver, Receiver
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
-from remoteloader.protos import codec, loader_pb2
+from remoteloader.protos import loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
 ON_ERROR = ("raise", "warn", "skip")
+RECEIVERS = ("thread", "process")
 _KEY_BLOCK = 1024
 
 
@@ -77,6 +75,12 @@ class RemoteLoader:
             unserved samples raise an error, when no other server holds its shards (default 60).
         progress_timeout: Seconds a server may hold orders without sending anything before it
             is treated as failed and its orders go elsewhere (default 60).
+        receiver: Where the batches are received: ``"process"``, a child process that writes
+            them into shared memory (pinned on CUDA), so the training process spends almost
+            no CPU and none of its GIL on input, or ``"thread"``, an I/O thread of this
+            process (no child; one copy less on the CPU). Default: "process" on CUDA,
+            "thread" on the CPU. With "process", (prefetch + 2) batch slots of shared memory
+            replace the host buffers above.
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.
@@ -90,7 +94,8 @@ class RemoteLoader:
                  dtype: torch.dtype = torch.float32, return_ids: bool = False, ordered: bool = True,
                  on_error: str | Callable[[list[SampleFailure]], None] = "raise", prefetch: int = 8,
                  max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0,
-                 progress_timeout: float = 60.0, tls: str | TLSConfig | None = None, token: str | None = None):
+                 progress_timeout: float = 60.0, tls: str | TLSConfig | None = None, token: str | None = None,
+                 receiver: str | None = None):
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
         self.batch_size = batch_size
@@ -131,26 +136,35 @@ class RemoteLoader:
         self._stats = {"batches": 0, "images": 0, "bytes": 0, "wait_s": 0.0, "start": None, "busy_s": 0.0}
         self._keys: dict[tuple[str, int], list[str]] = {}
 
-        codec.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
-        self._thread.start()
-        self._address = address
-        self._connect_timeout = connect_timeout
-        self._max_inflight = max_inflight
-        self._links: dict[str, Link] = {}
-        self._tls = tls_config(tls)
-        self._metadata = token_metadata(token)
+        if receiver is None:
+            receiver = "process" if self.device.type == "cuda" else "thread"
+        if receiver not in RECEIVERS:
+            raise ValueError(f"receiver={receiver!r}: expected one of {', '.join(RECEIVERS)}")
+        self.receiver = receiver
+        self.catalog: Catalog | None = None
+        self._delivery = None
+        self._io = None
+        h, w = self.image_size
+        batch_bytes = batch_size * h * w * 3
+        engine_options = dict(seed=self.seed, prefetch=prefetch, ordered=self.ordered,
+                              reconnect_timeout=reconnect_timeout, progress_timeout=progress_timeout)
+        link_options = dict(connect_timeout=connect_timeout, max_inflight=max_inflight, tls=tls_config(tls),
+                            metadata=token_metadata(token))
+        self._servers: list[str] = []
         try:
+            # In a receiver process, batches arrive in its shared slots and the delivery
+            # copies them out (to the GPU on CUDA) and gives the slots back.
+            shared = None
+            if receiver == "process":
+                shared = self._io = ProcessReceiver(address, self._setup, prefetch + 2, batch_bytes,
+                                                    engine_options, link_options)
             if self.device.type == "cuda":
-                h, w = self.image_size
-                self._delivery = CudaDelivery(self.device, self.normalize, self.dtype, batch_size * h * w * 3,
-                                              prefetch, on_free=self._buffer_freed)
+                self._delivery = CudaDelivery(self.device, self.normalize, self.dtype, batch_bytes, prefetch,
+                                              on_free=self._buffer_freed, receiver=shared)
             else:
-                self._delivery = HostDelivery(self.normalize, self.dtype, prefetch)
-            self._engine = Engine(self._links, None, self._setup, seed=self.seed, prefetch=prefetch,
-                                  ordered=self.ordered, reconnect_timeout=reconnect_timeout, delivery=self._delivery,
-                                  progress_timeout=progress_timeout)
+                self._delivery = HostDelivery(self.normalize, self.dtype, prefetch, receiver=shared)
+            if receiver == "thread":
+                self._io = Receiver(address, self._setup, self._delivery, engine_options, link_options)
             self.catalog = self._discover()
         except BaseException:
             self.close()
@@ -168,7 +182,7 @@ class RemoteLoader:
 
     @property
     def servers(self) -> list[str]:
-        return list(self._links)
+        return list(self._servers)
 
     def __len__(self) -> int:
         n = len(self.sampler) if self.sampler is not None and hasattr(self.sampler, "__len__") else self.num_samples
@@ -199,11 +213,7 @@ class RemoteLoader:
         block = local // _KEY_BLOCK
         keys = self._keys.get((shard.id, block))
         if keys is None:
-            owners = [self._links[o] for o in shard.owners if o in self._links]
-            live = [l for l in owners if l.state == "up"] or [l for l in owners if l.describe is not None]
-            if not live:
-                raise LoaderError(f"no server holding shard {shard.name} is reachable to look up keys")
-            keys = self._call(live[0].get_keys(shard.id, block * _KEY_BLOCK, _KEY_BLOCK), timeout=30)
+            keys = self._io.get_keys(list(shard.owners), shard.id, block * _KEY_BLOCK, _KEY_BLOCK)
             self._keys[(shard.id, block)] = keys
         return keys[local % _KEY_BLOCK]
 
@@ -235,9 +245,7 @@ class RemoteLoader:
         """Throughput, the time the loop waited for data, and per-server counters."""
         s = self._stats
         elapsed = (time.perf_counter() - s["start"]) if s["start"] else 0.0
-        per_server = {a: {"orders": l.orders_sent, "samples": l.samples_received, "bytes": l.bytes_received,
-                          "failures": l.failures, "reconnects": l.reconnects, "state": l.state}
-                      for a, l in self._links.items()}
+        per_server = self._io.server_stats()
         return {"batches": s["batches"], "images": s["images"], "bytes": s["bytes"], "elapsed_s": elapsed,
                 "images_per_s": s["images"] / elapsed if elapsed else 0.0,
                 "bytes_per_s": s["bytes"] / elapsed if elapsed else 0.0,
@@ -254,10 +262,10 @@ class RemoteLoader:
         self._resume = None
         self.catalog = self._discover()
         batches = self.plan(epoch)
-        token = self._call(self._engine.start_epoch(epoch, batches, start, self.catalog, done), timeout=None)
+        token, out = self._io.start_epoch(epoch, batches, start, done)
         self._token = token
         self._position, self._done = start, set(done)
-        return self._iterate(epoch, self._engine.out, token)
+        return self._iterate(epoch, out, token)
 
     def _iterate(self, epoch: int, source, token: int) -> Iterator:
         out = self._delivery.start(source)
@@ -274,7 +282,7 @@ class RemoteLoader:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                self._loop.call_soon_threadsafe(self._engine.consumed, token)
+                self._io.consumed(token)
                 result = self._deliver(item)
                 self._delivered(item.seq)  # only once delivered: a batch that raised is not skipped on resume
                 if result is not None:
@@ -301,26 +309,23 @@ class RemoteLoader:
             try:
                 return out.get(timeout=1.0)
             except queue.Empty:
-                if not self._thread.is_alive() or self._closed:
-                    raise LoaderError("the RemoteLoader was closed or its I/O thread stopped") from None
-                if self._engine.token != token:
+                if self._closed or not self._io.alive():
+                    raise LoaderError("the RemoteLoader was closed or its receiver stopped") from None
+                if self._io.token != token:
                     raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
                                        "which starts the epoch anew") from None
 
     def _abandon(self, token: int) -> None:
         """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
         try:
-            self._call(_noop(self._engine.cancel_epoch, token), timeout=10)
-        except RuntimeError:  # close() from another thread got there first
+            self._io.cancel_epoch(token)
+        except (RuntimeError, LoaderError):  # closed from another thread, or the receiver is gone
             return
         self._delivery.close()
 
     def _buffer_freed(self) -> None:
-        if not self._closed:
-            try:
-                self._loop.call_soon_threadsafe(self._engine.buffer_freed)
-            except RuntimeError:  # the loop closed meanwhile: nothing left to dispatch
-                pass
+        if not self._closed and self._io is not None:
+            self._io.buffer_freed()
 
     def _deliver(self, item):
         delivered = item if isinstance(item, Delivered) else self._delivery.convert(item)
@@ -354,20 +359,14 @@ class RemoteLoader:
         return torch.tensor([i not in bad for i in batch.ids.tolist()], dtype=torch.bool)
 
     def close(self) -> None:
-        """Stops the I/O thread and closes the connections (idempotent)."""
+        """Stops the receiver (thread or process) and closes the connections (idempotent)."""
         if self._closed:
             return
         self._closed = True
         if getattr(self, "_delivery", None) is not None:
-            self._delivery.close()
-        try:
-            self._call(self._shutdown(), timeout=10)
-        except Exception:
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
+            self._delivery.close(final=True)
+        if getattr(self, "_io", None) is not None:
+            self._io.close()
 
     def __enter__(self) -> "RemoteLoader":
         return self
@@ -382,55 +381,26 @@ class RemoteLoader:
             pass
 
     # ---- helpers ------------------------------------------------------------------------
-    def _call(self, coro, timeout: float | None):
-        """Runs a coroutine on the I/O loop and waits for it (RuntimeError once the loop is closed)."""
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("RemoteLoader is closed")
-        future = asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop)
-        return future.result(timeout)
-
-    async def _shutdown(self) -> None:
-        if getattr(self, "_engine", None) is not None:
-            await self._engine.close()
-        else:
-            await asyncio.gather(*(l.close() for l in getattr(self, "_links", {}).values()), return_exceptions=True)
-        # Let gRPC's own tasks see their calls cancelled before the loop stops.
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
-
     def _discover(self) -> Catalog:
         """Resolves the address again and describes servers not seen before.
 
         Called at start-up and before every epoch, so servers added behind a DNS name join
         at the next epoch. Servers that no longer resolve are kept: they may be restarting.
         """
-        starting = not self._links
         try:
-            new = [a for a in discover(self._address) if a not in self._links]
-            if not new:
-                return self.catalog
-            links = [Link(a, self._engine, self._connect_timeout, self._max_inflight, self._tls, self._metadata)
-                     for a in new]
-            self._check_offer(self._call(self._describe_all(links), timeout=self._connect_timeout + 5))
+            describes, new = self._io.discover()
         except (ConnectionError, OSError) as exc:
-            if starting:
+            if self.catalog is None:
                 raise
             # A DNS hiccup or a server still starting: carry on with the servers known, retry next epoch.
-            log.warning("looking for new loader servers failed (%s); continuing with %d known", exc, len(self._links))
+            log.warning("looking for new loader servers failed (%s); continuing with %d known", exc,
+                        len(self._servers))
             return self.catalog
-        return Catalog({a: l.describe for a, l in self._links.items()})
-
-    async def _describe_all(self, links: list[Link]) -> dict:
-        results = await asyncio.gather(*(l.fetch_describe() for l in links), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(*(l.close() for l in links), return_exceptions=True)
-            raise errors[0]
-        self._links.update((l.address, l) for l in links)  # on the loop thread, which reads it
-        return {l.address: l.describe for l in links}
+        if not new:
+            return self.catalog
+        self._servers = list(describes)
+        self._check_offer({a: describes[a] for a in new})
+        return Catalog(describes)
 
     def _check_offer(self, describes: dict) -> None:
         h, w = self.image_size
@@ -445,14 +415,6 @@ class RemoteLoader:
             if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
                 raise ValueError(f"image_size={h}x{w}: loader server {address} offers sizes "
                                  f"{d.min_image_size}..{d.max_image_size}")
-
-
-async def _wrap(coro):
-    return await coro
-
-
-async def _noop(function, *args):
-    function(*args)
 
 
 def _size(image_size) -> tuple[int, int]:

@@ -7,7 +7,6 @@ on Linux the server also gets SIGTERM if its parent dies without stopping it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -17,15 +16,9 @@ import threading
 import time
 from collections import deque
 
+from remoteloader.client.receiver import die_with_parent
+
 _READY = re.compile(r"listening on (\S+):(\d+)")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class LocalServer:
@@ -64,7 +57,7 @@ class LocalServer:
         self._ready.clear()
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         env=env, text=True, start_new_session=True,
-                                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.05):

@@ -53,43 +53,51 @@ def test_batches_are_on_the_gpu_channels_last(server):
         assert images.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_reusing_pinned_buffers_right_after_handout_never_tears_a_batch(server):
-    """Scribble over every free pinned buffer as soon as a batch is handed out, and keep the
-    consumer stream busy reading the batch: with the event discipline the batch still equals
-    the CPU path's; a buffer returned before its copy finished would show 255s."""
+@pytest.mark.parametrize("receiver", ["thread", "process"])
+def test_reusing_pinned_buffers_right_after_release_never_tears_a_batch(server, receiver):
+    """Scribble over each pinned buffer (pool buffer or receiver slot) the moment the delivery
+    releases it, while the consumer stream is kept busy: with the event discipline the batch
+    still equals the CPU path's; a buffer released before its copy finished would show 255s."""
     reference = epoch(server, device="cpu", pipeline="eval", normalize=None)
     with RemoteLoader(server, batch_size=16, image_size=48, pipeline="eval", shuffle=True, seed=1, drop_last=False,
-                      return_ids=True, device="cuda", prefetch=2) as loader:
-        pool = loader._delivery.pool
+                      return_ids=True, device="cuda", prefetch=2, receiver=receiver) as loader:
+        delivery = loader._delivery
+        release = delivery.release
+
+        def scribble_then_release(view):
+            view.fill_(255)
+            release(view)
+
+        delivery.release = scribble_then_release
         sums = []
         for images, labels, ids in loader:
-            with pool._lock:
-                for buffer in pool._free:
-                    buffer.fill_(255)
             busy = torch.randn(2048, 2048, device="cuda")
             for _ in range(8):  # hold the consumer stream while the next copies run
                 busy = busy @ busy / 2048
             sums.append((images.double().sum().item(), ids))
         torch.cuda.synchronize()
+    assert len(sums) == len(reference)
     for (total, ids), (x, _, ref_ids) in zip(sums, reference):
         assert torch.equal(ids, ref_ids)
         assert total == x.double().sum().item()
 
 
-def test_no_pinned_or_device_memory_growth_over_epochs(server):
-    with RemoteLoader(server, batch_size=16, image_size=48, normalize=(MEAN, STD), device="cuda") as loader:
-        pool = loader._delivery.pool
+@pytest.mark.parametrize("receiver", ["thread", "process"])
+def test_no_pinned_or_device_memory_growth_over_epochs(server, receiver):
+    with RemoteLoader(server, batch_size=16, image_size=48, normalize=(MEAN, STD), device="cuda",
+                      receiver=receiver, prefetch=2) as loader:
+        pool = loader._delivery.pool  # thread: the pinned pool; process: the receiver's slots
         readings = []
         for epoch_index in range(6):
-            for images, labels in loader:
-                pass
-            del images, labels
+            count = sum(len(labels) for _images, labels in loader)
+            assert count == loader.num_samples // 16 * 16, "a full epoch after an abandoned one"
             torch.cuda.synchronize()
-            readings.append((len(pool._free), torch.cuda.memory_allocated()))
+            readings.append((len(pool._free) if pool is not None else 0, torch.cuda.memory_allocated()))
             it = iter(loader)  # abandon an epoch half-way: its buffers must come back too
             next(it)
             del it
-        assert all(free == pool.count for free, _ in readings), readings
+        if pool is not None:
+            assert all(free == pool.count for free, _ in readings), readings
         assert readings[-1][1] <= readings[1][1], readings
 
 

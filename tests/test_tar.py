@@ -284,9 +284,6 @@ def test_tar_server_serves_what_the_imagefolder_server_serves(servers, run_bound
 
 def test_two_servers_on_one_tar_folder_are_replicas(servers, run_bounded):
     with RemoteLoader([servers[1], servers[2]], batch_size=8, image_size=SIZE, connect_timeout=20) as loader:
-        describes = [loader._links[a].describe for a in (servers[1], servers[2])]
-        ids = [sorted(s.id for s in d.shards) for d in describes]
-        assert ids[0] == ids[1]
         assert loader.num_samples == len(CLASSES) * PER_CLASS  # not twice
         for shard in loader.catalog.shards:
             assert sorted(shard.owners) == sorted([servers[1], servers[2]])

@@ -1,0 +1,523 @@
+"""The I/O side of a RemoteLoader: links to the servers, the engine, and their event loop.
+
+``Receiver`` runs them on an asyncio thread inside the training process. ``ProcessReceiver``
+runs the same ``Receiver`` in a child process (``python -m remoteloader.client.receiver``)
+that receives the pixels straight into batch slots of shared memory; the training process
+then only exchanges small messages with it (which slot holds which batch, which slot is
+free again) and copies each batch out of its slot once, to the GPU when on CUDA. Receiving
+costs gRPC about 0.5 CPU-seconds per GB (Python grpcio copies every message twice before we
+see it), which in the training process would be ~0.1 core-s per 1000 224-px images and
+would contend for its GIL; in the receiver process it costs the training process nothing.
+
+The two processes talk over a socketpair with ``multiprocessing.connection`` (pickle), which
+is safe here because both ends are this library in processes it started; nothing from the
+network is ever unpickled. The child dies with its parent (PR_SET_PDEATHSIG, and EOF on
+the socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from remoteloader.client.catalog import Catalog
+from remoteloader.client.discovery import discover
+from remoteloader.client.engine import END, Batch, Engine, LoaderError
+from remoteloader.client.link import Link
+from remoteloader.protos import codec, loader_pb2
+
+log = logging.getLogger("remoteloader.client")
+
+
+class Receiver:
+    """Links, engine and the asyncio thread they run on, in this process.
+
+    Args:
+        address: As RemoteLoader's; resolved again by every ``discover()``.
+        setup: The stream's Setup message.
+        delivery: ``allocate(n, h, w)`` -> uint8 NHWC array/tensor or None (none free yet),
+            ``release(buffer)`` for batches dropped before they were handed out.
+        engine_options: seed, prefetch, ordered, reconnect_timeout, progress_timeout.
+        link_options: connect_timeout, max_inflight, tls, metadata.
+    """
+
+    def __init__(self, address, setup: loader_pb2.Setup, delivery, engine_options: dict, link_options: dict):
+        codec.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
+        self._address = address
+        self._link_options = link_options
+        self.links: dict[str, Link] = {}
+        self.catalog: Catalog | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
+        self._thread.start()
+        self.engine = Engine(self.links, None, setup, delivery=delivery, **engine_options)
+
+    # ---- servers ------------------------------------------------------------------------
+    def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
+        """Resolves the address again and describes servers not seen before.
+
+        Returns every known server's Describe and the addresses that are new. Raises
+        ConnectionError/OSError (name resolution, a server that does not answer) and
+        PermissionError (refused).
+        """
+        new = [a for a in discover(self._address) if a not in self.links]
+        if new:
+            links = [Link(a, self.engine, **self._link_options) for a in new]
+            self._call(self._describe_all(links), timeout=self._link_options["connect_timeout"] + 5)
+            self.catalog = Catalog({a: l.describe for a, l in self.links.items()})
+        return {a: l.describe for a, l in self.links.items()}, new
+
+    async def _describe_all(self, links: list[Link]) -> None:
+        results = await asyncio.gather(*(l.fetch_describe() for l in links), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(l.close() for l in links), return_exceptions=True)
+            raise errors[0]
+        self.links.update((l.address, l) for l in links)  # on the loop thread, which reads it
+
+    def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
+        """Keys of a shard's samples, from a live server among ``owners``."""
+        links = [self.links[o] for o in owners if o in self.links]
+        live = [l for l in links if l.state == "up"] or [l for l in links if l.describe is not None]
+        if not live:
+            raise LoaderError(f"no server holding shard {shard_id} is reachable to look up keys")
+        return self._call(live[0].get_keys(shard_id, start, count), timeout=30)
+
+    def server_stats(self) -> dict[str, dict]:
+        return {a: {"orders": l.orders_sent, "samples": l.samples_received, "bytes": l.bytes_received,
+                    "failures": l.failures, "reconnects": l.reconnects, "state": l.state}
+                for a, l in self.links.items()}
+
+    # ---- epochs -------------------------------------------------------------------------
+    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int,
+                    skip: frozenset) -> tuple[int, queue.Queue]:
+        """Starts an epoch; returns its token and the queue its Batches, then END, arrive on."""
+        token = self._call(self.engine.start_epoch(epoch, batches, first_seq, self.catalog, skip), timeout=None)
+        return token, self.engine.out
+
+    @property
+    def token(self) -> int | None:
+        return self.engine.token
+
+    def cancel_epoch(self, token: int) -> None:
+        """Stops the epoch ``token`` if it still runs (its buffers return to the delivery)."""
+        self._call(_run(self.engine.cancel_epoch, token), timeout=10)
+
+    def consumed(self, token: int) -> None:
+        self._soon(self.engine.consumed, token)
+
+    def buffer_freed(self) -> None:
+        self._soon(self.engine.buffer_freed)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._shutdown(), timeout=10)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _shutdown(self) -> None:
+        await self.engine.close()
+        # Let gRPC's own tasks see their calls cancelled before the loop stops.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def _call(self, coro, timeout: float | None):
+        """Runs a coroutine on the loop and waits for it (RuntimeError once the loop is closed)."""
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("RemoteLoader is closed")
+        return asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop).result(timeout)
+
+    def _soon(self, function, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the loop closed meanwhile: nothing left to do
+            pass
+
+
+async def _wrap(coro):
+    return await coro
+
+
+async def _run(function, *args):
+    return function(*args)
+
+
+# ---- the receiver process -----------------------------------------------------------------
+class SharedSlots:
+    """Batch slots in one shared memory file (memfd) that both processes map."""
+
+    def __init__(self, count: int, slot_bytes: int, fd: int | None = None):
+        self.count = count
+        self.slot_bytes = slot_bytes
+        if fd is None:
+            fd = os.memfd_create("remoteloader-batches", getattr(os, "MFD_CLOEXEC", 1))
+            try:
+                os.posix_fallocate(fd, 0, count * slot_bytes)  # fail here, not with SIGBUS later
+            except OSError as exc:
+                os.close(fd)
+                raise OSError(f"cannot reserve {count * slot_bytes / 2**20:.0f} MiB of shared memory for "
+                              f"{count} batches: {exc}") from None
+        self.fd = fd
+        self.memory = mmap.mmap(fd, count * slot_bytes)
+        try:
+            self.memory.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
+        self.array = np.frombuffer(self.memory, dtype=np.uint8)
+
+    def view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
+        start = slot * self.slot_bytes
+        return self.array[start:start + n * h * w * 3].reshape(n, h, w, 3)
+
+    def slot_of(self, address: int) -> int:
+        return (address - self.array.ctypes.data) // self.slot_bytes
+
+
+class _SlotDelivery:
+    """The child's delivery: batches are received into free slots; the parent frees them."""
+
+    def __init__(self, slots: SharedSlots):
+        self.slots = slots
+        self._free = list(range(slots.count))[::-1]
+        self._lock = threading.Lock()
+
+    def allocate(self, n: int, h: int, w: int):
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        return self.slots.view(slot, n, h, w)
+
+    def release(self, images: np.ndarray) -> None:
+        self.give(self.slots.slot_of(images.ctypes.data))
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            if slot not in self._free:
+                self._free.append(slot)
+
+
+class ProcessReceiver:
+    """The Receiver's API, with the Receiver in a child process writing into shared slots.
+
+    Batches come out of ``start_epoch``'s queue as engine Batches whose ``images`` is the
+    uint8 NHWC view of their slot in this process; ``free(images)`` gives the slot back
+    once the batch has been copied out (the consumer's delivery decides when).
+    """
+
+    def __init__(self, address, setup: loader_pb2.Setup, slots: int, slot_bytes: int, engine_options: dict,
+                 link_options: dict):
+        self._setup_hw = (setup.height, setup.width)
+        self.slots = SharedSlots(slots, slot_bytes)
+        parent, child = socket.socketpair()
+        self._conn = Connection(os.dup(parent.fileno()))
+        parent.close()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "remoteloader.client.receiver", str(child.fileno()), str(self.slots.fd)],
+                pass_fds=(child.fileno(), self.slots.fd), preexec_fn=die_with_parent, stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, Future] = {}
+        self._queues: dict[int, queue.Queue] = {}
+        self._current: int | None = None
+        self._dead: str | None = None
+        self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
+        self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
+        self._reader.start()
+
+    # ---- the Receiver API -----------------------------------------------------------------
+    def discover(self):
+        describes, new = self._request("discover")
+        return {a: loader_pb2.DescribeResponse.FromString(d) for a, d in describes.items()}, new
+
+    def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
+        return self._request("get_keys", owners, shard_id, start, count)
+
+    def server_stats(self) -> dict[str, dict]:
+        return self._request("server_stats")
+
+    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int,
+                    skip: frozenset) -> tuple[int, queue.Queue]:
+        token = self._request("start_epoch", epoch, batches, first_seq, skip)
+        return token, self._queues[token]  # made by the reader before any of the epoch's batches
+
+    @property
+    def token(self) -> int | None:
+        return self._current
+
+    def cancel_epoch(self, token: int) -> None:
+        if self._dead is None:
+            self._request("cancel_epoch", token)
+        out = self._queues.pop(token, None)
+        if self._current == token:
+            self._current = None
+        while out is not None:  # batches that reached this process but not the consumer
+            try:
+                item = out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Batch):
+                self.free(item.images)
+
+    def consumed(self, token: int) -> None:
+        self._post(("consumed", token))
+
+    def free(self, images) -> None:
+        """Gives a batch's slot back to the receiver (``images`` is the slot's view or tensor)."""
+        address = images.data_ptr() if hasattr(images, "data_ptr") else images.ctypes.data
+        self._post(("free", self.slots.slot_of(address)))
+
+    def buffer_freed(self) -> None:
+        pass  # slots come back through free()
+
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self._request("close", timeout=15)
+            except Exception:
+                pass
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._conn.close()
+        if self.slots.fd >= 0:
+            os.close(self.slots.fd)
+            self.slots.fd = -1
+
+    # ---- messages ---------------------------------------------------------------------------
+    def _request(self, *message, timeout: float | None = None):
+        if self._dead is not None:
+            raise LoaderError(self._dead)
+        request_id = next(self._ids)
+        future: Future = Future()
+        self._replies[request_id] = future
+        self._send(("call", request_id, *message))
+        return future.result(timeout)
+
+    def _post(self, message) -> None:
+        if self._dead is None:
+            try:
+                self._send(message)
+            except OSError:
+                pass  # the reader reports the death
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        h, w = self._setup_hw
+        try:
+            while True:
+                kind, *rest = self._conn.recv()
+                if kind == "reply":
+                    request_id, ok, value = rest
+                    future = self._replies.pop(request_id)
+                    future.set_result(value) if ok else future.set_exception(value)
+                elif kind == "started":  # before any of the epoch's batches, on this same thread
+                    request_id, token = rest
+                    self._queues = {token: queue.Queue()}  # one epoch at a time
+                    self._current = token
+                    self._replies.pop(request_id).set_result(token)
+                elif kind == "batch":
+                    token, seq, slot, ids, labels, failures, nbytes = rest
+                    out = self._queues.get(token)
+                    images = self.slots.view(slot, len(ids), h, w)
+                    if out is None:  # an epoch that was cancelled meanwhile
+                        self._post(("free", slot))
+                        continue
+                    out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes))
+                elif kind in ("end", "error"):
+                    token, item = rest
+                    out = self._queues.get(token)
+                    if out is not None:
+                        out.put(END if kind == "end" else item)
+                elif kind == "log":
+                    level, name, text = rest
+                    logging.getLogger(name).log(level, "%s", text)
+        except (EOFError, OSError):
+            pass
+        code = self.process.wait()
+        self._dead = f"the RemoteLoader's receiver process exited (code {code})"
+        for future in list(self._replies.values()):
+            future.set_exception(LoaderError(self._dead))
+        self._replies.clear()
+        for out in list(self._queues.values()):
+            out.put(LoaderError(self._dead))
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Child:
+    """The receiver process: a Receiver serving the parent's requests over the socket."""
+
+    def __init__(self, conn: Connection, slots_fd: int):
+        self.conn = conn
+        self.slots_fd = slots_fd
+        self.lock = threading.Lock()
+        self.receiver: Receiver | None = None
+        self.delivery: _SlotDelivery | None = None
+        self._forwarder: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def serve(self) -> None:
+        try:
+            _, address, setup, slots, slot_bytes, engine_options, link_options = self.conn.recv()
+        except (EOFError, OSError):
+            return
+        self.delivery = _SlotDelivery(SharedSlots(slots, slot_bytes, self.slots_fd))
+        self.receiver = Receiver(address, loader_pb2.Setup.FromString(setup), self.delivery, engine_options,
+                                 link_options)
+        try:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    return  # the parent is gone
+                kind = message[0]
+                if kind == "consumed":
+                    self.receiver.consumed(message[1])
+                elif kind == "free":
+                    self.delivery.give(message[1])
+                    self.receiver.buffer_freed()
+                elif kind == "call":
+                    _, request_id, name, *args = message
+                    try:
+                        value = getattr(self, "do_" + name)(*args)
+                    except Exception as exc:
+                        self.send(("reply", request_id, False, _portable(exc)))
+                        continue
+                    if name == "start_epoch":
+                        token, out = value
+                        self.send(("started", request_id, token))
+                        self._forward(token, out)  # its batches follow the "started" message
+                    else:
+                        self.send(("reply", request_id, True, value))
+                    if name == "close":
+                        return
+        finally:
+            self._stop.set()
+            self.receiver.close()
+
+    def do_discover(self):
+        describes, new = self.receiver.discover()
+        return {a: d.SerializeToString() for a, d in describes.items()}, new
+
+    def do_get_keys(self, *args):
+        return self.receiver.get_keys(*args)
+
+    def do_server_stats(self):
+        return self.receiver.server_stats()
+
+    def do_start_epoch(self, epoch, batches, first_seq, skip):
+        self._stop.set()  # the previous epoch's forwarder
+        if self._forwarder is not None:
+            self._forwarder.join()
+        return self.receiver.start_epoch(epoch, batches, first_seq, skip)
+
+    def do_cancel_epoch(self, token):
+        self.receiver.cancel_epoch(token)
+
+    def do_close(self):
+        return None
+
+    def _forward(self, token: int, out: queue.Queue) -> None:
+        """Sends the epoch's batches to the parent as slot numbers, in the order they come."""
+        self._stop = stop = threading.Event()
+
+        def run() -> None:
+            while not stop.is_set():
+                try:
+                    item = out.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if isinstance(item, Batch):
+                    slot = self.delivery.slots.slot_of(item.images.ctypes.data)
+                    self.send(("batch", token, item.seq, slot, item.ids, item.labels, item.failures, item.nbytes))
+                else:
+                    self.send(("end", token, None) if item is END else ("error", token, _portable(item)))
+                    return
+
+        self._forwarder = threading.Thread(target=run, name="remoteloader-forward", daemon=True)
+        self._forwarder.start()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself if it survives pickling, else a LoaderError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return LoaderError(f"{type(exc).__name__}: {exc}")
+
+
+class _ForwardLogs(logging.Handler):
+    def __init__(self, child: _Child):
+        super().__init__()
+        self.child = child
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.child.send(("log", record.levelno, record.name, record.getMessage()))
+        except Exception:
+            pass
+
+
+def main(argv: list[str]) -> None:
+    conn_fd, slots_fd = int(argv[0]), int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training script's to handle
+    child = _Child(Connection(conn_fd), slots_fd)
+    root = logging.getLogger("remoteloader")
+    root.addHandler(_ForwardLogs(child))
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    child.serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,177 @@
+"""The receiver process (``receiver="process"``, the default on CUDA), tested on the CPU.
+
+The child process receives batches into shared slots; the training process copies each
+out once and gives the slot back. These tests hold it to the thread receiver's contract
+(same batches, resume, failover, errors) and check what is new: slots are never lost
+over abandoned epochs, the child's death is an error and not a hang, and the child never
+outlives the training process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import pixels_by_id
+from remoteloader.client import LoaderError, RemoteLoader
+from remoteloader.server.synthetic import make_imagefolder
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZE = 32
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def shards(module_cluster, tmp_path_factory):
+    """Two servers with their own shards, and two replicas of a third, larger one (for failover)."""
+    roots = [make_imagefolder(tmp_path_factory.mktemp(f"recv{k}"), classes, per_class, size=(48, 64), seed=k)
+             for k, (classes, per_class) in enumerate(((["cat", "dog"], 9), (["dog", "owl"], 9), (["ant"], 80)))]
+    bad = roots[1] / "owl" / "broken.jpg"
+    bad.write_bytes((roots[1] / "owl").glob("*.jpg").__next__().read_bytes()[:300])  # truncated
+    first = module_cluster.add_many(roots + [roots[2]], "--max-rate", "400")[0]
+    return module_cluster, first
+
+
+def make(cluster, first, indices=(0, 1), **kwargs) -> RemoteLoader:
+    options = dict(batch_size=BATCH, image_size=SIZE, connect_timeout=20, return_ids=True, on_error="skip")
+    options.update(kwargs)
+    return RemoteLoader([cluster.address(first + i) for i in indices], **options)
+
+
+def epochs(loader, count: int) -> list[list[tuple]]:
+    return [[tuple(b) for b in loader] for _ in range(count)]
+
+
+def test_same_batches_labels_keys_and_failures_as_the_thread_receiver(shards):
+    cluster, first = shards
+    results, stats, keys, failures = {}, {}, {}, {}
+    for mode in ("thread", "process"):
+        seen = []
+        with make(cluster, first, receiver=mode, on_error=seen.extend) as loader:
+            assert loader.receiver == mode
+            results[mode] = epochs(loader, 2)
+            stats[mode] = loader.stats()
+            keys[mode] = [loader.sample_key(i) for i in range(loader.num_samples)]
+            failures[mode] = sorted((f.sample_id, f.key) for f in seen)
+    for a, b in zip(results["thread"], results["process"]):
+        assert len(a) == len(b) == 37 // BATCH
+        for (ia, la, da), (ib, lb, db) in zip(a, b):
+            assert torch.equal(da, db) and torch.equal(la, lb) and torch.equal(ia, ib)
+    assert keys["thread"] == keys["process"] and "owl/broken.jpg" in keys["process"]
+    assert failures["process"] == failures["thread"] and failures["process"], "the truncated file is reported"
+    assert stats["process"]["images"] == stats["thread"]["images"] > 0
+    assert set(stats["process"]["servers"]) == set(stats["thread"]["servers"])
+
+
+def test_abandoned_epochs_return_their_slots_and_resume_is_exact(shards):
+    cluster, first = shards
+    with make(cluster, first, receiver="process", prefetch=2) as loader:
+        reference = pixels_by_id(epochs(loader, 1)[0])
+        for _ in range(6):  # more abandoned epochs than the 4 slots
+            loader.set_epoch(0)
+            for _batch in loader:
+                time.sleep(0.3)  # the next batches arrive here, in their slots, then are dropped
+                break
+        loader.set_epoch(0)
+        it = iter(loader)
+        head = [tuple(next(it)) for _ in range(2)]
+        state = loader.state_dict()
+        del it
+    with make(cluster, first, receiver="process", prefetch=2) as resumed:
+        resumed.load_state_dict(state)
+        rest = [tuple(b) for b in resumed]
+    got = pixels_by_id(head + rest)
+    assert got.keys() == reference.keys()
+    for i, image in reference.items():
+        assert np.array_equal(got[i], image), f"sample {i} differs after resume"
+
+
+def test_a_killed_replica_fails_over_and_its_warning_reaches_this_process(shards, caplog):
+    cluster, first = shards
+    owners = (first + 2, first + 3)  # one shard, two servers
+    with make(cluster, first, indices=(2, 3), receiver="process", shuffle=False) as loader:
+        reference = pixels_by_id(epochs(loader, 1)[0])
+        loader.set_epoch(0)
+        caplog.set_level(logging.WARNING, logger="remoteloader.client")
+        it = iter(loader)
+        got = [tuple(next(it))]
+        servers = loader.stats()["servers"]
+        victim = max(owners, key=lambda i: servers[cluster.address(i)]["orders"] * BATCH
+                     - servers[cluster.address(i)]["samples"])
+        s = servers[cluster.address(victim)]
+        in_flight = s["orders"] * BATCH - s["samples"]
+        cluster.kill(victim)
+        got += [tuple(b) for b in it]
+    try:
+        delivered = pixels_by_id(got)
+        assert delivered.keys() == reference.keys()
+        assert all(np.array_equal(delivered[i], reference[i]) for i in reference)
+        if in_flight:  # its orders went back to the queue, and the child's warning came here
+            assert any(cluster.address(victim) in r.getMessage() and r.levelno == logging.WARNING
+                       for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        cluster.restart(victim)
+
+
+def test_death_of_the_receiver_process_is_an_error_not_a_hang(shards):
+    cluster, first = shards
+    with make(cluster, first, receiver="process") as loader:
+        it = iter(loader)
+        next(it)
+        loader._io.process.kill()
+        started = time.monotonic()
+        with pytest.raises(LoaderError, match="receiver process exited"):
+            for _ in it:
+                pass
+        assert time.monotonic() - started < 10
+        with pytest.raises(LoaderError, match="receiver process exited"):
+            iter(loader)
+
+
+def test_close_ends_the_receiver_process(shards):
+    cluster, first = shards
+    loader = make(cluster, first, receiver="process")
+    child = loader._io.process
+    assert child.poll() is None
+    loader.close()
+    assert child.poll() is not None
+
+
+def test_the_receiver_process_dies_with_the_training_process(shards, tmp_path):
+    cluster, first = shards
+    script = textwrap.dedent(f"""
+        import os, sys
+        from remoteloader.client import RemoteLoader
+        loader = RemoteLoader({cluster.address(first)!r}, batch_size=4, image_size=16, receiver="process")
+        next(iter(loader))
+        print(loader._io.process.pid, flush=True)
+        os._exit(0)  # no close(): as if killed
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"receiver process {child} outlived its training process")
+
+
+def test_bad_arguments_and_unreachable_servers_are_clear(shards):
+    cluster, first = shards
+    with pytest.raises(ValueError, match="receiver='pipe'"):
+        make(cluster, first, receiver="pipe")
+    with pytest.raises(ConnectionError, match="127.0.0.1:9 did not answer"):
+        RemoteLoader("127.0.0.1:9", connect_timeout=1, receiver="process")
