@@ -1,4 +1,4 @@
-"""Helpers for the benchmarks: an ImageNet-like JPEG ImageFolder, process CPU accounting, a server.
+"""Helpers for the benchmarks: an ImageNet-like JPEG ImageFolder and process CPU accounting.
 
 Nothing here downloads anything. The dataset is generated: photo-like RGB images (a colour
 gradient, 1/f-ish structure at several scales, busy and calm regions of fine texture,
@@ -9,14 +9,11 @@ OpenCV at quality 90, so that JPEG file sizes and decode costs resemble ImageNet
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing as mp
 import os
 import pathlib
 import re
-import signal
-import subprocess
 import sys
 import time
 
@@ -275,99 +272,3 @@ def cpu_split(me: int, server: int | None) -> dict[str, float]:
         out["server_main"] = table.get(server, (0, 0.0))[1]
         out["server_workers"] = below(server, None)
     return out
-
-
-# ---- a loader server subprocess ----------------------------------------------------------
-
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
-
-
-def server_command() -> list[str]:
-    """The ``remoteloader-server`` console script of this interpreter, or its equivalent."""
-    script = pathlib.Path(sys.executable).with_name("remoteloader-server")
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from remoteloader.server.cli import serve_main; sys.exit(serve_main())"]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the benchmark dies, even by SIGKILL
-    except OSError:
-        pass
-
-
-class Server:
-    """``remoteloader-server`` on 127.0.0.1 with a free port, in its own process group."""
-
-    def __init__(self, data: pathlib.Path, workers: int, log_path: pathlib.Path, ready_timeout: float = 120.0):
-        self.log_path = log_path
-        argv = server_command() + ["--data", str(data), "--host", "127.0.0.1", "--port", "0",
-                                   "--workers", str(workers), "--grace", "2", "--log-level", "INFO"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        env["NO_ALBUMENTATIONS_UPDATE"] = "1"
-        self._log = open(log_path, "wb")
-        linux = sys.platform.startswith("linux")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent if linux else None)
-        self.address = None
-        deadline = time.monotonic() + ready_timeout
-        while self.address is None:
-            text = log_path.read_text(errors="replace")
-            m = _LISTENING.search(text)
-            if m:
-                self.address = f"{m.group(1)}:{m.group(2)}"
-                break
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"remoteloader-server exited with code {self.proc.returncode} before it was "
-                                   f"ready:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"remoteloader-server was not listening after {ready_timeout:.0f}s:\n"
-                                   f"{self.log_tail()}")
-            time.sleep(0.05)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM (drain), then SIGKILL the whole process group (workers, forkserver); idempotent.
-
-        The server is not reaped until its group has been killed, so the group id cannot
-        have been reused by anything else when ``killpg`` runs.
-        """
-        if self.proc.returncode is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:
-                    break
-                if info is not None:
-                    break
-                time.sleep(0.05)
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what this server started
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        if not self._log.closed:
-            self._log.close()

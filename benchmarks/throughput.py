@@ -47,6 +47,8 @@ from albumentations.pytorch import ToTensorV2  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
 
+from remoteloader.server.local import LocalServer  # noqa: E402
+
 LOADERS = ("remote", "pil", "opencv")
 TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL", "opencv": "DataLoader + OpenCV/albumentations"}
 SCALE = (0.08, 1.0)
@@ -260,6 +262,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loaders", default=",".join(LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every measurement to this JSON file")
+    parser.add_argument("--server-args", nargs="+", default=[], metavar="FLAG",
+                        help="further remoteloader-server flags, e.g. --server-args=--chunk-bytes=4194304")
     args = parser.parse_args(argv)
     args.loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     bad = [x for x in args.loaders if x not in LOADERS]
@@ -317,10 +321,13 @@ def main(argv=None) -> int:
     try:
         if "remote" in args.loaders:
             started = time.perf_counter()
-            server = _common.Server(root, args.workers, pathlib.Path(log_dir) / "server.log")
-            print(f"server: {server.address} (pid {server.pid}, {args.workers} workers), ready in "
+            server = LocalServer(root, args=["--workers", str(args.workers), "--grace", "2", "--log-level", "INFO",
+                                             *args.server_args],
+                                 env={"NO_ALBUMENTATIONS_UPDATE": "1"}, log_path=pathlib.Path(log_dir) / "server.log")
+            server.start(timeout=120)
+            print(f"server: {server.address} (pid {server.process.pid}, {args.workers} workers), ready in "
                   f"{time.perf_counter() - started:.1f}s; log {server.log_path}", flush=True)
-        server_pid = server.pid if server else None
+        server_pid = server.process.pid if server else None
         expect = args.batch_size
         per_epoch = len(samples) // args.batch_size * args.batch_size  # drop_last everywhere
         if "pil" in args.loaders:
@@ -352,8 +359,8 @@ def main(argv=None) -> int:
         order = [n for n in LOADERS if n in loaders]
         for round_no in range(args.epochs):
             for name in order:
-                if server is not None and server.proc.poll() is not None:
-                    raise RuntimeError(f"the server exited (code {server.proc.returncode}):\n{server.log_tail()}")
+                if server is not None and server.process.poll() is not None:
+                    raise RuntimeError(f"the server exited (code {server.process.returncode}):\n{server.log_tail()}")
                 r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch)
                 epoch_no[name] += 1
                 r["round"] = round_no
@@ -361,8 +368,8 @@ def main(argv=None) -> int:
                 print(f"round {round_no + 1}/{args.epochs} {name:>6}: {r['images_per_s']:7.0f} img/s  "
                       f"{r['wall_s']:6.2f}s  CPU {1000 * r['cpu_s'] / r['images']:.2f} ms/img  "
                       f"server CPU {r['server_cpu_s']:.2f}s", flush=True)
-        if server is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"the server exited (code {server.proc.returncode}):\n{server.log_tail()}")
+        if server is not None and server.process.poll() is not None:
+            raise RuntimeError(f"the server exited (code {server.process.returncode}):\n{server.log_tail()}")
         ok = True
     except KeyboardInterrupt:
         print("\ninterrupted; cleaning up", file=sys.stderr)

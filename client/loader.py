@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import time
 import warnings
@@ -137,9 +138,11 @@ class RemoteLoader:
         self._keys: dict[tuple[str, int], list[str]] = {}
 
         if receiver is None:
-            receiver = "process" if self.device.type == "cuda" else "thread"
+            receiver = "process" if self.device.type == "cuda" and hasattr(os, "memfd_create") else "thread"
         if receiver not in RECEIVERS:
             raise ValueError(f"receiver={receiver!r}: expected one of {', '.join(RECEIVERS)}")
+        if receiver == "process" and not hasattr(os, "memfd_create"):
+            raise ValueError("receiver='process' needs Linux (os.memfd_create); use receiver='thread'")
         self.receiver = receiver
         self.catalog: Catalog | None = None
         self._delivery = None

@@ -1,8 +1,10 @@
 """Loader servers as local subprocesses: for the demo, benchmarks and tests.
 
 ``LocalServer`` runs exactly the command a container runs (``remoteloader-server``
-flags), waits for its ``listening on`` line and stops it with SIGTERM (drain) on exit;
-on Linux the server also gets SIGTERM if its parent dies without stopping it.
+flags), waits for its ``listening on`` line and stops it with SIGTERM (drain) on exit,
+then SIGKILLs its process group (workers included); on Linux the server also gets
+SIGTERM if its parent dies without stopping it. It runs the flags it is given: inherited
+``REMOTELOADER_*`` variables are dropped (pass ``env`` to set some).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ class LocalServer:
         port: Port to bind; 0 picks a free one (``.port`` says which once started).
         args: Further server flags, e.g. ``["--workers", "2"]``.
         env: Extra environment variables.
+        log_path: Also write the server's output to this file.
     """
 
     def __init__(self, data: list[str] | str, port: int = 0, host: str = "127.0.0.1",
-                 args: list[str] | None = None, env: dict[str, str] | None = None):
+                 args: list[str] | None = None, env: dict[str, str] | None = None, log_path=None):
         self.data = [str(data)] if isinstance(data, (str, os.PathLike)) else [str(d) for d in data]
         self.host = host
         self.port = port
@@ -40,6 +43,7 @@ class LocalServer:
         self.env = env
         self.process: subprocess.Popen | None = None
         self.log: deque[str] = deque(maxlen=400)
+        self.log_path = log_path
         self._ready = threading.Event()
 
     @property
@@ -53,7 +57,8 @@ class LocalServer:
         return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "LocalServer":
-        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+        env.update(self.env or {}, PYTHONUNBUFFERED="1")
         self._ready.clear()
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         env=env, text=True, start_new_session=True,
@@ -68,29 +73,53 @@ class LocalServer:
         return self
 
     def _pump(self, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            self.log.append(line.rstrip())
-            match = _READY.search(line)
-            if match and not self._ready.is_set():
-                self.port = int(match.group(2))
-                self._ready.set()
+        log_file = open(self.log_path, "a") if self.log_path else None
+        try:
+            for line in process.stdout:
+                self.log.append(line.rstrip())
+                if log_file is not None:
+                    log_file.write(line)
+                    log_file.flush()
+                match = _READY.search(line)
+                if match and not self._ready.is_set():
+                    self.port = int(match.group(2))
+                    self._ready.set()
+        finally:
+            if log_file is not None:
+                log_file.close()
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(list(self.log)[-lines:])
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time; returns the exit code."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM (graceful drain), then SIGKILL of its process group; returns the exit code.
+
+        The server is reaped only after its group was killed, so the group id cannot have
+        been reused by anything else when ``killpg`` runs.
+        """
+        if self.process is None or self.process.returncode is not None:
             return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.process.returncode
+            self.process.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.05)
+        self.kill()
+        return self.process.returncode
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
+        """SIGKILL of the server's process group (its own session: only what it started), then reap."""
+        if self.process is not None and self.process.returncode is None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
             self.process.wait(10)
 
