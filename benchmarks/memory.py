@@ -54,21 +54,26 @@ def write_index_shards(folder: pathlib.Path, samples: int) -> None:
     marker.touch()
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A /proc/PID/status memory field in MB: VmRSS (all resident), RssAnon (private heap)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of a process and its descendants (the decode workers, the forkserver)."""
+def tree_rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """RSS of a process and its descendants (the decode workers, the forkserver).
+
+    VmRSS counts the shared chunk slots (and cache) once per process that touched them, so
+    it rises while workers first touch slots; RssAnon is private memory, where a leak shows.
+    """
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
         try:
-            total += rss_mb(p)
+            total += rss_mb(p, field)
             with open(f"/proc/{p}/task/{p}/children") as f:
                 todo.extend(int(c) for c in f.read().split())
         except FileNotFoundError:
@@ -112,11 +117,13 @@ def main() -> None:
             for epoch in range(args.epochs):
                 for _images, _labels in loader:
                     pass
-                readings.append((rss_mb(server.process.pid), tree_rss_mb(server.process.pid)))
+                readings.append((rss_mb(server.process.pid), tree_rss_mb(server.process.pid),
+                                 tree_rss_mb(server.process.pid, "RssAnon")))
         print(f"\nserver RSS across {args.epochs} epochs of {loader.num_samples} images (MB): main process "
               f"first {readings[0][0]:.0f}, last {readings[-1][0]:.0f}, max {max(r[0] for r in readings):.0f}; "
               f"with workers first {readings[0][1]:.0f}, last {readings[-1][1]:.0f}, "
-              f"max {max(r[1] for r in readings):.0f}")
+              f"max {max(r[1] for r in readings):.0f}; private (RssAnon) with workers first {readings[0][2]:.0f}, "
+              f"last {readings[-1][2]:.0f}, max {max(r[2] for r in readings):.0f}")
 
 
 if __name__ == "__main__":
