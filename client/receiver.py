@@ -248,7 +248,8 @@ class ProcessReceiver:
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._replies: dict[int, Future] = {}
-        self._queues: dict[int, queue.Queue] = {}
+        self._queues: dict[int, queue.Queue] = {}  # the running epoch's, by token
+        self._queues_lock = threading.Lock()  # a batch is either put where cancel drains it, or freed
         self._current: int | None = None
         self._dead: str | None = None
         self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
@@ -278,7 +279,8 @@ class ProcessReceiver:
     def cancel_epoch(self, token: int) -> None:
         if self._dead is None:
             self._request("cancel_epoch", token)
-        out = self._queues.pop(token, None)
+        with self._queues_lock:
+            out = self._queues.pop(token, None)
         if self._current == token:
             self._current = None
         while out is not None:  # batches that reached this process but not the consumer
@@ -351,22 +353,25 @@ class ProcessReceiver:
                     future.set_result(value) if ok else future.set_exception(value)
                 elif kind == "started":  # before any of the epoch's batches, on this same thread
                     request_id, token = rest
-                    self._queues = {token: queue.Queue()}  # one epoch at a time
+                    with self._queues_lock:
+                        self._queues = {token: queue.Queue()}  # one epoch at a time
                     self._current = token
                     self._replies.pop(request_id).set_result(token)
                 elif kind == "batch":
                     token, seq, slot, ids, labels, failures, nbytes = rest
-                    out = self._queues.get(token)
                     images = self.slots.view(slot, len(ids), h, w)
+                    with self._queues_lock:
+                        out = self._queues.get(token)
+                        if out is not None:
+                            out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes))
                     if out is None:  # an epoch that was cancelled meanwhile
                         self._post(("free", slot))
-                        continue
-                    out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes))
                 elif kind in ("end", "error"):
                     token, item = rest
-                    out = self._queues.get(token)
-                    if out is not None:
-                        out.put(END if kind == "end" else item)
+                    with self._queues_lock:
+                        out = self._queues.get(token)
+                        if out is not None:
+                            out.put(END if kind == "end" else item)
                 elif kind == "log":
                     level, name, text = rest
                     logging.getLogger(name).log(level, "%s", text)
@@ -377,8 +382,9 @@ class ProcessReceiver:
         for future in list(self._replies.values()):
             future.set_exception(LoaderError(self._dead))
         self._replies.clear()
-        for out in list(self._queues.values()):
-            out.put(LoaderError(self._dead))
+        with self._queues_lock:
+            for out in self._queues.values():
+                out.put(LoaderError(self._dead))
 
 
 def die_with_parent() -> None:
