@@ -22,7 +22,6 @@ import functools
 import mmap
 import queue
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -200,7 +199,7 @@ class CudaDelivery:
         self.dtype = dtype
         self.receiver = receiver
         self.pool = PinnedPool(prefetch + 2, batch_bytes) if receiver is None else None
-        self._registered = register_pinned(receiver.slots.array) if receiver is not None else None
+        self._registered = register_pinned(receiver.slots.array, device) if receiver is not None else None
         self.on_free = on_free
         self.prefetch = prefetch
         self._stream = torch.cuda.Stream(device)
@@ -294,22 +293,25 @@ class CudaDelivery:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-            self._thread = None
-        if final and self._registered is not None:
+            if not self._thread.is_alive():
+                self._thread = None
+        if final and self._registered is not None and self._thread is None:  # no copy can still read it
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
 
 
-def register_pinned(array: np.ndarray):
+def register_pinned(array: np.ndarray, device: torch.device) -> int:
     """Page-locks memory we did not allocate (the receiver's shared slots) for async copies.
 
-    Returns the address to unregister, or None (with a warning) where CUDA refuses, in
-    which case copies still work but are synchronous from pageable memory.
+    Registered in ``device``'s context and portable (visible to every context), as torch's
+    own pinned memory is. Returns the address to unregister. A failure is an error: it
+    would otherwise stay CUDA's "last error" and surface at some unrelated kernel launch.
     """
     address, nbytes = array.ctypes.data, array.nbytes
-    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    cuda_host_register_portable = 1
+    with torch.cuda.device(device):
+        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, cuda_host_register_portable)
     if int(getattr(error, "value", error)) != 0:
-        warnings.warn(f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed "
-                      f"({error}); host-to-device copies will not overlap compute", stacklevel=3)
-        return None
+        raise RuntimeError(f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed "
+                           f"({error}); pass receiver='thread' to receive into torch's own pinned memory")
     return address

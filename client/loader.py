@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -9,6 +10,7 @@ import os
 import queue
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -26,6 +28,7 @@ log = logging.getLogger("remoteloader.client")
 
 ON_ERROR = ("raise", "warn", "skip")
 RECEIVERS = ("thread", "process")
+_OPEN: "weakref.WeakSet[RemoteLoader]" = weakref.WeakSet()  # closed at exit, while threads still run
 _KEY_BLOCK = 1024
 
 
@@ -154,6 +157,7 @@ class RemoteLoader:
         link_options = dict(connect_timeout=connect_timeout, max_inflight=max_inflight, tls=tls_config(tls),
                             metadata=token_metadata(token))
         self._servers: list[str] = []
+        _OPEN.add(self)
         try:
             # In a receiver process, batches arrive in its shared slots and the delivery
             # copies them out (to the GPU on CUDA) and gives the slots back.
@@ -265,7 +269,7 @@ class RemoteLoader:
         self._resume = None
         self.catalog = self._discover()
         batches = self.plan(epoch)
-        token, out = self._io.start_epoch(epoch, batches, start, done)
+        token, out = self._io.start_epoch(epoch, batches, start, done, self.catalog)
         self._token = token
         self._position, self._done = start, set(done)
         return self._iterate(epoch, out, token)
@@ -322,7 +326,7 @@ class RemoteLoader:
         """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
         try:
             self._io.cancel_epoch(token)
-        except (RuntimeError, LoaderError):  # closed from another thread, or the receiver is gone
+        except (RuntimeError, LoaderError, TimeoutError):  # closed meanwhile, or the receiver is gone
             return
         self._delivery.close()
 
@@ -418,6 +422,17 @@ class RemoteLoader:
             if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
                 raise ValueError(f"image_size={h}x{w}: loader server {address} offers sizes "
                                  f"{d.min_image_size}..{d.max_image_size}")
+
+
+@atexit.register
+def _close_open_loaders() -> None:
+    """Loaders the script did not close: at interpreter shutdown their I/O threads stop
+    answering, and each close() would wait out its timeouts (seconds per loader)."""
+    for loader in list(_OPEN):
+        try:
+            loader.close()
+        except Exception:
+            pass
 
 
 def _size(image_size) -> tuple[int, int]:

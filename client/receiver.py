@@ -11,14 +11,13 @@ would contend for its GIL; in the receiver process it costs the training process
 
 The two processes talk over a socketpair with ``multiprocessing.connection`` (pickle), which
 is safe here because both ends are this library in processes it started; nothing from the
-network is ever unpickled. The child dies with its parent (PR_SET_PDEATHSIG, and EOF on
-the socket).
+network is ever unpickled. The child exits when its parent is gone (it watches its parent
+pid, and EOF on the socket).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import logging
 import mmap
@@ -61,7 +60,6 @@ class Receiver:
         self._address = address
         self._link_options = link_options
         self.links: dict[str, Link] = {}
-        self.catalog: Catalog | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
         self._thread.start()
@@ -79,7 +77,6 @@ class Receiver:
         if new:
             links = [Link(a, self.engine, **self._link_options) for a in new]
             self._call(self._describe_all(links), timeout=self._link_options["connect_timeout"] + 5)
-            self.catalog = Catalog({a: l.describe for a, l in self.links.items()})
         return {a: l.describe for a, l in self.links.items()}, new
 
     async def _describe_all(self, links: list[Link]) -> None:
@@ -104,10 +101,11 @@ class Receiver:
                 for a, l in self.links.items()}
 
     # ---- epochs -------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int,
-                    skip: frozenset) -> tuple[int, queue.Queue]:
-        """Starts an epoch; returns its token and the queue its Batches, then END, arrive on."""
-        token = self._call(self.engine.start_epoch(epoch, batches, first_seq, self.catalog, skip), timeout=None)
+    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset,
+                    catalog: Catalog) -> tuple[int, queue.Queue]:
+        """Starts an epoch over ``catalog`` (the one its plan was made from); returns its token
+        and the queue its Batches, then END, arrive on."""
+        token = self._call(self.engine.start_epoch(epoch, batches, first_seq, catalog, skip), timeout=None)
         return token, self.engine.out
 
     @property
@@ -128,7 +126,7 @@ class Receiver:
         return self._thread.is_alive()
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._loop.is_closed() or sys.is_finalizing():  # at shutdown the loop thread is frozen
             return
         try:
             self._call(self._shutdown(), timeout=10)
@@ -220,8 +218,10 @@ class _SlotDelivery:
 
     def give(self, slot: int) -> None:
         with self._lock:
-            if slot not in self._free:
-                self._free.append(slot)
+            if slot in self._free:  # a bug: the parent may still be reading it while it is refilled
+                log.error("batch slot %d was given back twice; ignoring the second time", slot)
+                return
+            self._free.append(slot)
 
 
 class ProcessReceiver:
@@ -239,10 +239,12 @@ class ProcessReceiver:
         parent, child = socket.socketpair()
         self._conn = Connection(os.dup(parent.fileno()))
         parent.close()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the same package
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "remoteloader.client.receiver", str(child.fileno()), str(self.slots.fd)],
-                pass_fds=(child.fileno(), self.slots.fd), preexec_fn=die_with_parent, stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", "remoteloader.client.receiver", str(child.fileno()), str(self.slots.fd),
+                 str(os.getpid())],
+                pass_fds=(child.fileno(), self.slots.fd), stdin=subprocess.DEVNULL, env=env)
         finally:
             child.close()
         self._send_lock = threading.Lock()
@@ -252,6 +254,7 @@ class ProcessReceiver:
         self._queues_lock = threading.Lock()  # a batch is either put where cancel drains it, or freed
         self._current: int | None = None
         self._dead: str | None = None
+        self._reader: threading.Thread | None = None
         self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
         self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
         self._reader.start()
@@ -267,9 +270,9 @@ class ProcessReceiver:
     def server_stats(self) -> dict[str, dict]:
         return self._request("server_stats")
 
-    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int,
-                    skip: frozenset) -> tuple[int, queue.Queue]:
-        token = self._request("start_epoch", epoch, batches, first_seq, skip)
+    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset,
+                    catalog: Catalog) -> tuple[int, queue.Queue]:
+        token = self._request("start_epoch", epoch, batches, first_seq, skip, catalog)
         return token, self._queues[token]  # made by the reader before any of the epoch's batches
 
     @property
@@ -278,16 +281,21 @@ class ProcessReceiver:
 
     def cancel_epoch(self, token: int) -> None:
         if self._dead is None:
-            self._request("cancel_epoch", token)
+            self._request("cancel_epoch", token, timeout=30)
         with self._queues_lock:
             out = self._queues.pop(token, None)
         if self._current == token:
             self._current = None
-        while out is not None:  # batches that reached this process but not the consumer
+        if out is not None:
+            self._drain(out)
+
+    def _drain(self, out: queue.Queue) -> None:
+        """Frees the slots of batches that reached this process but not the consumer."""
+        while True:
             try:
                 item = out.get_nowait()
             except queue.Empty:
-                break
+                return
             if isinstance(item, Batch):
                 self.free(item.images)
 
@@ -306,7 +314,9 @@ class ProcessReceiver:
         return self._dead is None
 
     def close(self) -> None:
-        if self.process.poll() is None:
+        if self.process.poll() is None and sys.is_finalizing():
+            self.process.kill()  # no thread answers replies any more; the child has nothing to keep
+        elif self.process.poll() is None:
             try:
                 self._request("close", timeout=15)
             except Exception:
@@ -328,7 +338,12 @@ class ProcessReceiver:
         request_id = next(self._ids)
         future: Future = Future()
         self._replies[request_id] = future
-        self._send(("call", request_id, *message))
+        try:
+            self._send(("call", request_id, *message))
+        except OSError:  # the child is gone; the reader says why
+            self._replies.pop(request_id, None)
+            self._reader.join(timeout=5)
+            raise LoaderError(self._dead or "the RemoteLoader's receiver process is gone") from None
         return future.result(timeout)
 
     def _post(self, message) -> None:
@@ -354,8 +369,11 @@ class ProcessReceiver:
                 elif kind == "started":  # before any of the epoch's batches, on this same thread
                     request_id, token = rest
                     with self._queues_lock:
+                        superseded = list(self._queues.values())
                         self._queues = {token: queue.Queue()}  # one epoch at a time
                     self._current = token
+                    for out in superseded:  # as the engine drains its own queue on a new epoch
+                        self._drain(out)
                     self._replies.pop(request_id).set_result(token)
                 elif kind == "batch":
                     token, seq, slot, ids, labels, failures, nbytes = rest
@@ -376,23 +394,18 @@ class ProcessReceiver:
                     level, name, text = rest
                     logging.getLogger(name).log(level, "%s", text)
         except (EOFError, OSError):
-            pass
+            reason = None
+        except BaseException as exc:  # a bug here must not leave requests waiting forever
+            reason = f"the RemoteLoader's receiver link failed: {type(exc).__name__}: {exc}"
+            self.process.kill()
         code = self.process.wait()
-        self._dead = f"the RemoteLoader's receiver process exited (code {code})"
+        self._dead = reason or f"the RemoteLoader's receiver process exited (code {code})"
         for future in list(self._replies.values()):
             future.set_exception(LoaderError(self._dead))
         self._replies.clear()
         with self._queues_lock:
             for out in self._queues.values():
                 out.put(LoaderError(self._dead))
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class _Child:
@@ -412,6 +425,8 @@ class _Child:
             self.conn.send(message)
 
     def serve(self) -> None:
+        """Reads the parent's messages: "free" and "consumed" at once, calls on a worker thread
+        (so a slow call, e.g. GetKeys, never holds back the slots coming back)."""
         try:
             _, address, setup, slots, slot_bytes, engine_options, link_options = self.conn.recv()
         except (EOFError, OSError):
@@ -419,12 +434,15 @@ class _Child:
         self.delivery = _SlotDelivery(SharedSlots(slots, slot_bytes, self.slots_fd))
         self.receiver = Receiver(address, loader_pb2.Setup.FromString(setup), self.delivery, engine_options,
                                  link_options)
+        calls: queue.Queue = queue.Queue()
+        worker = threading.Thread(target=self._calls, args=(calls,), name="remoteloader-calls", daemon=True)
+        worker.start()
         try:
             while True:
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):
-                    return  # the parent is gone
+                    return  # the parent is gone, or done with us
                 kind = message[0]
                 if kind == "consumed":
                     self.receiver.consumed(message[1])
@@ -432,23 +450,29 @@ class _Child:
                     self.delivery.give(message[1])
                     self.receiver.buffer_freed()
                 elif kind == "call":
-                    _, request_id, name, *args = message
-                    try:
-                        value = getattr(self, "do_" + name)(*args)
-                    except Exception as exc:
-                        self.send(("reply", request_id, False, _portable(exc)))
-                        continue
-                    if name == "start_epoch":
-                        token, out = value
-                        self.send(("started", request_id, token))
-                        self._forward(token, out)  # its batches follow the "started" message
-                    else:
-                        self.send(("reply", request_id, True, value))
-                    if name == "close":
-                        return
+                    calls.put(message)
         finally:
+            calls.put(None)
+            worker.join(timeout=15)
             self._stop.set()
             self.receiver.close()
+
+    def _calls(self, calls: queue.Queue) -> None:
+        while (message := calls.get()) is not None:
+            _, request_id, name, *args = message
+            try:
+                value = getattr(self, "do_" + name)(*args)
+            except Exception as exc:
+                self.send(("reply", request_id, False, _portable(exc)))
+                continue
+            if name == "start_epoch":
+                token, out = value
+                self.send(("started", request_id, token))
+                self._forward(token, out)  # its batches follow the "started" message
+            else:
+                self.send(("reply", request_id, True, value))
+            if name == "close":
+                os._exit(0)  # the receiver is closed and the parent has its answer
 
     def do_discover(self):
         describes, new = self.receiver.discover()
@@ -460,17 +484,18 @@ class _Child:
     def do_server_stats(self):
         return self.receiver.server_stats()
 
-    def do_start_epoch(self, epoch, batches, first_seq, skip):
+    def do_start_epoch(self, epoch, batches, first_seq, skip, catalog):
         self._stop.set()  # the previous epoch's forwarder
         if self._forwarder is not None:
             self._forwarder.join()
-        return self.receiver.start_epoch(epoch, batches, first_seq, skip)
+        return self.receiver.start_epoch(epoch, batches, first_seq, skip, catalog)
 
     def do_cancel_epoch(self, token):
         self.receiver.cancel_epoch(token)
 
     def do_close(self):
-        return None
+        self._stop.set()
+        self.receiver.close()
 
     def _forward(self, token: int, out: queue.Queue) -> None:
         """Sends the epoch's batches to the parent as slot numbers, in the order they come."""
@@ -514,9 +539,17 @@ class _ForwardLogs(logging.Handler):
             pass
 
 
+def _watch_parent(parent: int) -> None:
+    """Exits when the training process is gone (forked children of it may keep the socket open)."""
+    while os.getppid() == parent:
+        threading.Event().wait(0.5)
+    os._exit(0)
+
+
 def main(argv: list[str]) -> None:
-    conn_fd, slots_fd = int(argv[0]), int(argv[1])
+    conn_fd, slots_fd, parent = int(argv[0]), int(argv[1]), int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training script's to handle
+    threading.Thread(target=_watch_parent, args=(parent,), name="remoteloader-parent", daemon=True).start()
     child = _Child(Connection(conn_fd), slots_fd)
     root = logging.getLogger("remoteloader")
     root.addHandler(_ForwardLogs(child))

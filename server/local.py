@@ -9,6 +9,7 @@ SIGTERM if its parent dies without stopping it. It runs the flags it is given: i
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -18,9 +19,16 @@ import threading
 import time
 from collections import deque
 
-from remoteloader.client.receiver import die_with_parent
 
 _READY = re.compile(r"listening on (\S+):(\d+)")
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class LocalServer:
