@@ -22,6 +22,7 @@ import functools
 import mmap
 import queue
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -300,18 +301,30 @@ class CudaDelivery:
             self._registered = None
 
 
-def register_pinned(array: np.ndarray, device: torch.device) -> int:
+def register_pinned(array: np.ndarray, device: torch.device) -> int | None:
     """Page-locks memory we did not allocate (the receiver's shared slots) for async copies.
 
     Registered in ``device``'s context and portable (visible to every context), as torch's
-    own pinned memory is. Returns the address to unregister. A failure is an error: it
-    would otherwise stay CUDA's "last error" and surface at some unrelated kernel launch.
+    own pinned memory is. Runs in a short-lived thread: CUDA keeps a failed call as the
+    calling thread's "last error", which would otherwise surface at some unrelated kernel
+    launch in the training thread. Returns the address to unregister, or None with a
+    warning where CUDA refuses (copies then work, staged and synchronous).
     """
     address, nbytes = array.ctypes.data, array.nbytes
-    cuda_host_register_portable = 1
-    with torch.cuda.device(device):
-        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, cuda_host_register_portable)
-    if int(getattr(error, "value", error)) != 0:
-        raise RuntimeError(f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed "
-                           f"({error}); pass receiver='thread' to receive into torch's own pinned memory")
+    result: list = []
+
+    def register() -> None:
+        cuda_host_register_portable = 1
+        with torch.cuda.device(device):
+            result.append(torch.cuda.cudart().cudaHostRegister(address, nbytes, cuda_host_register_portable))
+
+    thread = threading.Thread(target=register, name="remoteloader-pin")
+    thread.start()
+    thread.join()
+    error = result[0] if result else "no answer"
+    if int(getattr(error, "value", error if isinstance(error, int) else -1)) != 0:
+        warnings.warn(f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed ({error}): "
+                      f"host-to-device copies will not overlap compute; receiver='thread' uses torch's own "
+                      f"pinned memory instead", stacklevel=3)
+        return None
     return address

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import json
 import logging
 import math
@@ -157,6 +158,7 @@ class RemoteLoader:
         link_options = dict(connect_timeout=connect_timeout, max_inflight=max_inflight, tls=tls_config(tls),
                             metadata=token_metadata(token))
         self._servers: list[str] = []
+        self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
         _OPEN.add(self)
         try:
             # In a receiver process, batches arrive in its shared slots and the delivery
@@ -326,7 +328,8 @@ class RemoteLoader:
         """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
         try:
             self._io.cancel_epoch(token)
-        except (RuntimeError, LoaderError, TimeoutError):  # closed meanwhile, or the receiver is gone
+        except (RuntimeError, LoaderError, TimeoutError, concurrent.futures.TimeoutError):
+            # closed meanwhile, or the receiver is gone or stuck
             return
         self._delivery.close()
 
@@ -367,7 +370,7 @@ class RemoteLoader:
 
     def close(self) -> None:
         """Stops the receiver (thread or process) and closes the connections (idempotent)."""
-        if self._closed:
+        if self._closed or getattr(self, "_pid", os.getpid()) != os.getpid():
             return
         self._closed = True
         if getattr(self, "_delivery", None) is not None:
@@ -405,8 +408,23 @@ class RemoteLoader:
             return self.catalog
         if not new:
             return self.catalog
+        refused = {}
+        for address in new:
+            try:
+                self._check_offer({address: describes[address]})
+            except ValueError as exc:
+                if self.catalog is None:  # at start-up: the user must hear of it now
+                    raise
+                refused[address] = exc
+        if refused:  # joined later: training goes on without it; it is asked again next epoch
+            self._io.forget(list(refused))
+            for address, exc in refused.items():
+                log.warning("loader server %s joined but cannot serve this loader (%s); going on without it",
+                            address, exc)
+            describes = {a: d for a, d in describes.items() if a not in refused}
+            if len(describes) == len(self._servers):
+                return self.catalog
         self._servers = list(describes)
-        self._check_offer({a: describes[a] for a in new})
         return Catalog(describes)
 
     def _check_offer(self, describes: dict) -> None:

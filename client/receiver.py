@@ -1,7 +1,7 @@
 """The I/O side of a RemoteLoader: links to the servers, the engine, and their event loop.
 
 ``Receiver`` runs them on an asyncio thread inside the training process. ``ProcessReceiver``
-runs the same ``Receiver`` in a child process (``python -m remoteloader.client.receiver``)
+runs the same ``Receiver`` in a child process (a fresh interpreter running ``receiver.main``)
 that receives the pixels straight into batch slots of shared memory; the training process
 then only exchanges small messages with it (which slot holds which batch, which slot is
 free again) and copies each batch out of its slot once, to the GPU when on CUDA. Receiving
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import mmap
 import os
@@ -86,6 +87,16 @@ class Receiver:
             await asyncio.gather(*(l.close() for l in links), return_exceptions=True)
             raise errors[0]
         self.links.update((l.address, l) for l in links)  # on the loop thread, which reads it
+
+    def forget(self, addresses: list[str]) -> None:
+        """Drops servers the loader refused (they are described anew if they show up again)."""
+        self._call(self._forget(addresses), timeout=10)
+
+    async def _forget(self, addresses: list[str]) -> None:
+        for address in addresses:
+            link = self.links.pop(address, None)
+            if link is not None:
+                await link.close()
 
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
         """Keys of a shard's samples, from a live server among ``owners``."""
@@ -239,12 +250,15 @@ class ProcessReceiver:
         parent, child = socket.socketpair()
         self._conn = Connection(os.dup(parent.fileno()))
         parent.close()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the same package
+        # The parent's import path goes after the child's own, never ahead of the stdlib: the
+        # child finds remoteloader as the parent did (also when it came from PYTHONPATH or a
+        # folder added at run time) and a training script's folder cannot shadow a module.
+        paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str)]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "remoteloader.client.receiver", str(child.fileno()), str(self.slots.fd),
+                [sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(paths), str(child.fileno()), str(self.slots.fd),
                  str(os.getpid())],
-                pass_fds=(child.fileno(), self.slots.fd), stdin=subprocess.DEVNULL, env=env)
+                pass_fds=(child.fileno(), self.slots.fd), stdin=subprocess.DEVNULL)
         finally:
             child.close()
         self._send_lock = threading.Lock()
@@ -263,6 +277,9 @@ class ProcessReceiver:
     def discover(self):
         describes, new = self._request("discover")
         return {a: loader_pb2.DescribeResponse.FromString(d) for a, d in describes.items()}, new
+
+    def forget(self, addresses: list[str]) -> None:
+        self._request("forget", addresses)
 
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
         return self._request("get_keys", owners, shard_id, start, count)
@@ -326,6 +343,8 @@ class ProcessReceiver:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        with self._queues_lock:
+            self._queues = {}
         self._conn.close()
         if self.slots.fd >= 0:
             os.close(self.slots.fd)
@@ -478,6 +497,9 @@ class _Child:
         describes, new = self.receiver.discover()
         return {a: d.SerializeToString() for a, d in describes.items()}, new
 
+    def do_forget(self, addresses):
+        self.receiver.forget(addresses)
+
     def do_get_keys(self, *args):
         return self.receiver.get_keys(*args)
 
@@ -537,6 +559,14 @@ class _ForwardLogs(logging.Handler):
             self.child.send(("log", record.levelno, record.name, record.getMessage()))
         except Exception:
             pass
+
+
+# Run with -I (no current folder, no PYTHON* variables on the path), then the parent's path
+# after the child's own; addsitedir also runs .pth files (e.g. an editable install's finder).
+_BOOTSTRAP = ("import json, site, sys\n"
+              "for p in json.loads(sys.argv[1]):\n"
+              "    if p not in sys.path: site.addsitedir(p)\n"
+              "from remoteloader.client.receiver import main; main(sys.argv[2:])")
 
 
 def _watch_parent(parent: int) -> None:

@@ -207,11 +207,12 @@ def test_a_loader_made_in_a_thread_that_ended_keeps_its_receiver(shards):
         assert sum(len(b[2]) for b in loader) == loader.num_samples == 80
 
 
-def test_a_server_refused_at_an_epoch_boundary_changes_nothing(shards, tmp_path, monkeypatch):
+def test_a_server_that_cannot_serve_and_joins_later_is_left_out_with_a_warning(shards, tmp_path, monkeypatch,
+                                                                                caplog):
     """A server that joins behind the address but cannot serve this loader (here: too small
-    an image size) makes that iter() raise; the next epoch still runs on the known servers'
-    catalog. (The thread receiver, whose resolver a test can grow; the process receiver
-    takes the same catalog from the loader.)"""
+    an image size) is left out with a warning, epoch after epoch, while servers that can
+    still join. (The thread receiver, whose resolver a test can grow; the process receiver
+    runs the same Receiver and takes the same catalog from the loader.)"""
     cluster, first = shards
     small = cluster.add(make_imagefolder(tmp_path / "small", ["zebra"], 4, size=(32, 32), seed=9),
                         "--max-image-size", "16")
@@ -222,18 +223,61 @@ def test_a_server_refused_at_an_epoch_boundary_changes_nothing(shards, tmp_path,
         with make(cluster, first, receiver="thread") as loader:
             before = [tuple(b) for b in loader]
             listed.append(cluster.address(small))
-            with pytest.raises(ValueError, match="image_size=32x32"):
-                iter(loader)
-            loader.set_epoch(0)
-            again = [tuple(b) for b in loader]
-            # Whether a stray shard shifts the global ids depends on how the fingerprints sort;
-            # what must hold is that the epoch ran on the loader's catalog.
-            assert loader._io.engine.catalog is loader.catalog
-        assert len(again) == len(before)
-        for (xa, la, ia), (xb, lb, ib) in zip(before, again):
-            assert torch.equal(ia, ib) and torch.equal(la, lb) and torch.equal(xa, xb)
+            caplog.set_level(logging.WARNING, logger="remoteloader.client")
+            for _ in range(2):
+                loader.set_epoch(0)
+                again = [tuple(b) for b in loader]
+                assert len(again) == len(before)
+                for (xa, la, ia), (xb, lb, ib) in zip(before, again):
+                    assert torch.equal(ia, ib) and torch.equal(la, lb) and torch.equal(xa, xb)
+            warned = [r.getMessage() for r in caplog.records if cluster.address(small) in r.getMessage()]
+            assert len(warned) == 2 and "image_size=32x32" in warned[0], warned
+            assert cluster.address(small) not in loader.servers
+            listed.append(cluster.address(first + 1))  # one that can serve still joins
+            joined = [tuple(b) for b in loader]
+            assert loader.num_samples == 37 and len(joined) == 37 // BATCH
+            assert sorted(loader.servers) == sorted([cluster.address(first), cluster.address(first + 1)])
+            assert loader._io.engine.catalog is loader.catalog  # the epoch ran on the loader's catalog
     finally:
         cluster.stop(small)
+
+
+def test_a_forked_copy_of_the_training_process_exits_promptly(shards):
+    cluster, first = shards
+    script = textwrap.dedent(f"""
+        import os, time
+        from remoteloader.client import RemoteLoader
+        loader = RemoteLoader({cluster.address(first)!r}, batch_size=4, image_size=16, receiver="thread")
+        next(iter(loader))
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the exit hooks run; the copy of the loader must not wait on threads it lacks
+            import atexit
+            atexit._run_exitfuncs()
+            os._exit(0)  # not the interpreter's teardown: gRPC itself is not fork-safe there
+        _, status = os.waitpid(pid, 0)
+        print(f"child exit {{time.monotonic() - start:.1f}}", flush=True)
+        loader.close()
+        print("parent", os.waitstatus_to_exitcode(status), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "parent 0" in out.stdout, out.stdout + out.stderr
+    took = float(out.stdout.split("child exit ")[1].split()[0])
+    assert took < 3, f"the forked child took {took}s to exit"
+
+
+def test_a_module_in_the_script_folder_cannot_shadow_the_receivers_imports(shards, tmp_path):
+    cluster, first = shards
+    (tmp_path / "types.py").write_text("raise ImportError('the script folder shadowed the stdlib types')\n")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        from remoteloader.client import RemoteLoader
+        with RemoteLoader({cluster.address(first)!r}, batch_size=4, image_size=16, receiver="process") as loader:
+            print(len(next(iter(loader))[1]), flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "4", out.stderr
 
 
 @pytest.mark.parametrize("receiver", ["thread", "process"])
