@@ -156,12 +156,12 @@ def _is_loopback(host: str) -> bool:
 async def serve(config: ServerConfig) -> None:
     """Runs a server until SIGTERM or SIGINT, then drains and returns."""
     server = await create_server(config)
-    # The readiness line, whatever the log level: tools and tests wait for it.
-    print(f"remoteloader-server listening on {config.host}:{server.port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the readiness line: a SIGTERM right after it drains
         loop.add_signal_handler(sig, stop.set)
+    # The readiness line, whatever the log level: tools and tests wait for it.
+    print(f"remoteloader-server listening on {config.host}:{server.port}", file=sys.stderr, flush=True)
     serving = asyncio.ensure_future(server.grpc_server.wait_for_termination())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
