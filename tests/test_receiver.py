@@ -242,30 +242,21 @@ def test_a_server_that_cannot_serve_and_joins_later_is_left_out_with_a_warning(s
         cluster.stop(small)
 
 
-def test_a_forked_copy_of_the_training_process_exits_promptly(shards):
+def test_a_copy_of_the_loader_in_another_process_closes_nothing(shards):
+    """After os.fork() the child holds a copy of the loader without its threads (or its
+    receiver process): closing that copy, e.g. from the exit hook, must do nothing rather
+    than wait on threads that are not there. (Forking a process with live gRPC threads is
+    itself unsafe, so the fork is simulated: the copy is told it belongs to another pid.)"""
     cluster, first = shards
-    script = textwrap.dedent(f"""
-        import os, time
-        from remoteloader.client import RemoteLoader
-        loader = RemoteLoader({cluster.address(first)!r}, batch_size=4, image_size=16, receiver="thread")
+    with make(cluster, first, receiver="thread") as loader:
         next(iter(loader))
-        start = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the copy of the loader must not wait on threads it lacks
-            from remoteloader.client import loader as loader_module
-            loader_module._close_open_loaders()  # what the exit hook does (other hooks, gRPC's,
-            loader.close()                       # are not fork-safe: not run here)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        print(f"child exit {{time.monotonic() - start:.1f}}", flush=True)
+        loader._pid = os.getpid() + 1_000_000  # as seen from a forked child
+        started = time.monotonic()
         loader.close()
-        print("parent", os.waitstatus_to_exitcode(status), flush=True)
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "parent 0" in out.stdout, out.stdout + out.stderr
-    took = float(out.stdout.split("child exit ")[1].split()[0])
-    assert took < 3, f"the forked child took {took}s to exit"
+        assert time.monotonic() - started < 0.5
+        assert loader._io.alive(), "the parent's I/O thread must be left alone"
+        loader._pid = os.getpid()
+        assert sum(len(b[1]) for b in loader) > 0  # still the parent's working loader
 
 
 def test_a_module_in_the_script_folder_cannot_shadow_the_receivers_imports(shards, tmp_path):
