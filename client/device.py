@@ -249,7 +249,7 @@ class CudaDelivery:
             try:
                 delivered = self._transfer(item)
             except BaseException as exc:  # hand it to the training thread
-                self.release(item.images if isinstance(item.images, torch.Tensor) else torch.from_numpy(item.images))
+                self.release(item.images)
                 self._put(out, exc, stop)
                 return
             self._put(out, delivered, stop)

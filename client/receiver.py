@@ -9,8 +9,9 @@ costs gRPC about 0.5 CPU-seconds per GB (Python grpcio copies every message twic
 see it), which in the training process would be ~0.1 core-s per 1000 224-px images and
 would contend for its GIL; in the receiver process it costs the training process nothing.
 
-The two processes talk over a socketpair with ``multiprocessing.connection`` (pickle), which
-is safe here because both ends are this library in processes it started; nothing from the
+The two processes talk over a socketpair with ``multiprocessing.connection`` (pickled tuples
+of plain values, numpy arrays and the catalog; errors as (type name, message)), which is
+safe here because both ends are this library in processes it started; nothing from the
 network is ever unpickled. The child exits when its parent is gone (it watches its parent
 pid, and EOF on the socket).
 """
@@ -23,7 +24,6 @@ import json
 import logging
 import mmap
 import os
-import pickle
 import queue
 import signal
 import socket
@@ -268,7 +268,6 @@ class ProcessReceiver:
         self._queues_lock = threading.Lock()  # a batch is either put where cancel drains it, or freed
         self._current: int | None = None
         self._dead: str | None = None
-        self._reader: threading.Thread | None = None
         self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
         self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
         self._reader.start()
@@ -384,7 +383,7 @@ class ProcessReceiver:
                 if kind == "reply":
                     request_id, ok, value = rest
                     future = self._replies.pop(request_id)
-                    future.set_result(value) if ok else future.set_exception(value)
+                    future.set_result(value) if ok else future.set_exception(_rebuild(value))
                 elif kind == "started":  # before any of the epoch's batches, on this same thread
                     request_id, token = rest
                     with self._queues_lock:
@@ -408,7 +407,7 @@ class ProcessReceiver:
                     with self._queues_lock:
                         out = self._queues.get(token)
                         if out is not None:
-                            out.put(END if kind == "end" else item)
+                            out.put(END if kind == "end" else _rebuild(item))
                 elif kind == "log":
                     level, name, text = rest
                     logging.getLogger(name).log(level, "%s", text)
@@ -540,13 +539,23 @@ class _Child:
         self._forwarder.start()
 
 
-def _portable(exc: BaseException) -> BaseException:
-    """The exception itself if it survives pickling, else a LoaderError with its text."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return LoaderError(f"{type(exc).__name__}: {exc}")
+# Errors that cross from the child keep their type when it is one the loader's callers
+# handle (the message is kept either way); no exception object itself is sent.
+_ERRORS = {c.__name__: c for c in (LoaderError, ConnectionError, PermissionError, TimeoutError, ValueError,
+                                   RuntimeError, OSError)}
+
+
+def _portable(exc: BaseException) -> tuple[str, str]:
+    """(type name, message) of an error to send to the parent; see _rebuild."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _ERRORS and _ERRORS[cls.__name__] is cls:
+            return cls.__name__, str(exc)
+    return "LoaderError", f"{type(exc).__name__}: {exc}"
+
+
+def _rebuild(error: tuple[str, str]) -> BaseException:
+    name, text = error
+    return _ERRORS[name](text)
 
 
 class _ForwardLogs(logging.Handler):

@@ -426,11 +426,12 @@ def pixels_by_id(batches) -> dict:
     return out
 
 
-def _run_bounded(loader, seconds: float = 60.0) -> list[tuple]:
+def _run_bounded(loader, seconds: float = 60.0, on_batch=None) -> list[tuple]:
     """Iterates one epoch of ``loader``; fails the test (closing the loader) if it takes over ``seconds``.
 
     A loader that never finishes (a retry loop, a lost chunk) then fails fast with a clear
-    message instead of hanging until the per-test timeout.
+    message instead of hanging until the per-test timeout. ``on_batch(n, batch)`` runs
+    after each batch arrives, mid-epoch.
     """
     fired = threading.Event()
 
@@ -441,8 +442,12 @@ def _run_bounded(loader, seconds: float = 60.0) -> list[tuple]:
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
+    batches = []
     try:
-        batches = [tuple(item) for item in loader]
+        for item in loader:
+            batches.append(tuple(item))
+            if on_batch is not None:
+                on_batch(len(batches) - 1, batches[-1])
     except Exception:
         if fired.is_set():
             pytest.fail(f"the epoch did not finish within {seconds:g}s (the loader was closed)")
@@ -456,7 +461,7 @@ def _run_bounded(loader, seconds: float = 60.0) -> list[tuple]:
 
 @pytest.fixture(scope="session")
 def run_bounded():
-    """Returns ``f(loader, seconds=60) -> [batch, ...]``: one epoch, failing the test if it hangs."""
+    """Returns ``f(loader, seconds=60, on_batch=None) -> [batch, ...]``: one epoch, failing the test if it hangs."""
     return _run_bounded
 
 

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import _run_bounded
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import codec, loader_pb2
 from remoteloader.server.synthetic import make_imagefolder
@@ -147,27 +148,15 @@ def _open_refused(channel, shard_id: str, count: int) -> list[tuple[int, grpc.St
 
 
 def _bounded_epoch(loader, seconds: float, after_first=None) -> list[int]:
-    """Iterates one epoch (closing the loader and failing after ``seconds``); returns the ids."""
-    fired = threading.Event()
-    timer = threading.Timer(seconds, lambda: (fired.set(), loader.close()))
-    timer.daemon = True
-    timer.start()
-    ids = []
-    try:
-        for n, (images, _labels, batch_ids) in enumerate(loader):
-            assert tuple(images.shape[1:]) == (SIZE, SIZE, 3)
-            ids += batch_ids.tolist()
-            if n == 0 and after_first is not None:
-                after_first()
-    except Exception:
-        if fired.is_set():
-            pytest.fail(f"the epoch did not finish within {seconds:g}s")
-        raise
-    finally:
-        timer.cancel()
-    if fired.is_set():
-        pytest.fail(f"the epoch did not finish within {seconds:g}s")
-    return ids
+    """Iterates one epoch (closing the loader and failing after ``seconds``); returns the ids.
+
+    ``after_first`` runs once the first batch is in, while the rest of the epoch streams."""
+    def check(n, batch) -> None:
+        assert tuple(batch[0].shape[1:]) == (SIZE, SIZE, 3)
+        if n == 0 and after_first is not None:
+            after_first()
+
+    return [i for _images, _labels, ids in _run_bounded(loader, seconds, check) for i in ids.tolist()]
 
 
 # ---- stream limits --------------------------------------------------------------------------
