@@ -262,8 +262,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loaders", default=",".join(LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every measurement to this JSON file")
-    parser.add_argument("--server-args", nargs="+", default=[], metavar="FLAG",
-                        help="further remoteloader-server flags, e.g. --server-args=--chunk-bytes=4194304")
+    parser.add_argument("--server-args", action="append", default=[], metavar="FLAG",
+                        help="a further remoteloader-server flag, =-joined, once per flag: e.g. "
+                             "--server-args=--region-decode=false --server-args=--chunk-bytes=4194304")
     args = parser.parse_args(argv)
     args.loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     bad = [x for x in args.loaders if x not in LOADERS]

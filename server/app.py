@@ -18,6 +18,7 @@ import numpy as np
 from remoteloader.protos import codec
 from remoteloader.server.catalog import SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.decode import region_decoder
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import SERVICE, LoaderService
 from remoteloader.server.workers import Arena, SampleCache, WorkerPool
@@ -78,7 +79,8 @@ async def create_server(config: ServerConfig) -> LoaderServer:
         shards.append(SyntheticShard(config.synthetic))
     arena = Arena(config.slots, config.slot_bytes)
     cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
-    pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache)
+    pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache,
+                      config.region_decode)
     if config.synthetic:
         # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
         np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
@@ -123,6 +125,8 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
     samples = sum(len(s) for s in shards)
     log.info("serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
              len(shards), samples, config.workers, time.perf_counter() - started)
+    if not config.synthetic:
+        log.info("JPEG crops: %s", region_decoder() if config.region_decode else "whole images (--region-decode off)")
     if config.metrics_port:
         bound = service.metrics.serve(config.metrics_port, config.host)
         log.info("Prometheus metrics on http://%s:%d/metrics", config.host, bound)

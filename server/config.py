@@ -43,6 +43,8 @@ class ServerConfig:
             RESOURCE_EXHAUSTED.
         min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
         max_pixels: Largest image (width x height, read from the header) the server decodes.
+        region_decode: Decode only the JPEG rows and columns a random-resized crop keeps, with
+            the native decoder when it was built (default on; the pixels are the same either way).
         allow_custom_pipelines: Accept albumentations pipelines serialized by clients
             (A.to_dict; rebuilt from albumentations' registry only).
         cache_bytes: RAM (shared memory) for caching encoded samples after their first
@@ -78,6 +80,7 @@ class ServerConfig:
     min_image_size: int = 8
     max_image_size: int = 1024
     max_pixels: int = 100_000_000
+    region_decode: bool = True
     allow_custom_pipelines: bool = False
     cache_bytes: int = 0
     max_rate: float = 0.0
@@ -203,6 +206,7 @@ _FIELD_HELP = {
     "min_image_size": "smallest output side clients may ask for",
     "max_image_size": "largest output side clients may ask for",
     "max_pixels": "largest image (width x height) the server decodes",
+    "region_decode": "decode only the JPEG region a random-resized crop keeps (native decoder; same pixels)",
     "allow_custom_pipelines": "accept albumentations pipelines serialized by clients",
     "cache_bytes": "shared memory for caching encoded samples after their first read (0: off)",
     "max_rate": "most images per second this server renders (0: unlimited)",

@@ -3,6 +3,10 @@
 JPEGs are decoded with simplejpeg (libjpeg-turbo) in strict mode, so truncated or corrupt
 files raise instead of yielding half-grey images; PNGs (and the rare JPEG libjpeg-turbo
 cannot convert to RGB, such as CMYK) go through OpenCV. Everything returns RGB uint8 HWC.
+
+``decode_crop`` decodes only a crop's rows and columns with the native region decoder
+(``_jpeg.c``, built at install time when a compiler and libjpeg-turbo's headers are there);
+without it, it decodes the whole image and slices it. Both give the same pixels.
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ import struct
 import cv2
 import numpy as np
 import simplejpeg
+
+try:
+    from remoteloader.server import _jpeg
+except ImportError:  # not built (no compiler or no libjpeg-turbo headers at install): see setup.py
+    _jpeg = None
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -90,3 +99,50 @@ def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, heigh
     if image is None:
         raise DecodeError(f"corrupt {fmt.upper()}: OpenCV could not decode it")
     return image
+
+
+def region_decoder() -> str:
+    """How decode_crop decodes JPEGs, for the server's start-up log."""
+    if _jpeg is None:
+        return "whole images (simplejpeg; the native region decoder was not built, see setup.py)"
+    v = _jpeg.LIBJPEG_TURBO_VERSION_NUMBER
+    return f"crop regions only (native, libjpeg-turbo {v // 1000000}.{v // 1000 % 1000}.{v % 1000})"
+
+
+def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, int, int, int],
+                min_height: int, min_width: int, native: bool = True) -> np.ndarray:
+    """The region ``box`` = (x1, y1, x2, y2) of a ``height`` x ``width`` image (header coordinates).
+
+    Decoded at the smallest DCT scale that keeps the whole image at least ``min_height`` x
+    ``min_width`` (0 x 0: full size); the box is scaled with it, so the region comes back
+    at that scale. ``native=False`` always decodes the whole image.
+    With the native decoder, JPEG rows below the box are never decoded, and rows above
+    and columns beside it are only entropy-decoded. Truncated files are still refused
+    (the decoder checks for the end-of-image marker); damage inside the skipped rows is
+    not seen, as it is not in a whole decode that yields plausible pixels.
+    """
+    factor = dct_factor(height, width, min_height, min_width) if fmt == "jpeg" and (min_height or min_width) else 1
+    if native and _jpeg is not None and fmt == "jpeg":
+        x1, y1, x2, y2 = _scale_box(box, height, width, -(-height // factor), -(-width // factor))
+        out = np.empty((y2 - y1, x2 - x1, 3), np.uint8)
+        try:
+            _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out)
+            return out
+        except ValueError as exc:
+            if "color conversion" not in str(exc).lower():
+                raise DecodeError(f"corrupt JPEG: {exc}") from None
+            # CMYK or YCCK: decode() converts them, whole
+    image = decode(data, fmt, min_height, min_width, height, width)
+    x1, y1, x2, y2 = _scale_box(box, height, width, *image.shape[:2])
+    return image[y1:y2, x1:x2]
+
+
+def _scale_box(box: tuple[int, int, int, int], height: int, width: int, to_height: int,
+               to_width: int) -> tuple[int, int, int, int]:
+    """A box in a height x width image, in the same image scaled to to_height x to_width (at least 1 px)."""
+    x1, y1, x2, y2 = box
+    if (to_height, to_width) == (height, width):
+        return box
+    sy, sx = to_height / height, to_width / width
+    x1, y1 = min(round(x1 * sx), to_width - 1), min(round(y1 * sy), to_height - 1)
+    return x1, y1, min(max(round(x2 * sx), x1 + 1), to_width), min(max(round(y2 * sy), y1 + 1), to_height)

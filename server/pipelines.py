@@ -3,8 +3,9 @@
 A pipeline is an ``A.Compose`` whose randomness is reseeded for every sample from a 64-bit
 seed derived from (seed, epoch, shard, index), so the same order gives the same pixels on
 any server. When its first transform is a random-resized crop, the crop is chosen on the
-JPEG header's dimensions and the JPEG is decoded at the smallest DCT scale that keeps the
-crop at least the output size; a first resize likewise decodes no larger than it needs.
+JPEG header's dimensions and only the crop's region is decoded (decode.decode_crop), at the
+smallest DCT scale that keeps it at least the output size; a first resize likewise decodes
+no larger than it needs.
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
 draw the same random numbers, so they give the same pixels up to resampling rounding.
 """
@@ -121,9 +122,11 @@ def _mix64(seed: int, k: int) -> int:
 class Pipeline:
     """Decode + augment one sample into a fixed-size RGB uint8 array."""
 
-    def __init__(self, spec: PipelineSpec, allow_custom: bool = False, max_pixels: int = 100_000_000):
+    def __init__(self, spec: PipelineSpec, allow_custom: bool = False, max_pixels: int = 100_000_000,
+                 region_decode: bool = True):
         self.spec = spec
         self.max_pixels = max_pixels
+        self.region_decode = region_decode
         self.compose = build_compose(spec, allow_custom)
         transforms = list(self.compose.transforms)
         first = transforms[0] if transforms else None
@@ -202,13 +205,8 @@ class Pipeline:
         # Smallest decode that keeps the crop at least the output size.
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
-        image = dec.decode(data, fmt, min(min_h, height), min(min_w, width), height, width)
-        dh, dw = image.shape[:2]
-        if (dh, dw) != (height, width):
-            sy, sx = dh / height, dw / width
-            x1, x2 = round(x1 * sx), max(round(x2 * sx), round(x1 * sx) + 1)
-            y1, y2 = round(y1 * sy), max(round(y2 * sy), round(y1 * sy) + 1)
-        region = image[y1:y2, x1:x2]
+        region = dec.decode_crop(data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width),
+                                 native=self.region_decode)
         if region.shape[:2] != (out_h, out_w):
             region = cv2.resize(region, (out_w, out_h), interpolation=crop.interpolation)
         return self._rest(image=region)["image"] if self._rest.transforms else region

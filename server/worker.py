@@ -31,7 +31,7 @@ def read_sample(path: str, offset: int, length: int) -> bytes:
 
 
 def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int, allow_custom: bool,
-         max_pixels: int, cache_bytes: int) -> None:
+         max_pixels: int, cache_bytes: int, region_decode: bool) -> None:
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -65,7 +65,8 @@ def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_b
             pipelines.move_to_end(spec)
         else:
             try:
-                pipeline = Pipeline(PipelineSpec(name, height, width, albu_json), allow_custom, max_pixels)
+                pipeline = Pipeline(PipelineSpec(name, height, width, albu_json), allow_custom, max_pixels,
+                                    region_decode)
             except PipelineError as exc:
                 pipeline = f"pipeline error: {exc}"
             pipelines[spec] = pipeline

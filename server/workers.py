@@ -157,17 +157,19 @@ class WorkerPool:
         workers: Number of processes.
         allow_custom: Whether workers may build client-sent albumentations pipelines.
         max_pixels: Decode size cap passed to the pipelines.
+        region_decode: Whether the pipelines decode only a crop's region (decode.decode_crop).
         cache: Shared cache of encoded samples, if any.
     """
 
     AHEAD = 2
 
     def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int,
-                 cache: "SampleCache | None" = None):
+                 cache: "SampleCache | None" = None, region_decode: bool = True):
         self.size = workers
         self._arena = arena
         self._cache = cache
-        self._settings = (arena.count, arena.slot_bytes, allow_custom, max_pixels, cache.size if cache else 0)
+        self._settings = (arena.count, arena.slot_bytes, allow_custom, max_pixels, cache.size if cache else 0,
+                          region_decode)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker"])
         self._ctx = ctx

@@ -341,7 +341,7 @@ def test_dockerfile_entrypoints_are_console_scripts_and_copies_exist():
                 copied.add(pathlib.PurePosixPath(source).as_posix().rstrip("/"))
     # Every package directory of pyproject (and the files pip needs) is copied into the image.
     package_dirs = _pyproject()["tool"]["setuptools"]["package-dir"].values()
-    for needed in list(package_dirs) + ["pyproject.toml", "README.md"]:
+    for needed in list(package_dirs) + ["pyproject.toml", "setup.py", "README.md"]:
         assert needed in copied, f"{needed} is not copied into the image"
     dockerignore = ROOT / ".dockerignore"
     if dockerignore.exists():

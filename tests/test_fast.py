@@ -6,7 +6,8 @@ end-to-end tests use one module-wide set of real servers on 127.0.0.1:
 
     workers   --workers 2 on DATA (image_size 16: the whole order is one chunk of many tasks)
     cached    --cache-bytes 10 MB on CACHED (a copy of DATA whose files a test deletes)
-    plain     no cache, on CACHED too (the reference for the cached server's pixels)
+    plain     no cache and --region-decode false, on CACHED too (the reference for the cached
+              server's pixels)
     small     a cache too small for SMALL (another copy of DATA, also deleted)
     rate      --max-rate 100 on RATE (150 samples)
     synthetic --synthetic 50 and no --data (started by hand: Cluster always passes --data)
@@ -15,14 +16,17 @@ end-to-end tests use one module-wide set of real servers on 127.0.0.1:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import pathlib
 import shutil
 import signal
 import time
+import types
 
 import albumentations as A
+import cv2
 import numpy as np
 import pytest
 
@@ -78,23 +82,47 @@ def large_photos() -> list[tuple[bytes, int, int]]:
     return photos
 
 
+@pytest.fixture(params=["region", "whole"])
+def decoder(request, monkeypatch) -> str:
+    """Runs a test with the native region decoder (when built) and with whole-image decoding."""
+    if request.param == "region":
+        if dec._jpeg is None:
+            pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+    else:
+        monkeypatch.setattr(dec, "_jpeg", None)
+    return request.param
+
+
 class DecodeSpy:
-    """Wraps decode.decode (as the pipelines module calls it) and records what it returned."""
+    """Records every decode, by whichever decoder the pipeline used.
+
+    ``take(h, w)`` returns, per decode, the size of the whole image at the scale it was
+    decoded at and the size actually decoded (the same unless only a region was).
+    """
 
     def __init__(self, monkeypatch):
-        self.calls: list[tuple[tuple, tuple]] = []  # ((min_h, min_w, h, w), decoded shape)
+        self.calls: list[tuple[int | None, tuple]] = []  # (region scale denominator or None, decoded shape)
         real = dec.decode
 
         def spy(data, fmt, min_height=0, min_width=0, height=0, width=0):
             image = real(data, fmt, min_height, min_width, height, width)
-            self.calls.append(((min_height, min_width, height, width), image.shape[:2]))
+            self.calls.append((None, image.shape[:2]))
             return image
 
         monkeypatch.setattr(dec, "decode", spy)
+        native = dec._jpeg
+        if native is not None:
+            def region(data, denom, x, y, w, h, out):
+                native.decode_region(data, denom, x, y, w, h, out)
+                self.calls.append((denom, (h, w)))
 
-    def take(self):
+            monkeypatch.setattr(dec, "_jpeg", types.SimpleNamespace(
+                decode_region=region, LIBJPEG_TURBO_VERSION_NUMBER=native.LIBJPEG_TURBO_VERSION_NUMBER))
+
+    def take(self, height: int, width: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         calls, self.calls = self.calls, []
-        return calls
+        return [(shape if denom is None else (math.ceil(height / denom), math.ceil(width / denom)), shape)
+                for denom, shape in calls]
 
 
 def crop_geometry(pipeline: Pipeline, seed: int, height: int, width: int) -> tuple[int, int, int, int]:
@@ -106,33 +134,39 @@ def crop_geometry(pipeline: Pipeline, seed: int, height: int, width: int) -> tup
 
 
 @pytest.mark.parametrize("name", ["train", "eval"])
-def test_fused_equals_plain_on_imagenet_sized_images(name, imagenet_like, monkeypatch):
+def test_fused_equals_plain_on_imagenet_sized_images(name, decoder, imagenet_like, monkeypatch):
     pipeline = Pipeline(PipelineSpec(name, 224, 224))
     spy = DecodeSpy(monkeypatch)
     for data in imagenet_like:
         _, h, w = dec.read_size(data, 10**8)
         for seed in range(12):
             fused = pipeline(data, seed, fused=True)
+            scale, decoded = spy.take(h, w)[0]
+            # No reduced scale can keep 224 on a side of <= 500 / 2: every decode is full size.
+            assert scale == (h, w)
+            if name == "train" and decoder == "region":  # only the crop's pixels were decoded
+                x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
+                assert decoded == (y2 - y1, x2 - x1)
+            else:
+                assert decoded == (h, w)
             plain = pipeline(data, seed, fused=False)
+            assert spy.take(h, w)[0][1] == (h, w)  # the plain path decodes the whole image
             assert fused.shape == (224, 224, 3) and fused.dtype == np.uint8
             assert np.array_equal(fused, plain), f"{name} seed {seed} on {w}x{h}: fused != plain"
-    # No reduced scale can keep 224 on a side of <= 500 / 2: every decode was full size.
-    for (_, _, h, w), shape in spy.take():
-        assert shape == (h, w)
 
 
 @pytest.mark.parametrize("name", ["train", "eval"])
-def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, large_photos, monkeypatch):
+def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, decoder, large_photos, monkeypatch):
     pipeline = Pipeline(PipelineSpec(name, 224, 224))
     spy = DecodeSpy(monkeypatch)
     reduced = 0
     for data, h, w in large_photos:
         for seed in range(5):
             fused = pipeline(data, seed, fused=True)
-            calls = spy.take()
+            calls = spy.take(h, w)
             assert len(calls) == 1
-            (min_h, min_w, _, _), shape = calls[0]
-            factor = dec.dct_factor(h, w, min_h, min_w)
+            shape, decoded = calls[0]
+            factor = math.ceil(h / shape[0])
             assert shape == (math.ceil(h / factor), math.ceil(w / factor)), (shape, factor)
             if name == "train":
                 x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
@@ -140,17 +174,116 @@ def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, larg
                 assert (y2 - y1) * shape[0] / h >= 224 - 1 and (x2 - x1) * shape[1] / w >= 224 - 1
                 assert factor == dec.dct_factor(h, w, math.ceil(h * 224 / (y2 - y1)),
                                                 math.ceil(w * 224 / (x2 - x1)))
+                if decoder == "region":  # the crop alone, at that scale (to a pixel of rounding)
+                    assert abs(decoded[0] - (y2 - y1) / factor) <= 1 and abs(decoded[1] - (x2 - x1) / factor) <= 1
             else:  # eval covers 256 on both sides
                 assert min(shape) >= 256
             reduced += factor > 1
             plain = pipeline(data, seed, fused=False)
-            assert spy.take()[0][1] == (h, w)  # the plain path decodes at full size
+            assert spy.take(h, w)[0][1] == (h, w)  # the plain path decodes at full size
             assert fused.shape == plain.shape == (224, 224, 3)
             diff = np.abs(fused.astype(np.float64) - plain.astype(np.float64))
             corr = np.corrcoef(fused.ravel().astype(np.float64), plain.ravel().astype(np.float64))[0, 1]
             assert diff.mean() < 3, f"{name} seed {seed}: mean |fused - plain| = {diff.mean():.2f}"
             assert corr > 0.99, f"{name} seed {seed}: correlation {corr:.4f} (a different crop?)"
     assert reduced == 15, f"only {reduced} of 15 large-photo decodes used a reduced DCT scale"
+
+
+def jpeg_variants() -> dict[str, tuple[bytes, int, int]]:
+    """JPEGs in the layouts photos come in: chroma subsamplings, grey, progressive, restart markers."""
+    rng = np.random.default_rng(5)
+    image = make_image(0, 5, rng, 301, 413)  # odd sides: partial MCUs at the right and bottom
+    flags = {
+        "420": [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420],
+        "422": [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_422],
+        "444": [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444],
+        "411": [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_411],
+        "440": [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_440],
+        "progressive": [cv2.IMWRITE_JPEG_PROGRESSIVE, 1],
+        "restarts": [cv2.IMWRITE_JPEG_RST_INTERVAL, 3],
+    }
+    out = {}
+    for name, extra in flags.items():
+        ok, data = cv2.imencode(".jpg", image[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90] + extra)
+        out[name] = (data.tobytes(), 301, 413)
+    ok, data = cv2.imencode(".jpg", image[..., 0], [cv2.IMWRITE_JPEG_QUALITY, 90])
+    out["grey"] = (data.tobytes(), 301, 413)
+    return out
+
+
+def random_boxes(rng: np.random.Generator, height: int, width: int, n: int):
+    yield 0, 0, width, height  # the whole image
+    yield width - 1, height - 1, width, height  # the last pixel
+    for _ in range(n):
+        x1, x2 = sorted(rng.choice(width + 1, 2, replace=False))
+        y1, y2 = sorted(rng.choice(height + 1, 2, replace=False))
+        yield int(x1), int(y1), int(x2), int(y2)
+
+
+def test_region_decoder_gives_the_pixels_of_a_whole_decode(monkeypatch):
+    """decode_crop: the native region decoder and whole-image decoding agree to the bit."""
+    if dec._jpeg is None:
+        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+    rng = np.random.default_rng(0)
+    for name, (data, h, w) in jpeg_variants().items():
+        for box in random_boxes(rng, h, w, 12):
+            for min_h, min_w in ((0, 0), (h // 2, w // 2), (h // 4, 1), (1, 1)):  # scales 1, 2, 4, 8
+                region = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w)
+                with monkeypatch.context() as m:
+                    m.setattr(dec, "_jpeg", None)
+                    whole = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w)
+                assert region.shape == whole.shape and region.dtype == np.uint8, (name, box, min_h)
+                assert np.array_equal(region, whole), f"{name}: box {box} at min {min_h}x{min_w}"
+
+
+def test_region_decoder_refuses_what_a_whole_decode_refuses(decoder):
+    """Truncated and corrupt JPEGs raise DecodeError even when the crop lies in intact rows."""
+    data, h, w = jpeg_variants()["420"]
+    top = (0, 0, 16, 16)  # rows a truncation after the first quarter leaves intact
+    for cut in (len(data) // 4, len(data) // 2, len(data) - 2):
+        with pytest.raises(dec.DecodeError, match="(?i)corrupt|premature"):
+            dec.decode_crop(data[:cut], "jpeg", h, w, top, 0, 0)
+    scan = data.index(b"\xff\xda")  # start of scan: garble the entropy-coded data right after it
+    garbled = data[:scan + 40] + bytes([0xFF, 0xD0 + 5]) + data[scan + 42:]  # a restart marker out of place
+    with pytest.raises(dec.DecodeError, match="(?i)corrupt"):
+        dec.decode_crop(garbled, "jpeg", h, w, (0, 0, w, h), 0, 0)
+
+
+def test_region_decoder_leaves_cmyk_to_the_whole_decode(monkeypatch):
+    """CMYK JPEGs (which the region decoder refuses) give the same pixels by either decoder."""
+    from PIL import Image
+    buf = io.BytesIO()
+    image = make_image(0, 5, np.random.default_rng(1), 120, 160)
+    Image.fromarray(image).convert("CMYK").save(buf, "JPEG", quality=95)
+    data = buf.getvalue()
+    for min_h, min_w in ((0, 0), (60, 80)):
+        region = dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), min_h, min_w)
+        monkeypatch.setattr(dec, "_jpeg", None)
+        assert np.array_equal(region, dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), min_h, min_w))
+        monkeypatch.undo()
+    opencv = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB)[20:100, 10:110]
+    assert region.shape == (40, 50, 3)
+    full = dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), 0, 0)
+    assert np.abs(full.astype(float) - opencv).mean() < 3  # RGB, not inverted or raw CMYK
+
+
+def test_region_decoder_checks_its_arguments():
+    if dec._jpeg is None:
+        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+    data, h, w = jpeg_variants()["420"]
+    out = np.empty((10, 10, 3), np.uint8)
+    with pytest.raises(ValueError, match="denom"):
+        dec._jpeg.decode_region(data, 3, 0, 0, 10, 10, out)
+    with pytest.raises(ValueError, match="h \\* w \\* 3"):
+        dec._jpeg.decode_region(data, 1, 0, 0, 10, 11, out)
+    for x, y in ((w - 5, 0), (0, h - 5), (2**32 - 5, 0)):
+        with pytest.raises((ValueError, OverflowError)):
+            dec._jpeg.decode_region(data, 1, x, y, 10, 10, out)
+    with pytest.raises(ValueError, match="outside"):  # inside the image, outside it at 1/8 scale (38x52)
+        dec._jpeg.decode_region(data, 8, 45, 0, 10, 10, out)
+    with pytest.raises(TypeError):
+        dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, bytes(300))  # read-only out
+    dec._jpeg.decode_region(data, 1, w - 10, h - 10, 10, 10, out)  # the bottom-right corner is fine
 
 
 def test_dct_factor():
@@ -203,12 +336,12 @@ def test_first_resize_decodes_no_larger_than_needed(large_photos, monkeypatch):
         spec = PipelineSpec("custom", *size, json.dumps(A.to_dict(compose)))
         pipeline = Pipeline(spec, allow_custom=True)
         fused = pipeline(data, 1)
-        shape = spy.take()[0][1]
+        shape = spy.take(h, w)[0][1]
         factor = dec.dct_factor(h, w, min_h, min_w)
         assert factor > 1
         assert shape == (math.ceil(h / factor), math.ceil(w / factor))
         plain = pipeline(data, 1, fused=False)
-        assert spy.take()[0][1] == (h, w)
+        assert spy.take(h, w)[0][1] == (h, w)
         assert np.abs(fused.astype(float) - plain.astype(float)).mean() < 3
 
 
@@ -319,7 +452,7 @@ def servers(module_cluster, tmp_path_factory):
         names = {}
         names["workers"] = c.add(data, "--workers", "2", wait=False)
         names["cached"] = c.add(cached, "--cache-bytes", str(CACHE_BYTES), wait=False)
-        names["plain"] = c.add(cached, wait=False)
+        names["plain"] = c.add(cached, "--region-decode", "false", wait=False)
         names["small"] = c.add(small, "--cache-bytes", str(small_cache), wait=False)
         names["rate"] = c.add(rate, "--max-rate", str(RATE), wait=False)
         for i in names.values():
@@ -328,7 +461,7 @@ def servers(module_cluster, tmp_path_factory):
         pids = {k: c.pid(i) for k, i in names.items()}
         addresses["synthetic"] = synthetic.wait()
         yield {"root": root, "data": data, "cached": cached, "small": small, "small_cache": small_cache,
-               "rate": rate, "address": addresses, "pid": pids}
+               "rate": rate, "address": addresses, "pid": pids, "cluster": c, "index": names}
     finally:
         synthetic.close()
 
@@ -409,6 +542,23 @@ def test_worker_pool_eval_pixels_match_reference(servers, run_bounded):
             expected = Pipeline(PipelineSpec("eval", 16, 24))((root / key).read_bytes(), 0)
             assert np.array_equal(image, expected), f"sample {i} {key!r}: pixels differ"
             assert CLASSES[label] == key.split("/")[0]
+
+
+def test_region_decode_off_serves_the_same_pixels(servers, run_bounded):
+    """--region-decode false is taken (and logged); whole-image decoding serves the same pixels."""
+    c, index = servers["cluster"], servers["index"]
+    assert "JPEG crops: whole images (--region-decode off)" in c.stderr(index["plain"])
+    built = "crop regions only (native" if dec._jpeg is not None else "whole images (simplejpeg"
+    assert f"JPEG crops: {built}" in c.stderr(index["workers"])
+    root = servers["cached"]
+    with loader(servers["address"]["plain"]) as ld:
+        got = collect(run_bounded, ld)
+        assert sorted(got) == list(range(36))
+        (shard,) = ld.catalog.shards
+        for i, (image, _label) in got.items():
+            seed = sample_seeds(SEED, 0, shard_key(shard.id), np.asarray([i - shard.offset]))[0]
+            expected = Pipeline(PipelineSpec("train", SIZE, SIZE))((root / ld.sample_key(i)).read_bytes(), seed)
+            assert np.array_equal(image, expected), f"sample {i}: pixels differ"
 
 
 def eval_epoch(run_bounded, address: str, **kwargs) -> dict[str, tuple[np.ndarray, int]]:
