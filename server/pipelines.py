@@ -87,6 +87,10 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
         raise PipelineError(f"cannot rebuild the albumentations pipeline: {type(exc).__name__}: {exc}") from None
     if not isinstance(compose, A.Compose):
         compose = A.Compose([compose])
+    if compose.p < 1:
+        raise PipelineError(f"the pipeline's outer Compose has p={compose.p}: it would pass some images through "
+                            f"untransformed, at their own size; use p=1 there and put the probability on "
+                            f"the transforms inside")
     return compose
 
 
@@ -208,5 +212,8 @@ class Pipeline:
         region = dec.decode_crop(data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width),
                                  native=self.region_decode)
         if region.shape[:2] != (out_h, out_w):
-            region = cv2.resize(region, (out_w, out_h), interpolation=crop.interpolation)
+            # As albumentations picks it: on the crop's size in the source (area_for_downscale).
+            pick = getattr(crop, "_get_interpolation_for_resize", None)
+            interpolation = pick((y2 - y1, x2 - x1), "image") if pick else crop.interpolation
+            region = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
         return self._rest(image=region)["image"] if self._rest.transforms else region

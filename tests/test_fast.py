@@ -360,6 +360,32 @@ def test_custom_twin_of_a_preset_gives_identical_pixels(name, imagenet_like, lar
                 assert np.array_equal(a, b), f"{name} seed {seed} fused={fused}: custom twin differs"
 
 
+def test_fused_crop_follows_area_for_downscale(decoder, imagenet_like):
+    """RandomResizedCrop(area_for_downscale="image") resizes with INTER_AREA when it shrinks, fused too."""
+    # 200 px: no DCT scale can keep it from <= 500 px photos, so fused and plain agree to the bit.
+    compose = A.Compose([A.RandomResizedCrop(size=(200, 200), area_for_downscale="image"), A.HorizontalFlip()])
+    pipeline = Pipeline(PipelineSpec("custom", 200, 200, json.dumps(A.to_dict(compose))), allow_custom=True)
+    assert pipeline._crop is not None  # fused
+    linear = Pipeline(PipelineSpec("train", 200, 200))  # the same crops and flips, resized INTER_LINEAR
+    shrunk = {True: 0, False: 0}
+    for data in imagenet_like:
+        _, h, w = dec.read_size(data, 10**8)
+        for seed in range(8):
+            fused = pipeline(data, seed)
+            assert np.array_equal(fused, pipeline(data, seed, fused=False)), f"seed {seed}"
+            x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
+            downscale = y2 - y1 > 200 or x2 - x1 > 200
+            assert np.array_equal(fused, linear(data, seed)) != downscale, f"seed {seed}: crop {x2 - x1}x{y2 - y1}"
+            shrunk[downscale] += 1
+    assert min(shrunk.values()) >= 3, shrunk  # both cases were seen
+
+
+def test_outer_compose_with_p_below_one_is_refused():
+    document = json.dumps(A.to_dict(A.Compose([A.RandomResizedCrop(size=(32, 32))], p=0.5)))
+    with pytest.raises(PipelineError, match="outer Compose has p=0.5"):
+        Pipeline(PipelineSpec("custom", 32, 32, document), allow_custom=True)
+
+
 def test_per_sample_determinism(imagenet_like):
     data = imagenet_like[0]
     first = Pipeline(PipelineSpec("train", 64, 64))
