@@ -52,8 +52,8 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     if fmt == "jpeg":
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        except ValueError as exc:
-            raise DecodeError(f"corrupt JPEG header: {exc}") from None
+        except (ValueError, KeyError) as exc:  # KeyError: an unknown subsampling or colour-space code
+            raise DecodeError(f"corrupt JPEG header: {type(exc).__name__}: {exc}") from None
     else:
         if len(data) < 24 or data[12:16] != b"IHDR":
             raise DecodeError("corrupt PNG header")

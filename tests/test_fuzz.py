@@ -13,6 +13,8 @@ import collections
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -322,3 +324,66 @@ def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounde
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:20])
     log = cluster.stderr(0)
     assert "died with exit code" not in log, f"a decode worker died:\n{log[-3000:]}"
+
+
+# ---- the native region decoder: mutated JPEGs, in a child process so that a crash is a failure ----
+REGION_FUZZ = r"""
+import random, sys, time
+import cv2, numpy as np
+from remoteloader.server import decode as dec
+from remoteloader.server.synthetic import make_image
+
+seconds, seed = float(sys.argv[1]), int(sys.argv[2])
+r = random.Random(seed)
+image = make_image(0, 5, np.random.default_rng(seed), 97, 131)
+seeds = []
+for extra in ([], [cv2.IMWRITE_JPEG_PROGRESSIVE, 1], [cv2.IMWRITE_JPEG_RST_INTERVAL, 2],
+              [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444]):
+    seeds.append(cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 85] + extra)[1].tobytes())
+seeds.append(cv2.imencode(".jpg", image[..., 0])[1].tobytes())
+calls = refused = 0
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    data = bytearray(r.choice(seeds))
+    for _ in range(r.randint(1, 6)):
+        i = r.randrange(len(data))
+        op = r.randrange(4)
+        if op == 0:
+            data[i] = r.randrange(256)
+        elif op == 1:
+            data[i:i + 2] = bytes([0xFF, r.choice([0xD0, 0xD7, 0xD8, 0xD9, 0xDA, 0xC0, 0xC4, 0xDB, 0xDD])])
+        elif op == 2:
+            del data[i:i + r.randint(1, 64)]
+        else:
+            data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 16)))
+    data = bytes(data)
+    try:
+        _, h, w = dec.read_size(data, 10**7)
+    except dec.DecodeError:
+        continue
+    x1, y1 = r.randrange(w), r.randrange(h)
+    box = (x1, y1, r.randint(x1 + 1, w), r.randint(y1 + 1, h))
+    mins = r.choice([(0, 0), (1, 1), (max(1, h // 2), max(1, w // 2)), (h, w)])
+    calls += 1
+    try:
+        out = dec.decode_crop(data, "jpeg", h, w, box, *mins)
+    except dec.DecodeError:
+        refused += 1
+        continue
+    assert out.dtype == np.uint8 and out.ndim == 3 and out.shape[2] == 3 and 0 < out.shape[0] <= h, out.shape
+print(f"{calls} decodes of mutated JPEGs, {refused} refused")
+"""
+
+
+def test_region_decoder_survives_mutated_jpegs():
+    """Every call on a mutated JPEG returns an RGB region or raises DecodeError: no crash, no hang."""
+    from remoteloader.server import decode as dec
+
+    if dec._jpeg is None:
+        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+    seconds = min(FUZZ_SECONDS, 8.0)
+    result = subprocess.run([sys.executable, "-c", REGION_FUZZ, str(seconds), str(FUZZ_SEED)],
+                            capture_output=True, text=True, timeout=60 + seconds)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
+    calls, refused = map(int, re.findall(r"(\d+) decodes of mutated JPEGs, (\d+) refused", result.stdout)[0])
+    assert calls > 100 and 0 < refused < calls, result.stdout  # both outcomes were exercised
