@@ -2,14 +2,17 @@
  *
  * decode_region(data, denom, x, y, w, h, out) decodes the rectangle (x, y, w, h) of the image
  * scaled by 1/denom (denom in 1, 2, 4, 8) into `out`, a writable C-contiguous buffer of
- * h * w * 3 bytes (RGB). The pixels are the same as decoding the whole image with the fast
- * integer DCT and fast upsampling, then cropping; what it saves:
+ * h * w * 3 bytes (RGB), from a baseline (sequential) JPEG. The pixels are the same as
+ * decoding the whole image with the fast integer DCT and fast upsampling, then cropping;
+ * what it saves:
  *   - rows below the region are never read (no Huffman decoding either);
  *   - rows above it are skipped with jpeg_skip_scanlines (entropy-decoded, not transformed);
  *   - columns outside it are not transformed, upsampled or converted (jpeg_crop_scanline).
- * Strict like simplejpeg(strict=True): any libjpeg warning (corrupt data) is an error.
- * Raises ValueError with libjpeg's message; "color conversion" in the message means the
- * colour space (CMYK, YCCK) cannot become RGB here, and the caller should use another decoder.
+ * Since rows below the region are never read, damage there goes unseen, and libjpeg notices
+ * much damage only at the end of a scan: use it on files that have decoded whole without
+ * error before. Any libjpeg warning is an error (as simplejpeg's strict mode).
+ * Raises ValueError with libjpeg's message, or with ": decode it whole" for what it does not
+ * handle (progressive, CMYK/YCCK, lossless...): the caller decodes those some other way.
  * The GIL is released while decoding.
  */
 #define PY_SSIZE_T_CLEAN
@@ -22,8 +25,9 @@
 
 #include <jpeglib.h>
 
-#if !defined(JCS_EXTENSIONS)
-#error "libjpeg-turbo (JCS_EXT_RGB) is required"
+#if !defined(JCS_EXTENSIONS) || !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2001003
+/* 2.1.3 fixed jpeg_crop_scanline() with fast 4:2:0 upsampling writing past the output rows. */
+#error "libjpeg-turbo 2.1.3 or later is required"
 #endif
 
 typedef struct {
@@ -42,16 +46,6 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) { /* a warning: corrupt data that libjpeg would otherwise paper over */
         on_error(cinfo);
     }
-}
-
-/* Whether FF D9 occurs in p[0:n]; searched from the end, where a whole file has it. */
-static int has_eoi(const unsigned char *p, size_t n) {
-    for (size_t i = n; i >= 2; i--) {
-        if (p[i - 1] == 0xD9 && p[i - 2] == 0xFF) {
-            return 1;
-        }
-    }
-    return 0;
 }
 
 /* Returns NULL on success, else a static message or err->message. */
@@ -75,15 +69,14 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, (unsigned long)size);
     jpeg_read_header(&cinfo, TRUE);
-    /* Rows below the region are never read, so a truncated file would pass unnoticed where a
-     * whole decode reports it. Require the EOI marker after the first scan's header: inside
-     * entropy-coded data a 0xFF byte is always followed by 0x00 or a restart marker. */
-    if (!has_eoi(cinfo.src->next_input_byte, cinfo.src->bytes_in_buffer)) {
-        problem = "Premature end of JPEG file";
+    if (cinfo.progressive_mode) {
+        /* Its scans are all read before the first row anyway, so little is saved; and an
+         * incomplete one is smoothed across blocks, where a crop's edge would count as the image's. */
+        problem = "progressive JPEG: decode it whole";
         longjmp(err->jump, 1);
     }
     if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
-        problem = "Unsupported color conversion request";
+        problem = "CMYK or YCCK JPEG: decode it whole";
         longjmp(err->jump, 1);
     }
     cinfo.out_color_space = JCS_EXT_RGB;
@@ -93,7 +86,7 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     cinfo.do_fancy_upsampling = FALSE;
     jpeg_start_decompress(&cinfo);
     if (cinfo.output_components != 3) {
-        problem = "Unsupported color conversion request";
+        problem = "not RGB: decode it whole";
         longjmp(err->jump, 1);
     }
     if (w == 0 || h == 0 || x >= cinfo.output_width || w > cinfo.output_width - x ||
@@ -149,21 +142,24 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
 static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data, out;
     int denom;
-    unsigned int x, y, w, h;
-    if (!PyArg_ParseTuple(args, "y*iIIIIw*", &data, &denom, &x, &y, &w, &h, &out)) {
+    Py_ssize_t x, y, w, h; /* "n" checks for overflow; "I" would silently wrap */
+    if (!PyArg_ParseTuple(args, "y*innnnw*", &data, &denom, &x, &y, &w, &h, &out)) {
         return NULL;
     }
     PyObject *result = NULL;
     error_mgr err;
     const char *problem = NULL;
+    const Py_ssize_t most = 1 << 16; /* JPEG sides are 16-bit */
     if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
         PyErr_SetString(PyExc_ValueError, "denom must be 1, 2, 4 or 8");
-    } else if (!PyBuffer_IsContiguous(&out, 'C') || (size_t)out.len != (size_t)w * h * 3) {
+    } else if (x < 0 || y < 0 || w < 0 || h < 0 || x > most || y > most || w > most || h > most) {
+        PyErr_SetString(PyExc_ValueError, "region outside the scaled image");
+    } else if (!PyBuffer_IsContiguous(&out, 'C') || (size_t)out.len != (size_t)w * (size_t)h * 3) {
         PyErr_SetString(PyExc_ValueError, "out must be a contiguous buffer of h * w * 3 bytes");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        problem = decode((const unsigned char *)data.buf, (size_t)data.len, denom, x, y, w, h,
-                         (unsigned char *)out.buf, &err);
+        problem = decode((const unsigned char *)data.buf, (size_t)data.len, denom, (JDIMENSION)x,
+                         (JDIMENSION)y, (JDIMENSION)w, (JDIMENSION)h, (unsigned char *)out.buf, &err);
         Py_END_ALLOW_THREADS
         if (problem) {
             PyErr_SetString(PyExc_ValueError, problem);

@@ -43,8 +43,9 @@ class ServerConfig:
             RESOURCE_EXHAUSTED.
         min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
         max_pixels: Largest image (width x height, read from the header) the server decodes.
-        region_decode: Decode only the JPEG rows and columns a random-resized crop keeps, with
-            the native decoder when it was built (default on; the pixels are the same either way).
+        region_decode: Once a file has decoded whole without error, decode only the JPEG rows
+            and columns a random-resized crop keeps, with the native decoder when it was built
+            (default on; the pixels are the same either way).
         allow_custom_pipelines: Accept albumentations pipelines serialized by clients
             (A.to_dict; rebuilt from albumentations' registry only).
         cache_bytes: RAM (shared memory) for caching encoded samples after their first
@@ -206,7 +207,7 @@ _FIELD_HELP = {
     "min_image_size": "smallest output side clients may ask for",
     "max_image_size": "largest output side clients may ask for",
     "max_pixels": "largest image (width x height) the server decodes",
-    "region_decode": "decode only the JPEG region a random-resized crop keeps (native decoder; same pixels)",
+    "region_decode": "after a file decoded whole once, decode only the region a random-resized crop keeps (same pixels)",
     "allow_custom_pipelines": "accept albumentations pipelines serialized by clients",
     "cache_bytes": "shared memory for caching encoded samples after their first read (0: off)",
     "max_rate": "most images per second this server renders (0: unlimited)",

@@ -1,12 +1,14 @@
 """Image header checks and libjpeg-turbo decoding, optionally at a reduced DCT scale.
 
 JPEGs are decoded with simplejpeg (libjpeg-turbo) in strict mode, so truncated or corrupt
-files raise instead of yielding half-grey images; PNGs (and the rare JPEG libjpeg-turbo
-cannot convert to RGB, such as CMYK) go through OpenCV. Everything returns RGB uint8 HWC.
+files raise instead of yielding half-grey images; PNGs and lossless JPEGs go through OpenCV.
+Everything returns RGB uint8 HWC.
 
-``decode_crop`` decodes only a crop's rows and columns with the native region decoder
-(``_jpeg.c``, built at install time when a compiler and libjpeg-turbo's headers are there);
-without it, it decodes the whole image and slices it. Both give the same pixels.
+``decode_crop`` can decode only a crop's rows and columns with the native region decoder
+(``_jpeg.c``, built at install time when a compiler and libjpeg-turbo's headers are there).
+It gives the same pixels as a whole decode, but it does not read the rows below the crop, so
+it cannot refuse damage there: the server uses it only for files that have decoded whole
+without error before (see service.LoaderService._render).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ except ImportError:  # not built (no compiler or no libjpeg-turbo headers at ins
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FORMATS = ("jpeg", "png")
+_LOSSLESS_FRAMES = (0xC3, 0xC7, 0xCB, 0xCF)  # SOF3/7/11/15
 
 
 class DecodeError(ValueError):
@@ -45,6 +48,9 @@ def sniff_format(data: bytes) -> str:
 def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     """Reads (format, height, width) from the header without decoding pixels.
 
+    The format is "jpeg", "png" or "jpeg-lossless" (decoded whole, by OpenCV: simplejpeg
+    crashes scaling one).
+
     Raises DecodeError when the header is unreadable or the image has more than
     ``max_pixels`` pixels (a decompression bomb or an absurd photo).
     """
@@ -54,6 +60,8 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except (ValueError, KeyError) as exc:  # KeyError: an unknown subsampling or colour-space code
             raise DecodeError(f"corrupt JPEG header: {type(exc).__name__}: {exc}") from None
+        if _frame_marker(data) in _LOSSLESS_FRAMES:
+            fmt = "jpeg-lossless"
     else:
         if len(data) < 24 or data[12:16] != b"IHDR":
             raise DecodeError("corrupt PNG header")
@@ -65,12 +73,34 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, height, width
 
 
+def _frame_marker(data: bytes) -> int | None:
+    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...), or None."""
+    i, n = 2, len(data)
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
+        elif marker in (0xD9, 0xDA):  # EOI or a scan before any frame
+            return None
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
+            i += 2
+        else:
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return None
+
+
 def dct_factor(height: int, width: int, min_height: int, min_width: int) -> int:
     """The largest of 1, 2, 4, 8 that keeps the decoded image at least min_height x min_width.
 
     Only powers of two: libjpeg-turbo's other scales (7/8, 6/8, 5/8, 3/8) decode slower
-    than full size (measured 1.3-1.7x on ImageNet-sized photos).
+    than full size (measured 1.3-1.7x on ImageNet-sized photos). Images with a side under
+    8 px are not reduced: several scales would give the same size there, and simplejpeg
+    (asked for a size) might pick another one than the region decoder (given a scale).
     """
+    if min(height, width) < 8:
+        return 1
     factor = 1
     while factor < 8 and -(-height // (factor * 2)) >= min_height and -(-width // (factor * 2)) >= min_width:
         factor *= 2
@@ -97,7 +127,7 @@ def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, heigh
                 raise DecodeError(f"corrupt JPEG: {message}") from None
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB)
     if image is None:
-        raise DecodeError(f"corrupt {fmt.upper()}: OpenCV could not decode it")
+        raise DecodeError(f"corrupt {fmt.split('-')[0].upper()}: OpenCV could not decode it")
     return image
 
 
@@ -106,20 +136,22 @@ def region_decoder() -> str:
     if _jpeg is None:
         return "whole images (simplejpeg; the native region decoder was not built, see setup.py)"
     v = _jpeg.LIBJPEG_TURBO_VERSION_NUMBER
-    return f"crop regions only (native, libjpeg-turbo {v // 1000000}.{v // 1000 % 1000}.{v % 1000})"
+    return (f"crop regions only, once a file has decoded whole without error (native, libjpeg-turbo "
+            f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000})")
 
 
 def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, int, int, int],
-                min_height: int, min_width: int, native: bool = True) -> np.ndarray:
+                min_height: int, min_width: int, native: bool = False) -> np.ndarray:
     """The region ``box`` = (x1, y1, x2, y2) of a ``height`` x ``width`` image (header coordinates).
 
     Decoded at the smallest DCT scale that keeps the whole image at least ``min_height`` x
     ``min_width`` (0 x 0: full size); the box is scaled with it, so the region comes back
-    at that scale. ``native=False`` always decodes the whole image.
-    With the native decoder, JPEG rows below the box are never decoded, and rows above
-    and columns beside it are only entropy-decoded. Truncated files are still refused
-    (the decoder checks for the end-of-image marker); damage inside the skipped rows is
-    not seen, as it is not in a whole decode that yields plausible pixels.
+    at that scale.
+
+    ``native=True`` uses the region decoder for baseline JPEGs: rows below the box are never
+    decoded, and rows above and columns beside it are only entropy-decoded. Damage in a file
+    can then go unseen (see the module's docstring): pass it only for files known to decode.
+    Whatever the region decoder refuses is decoded whole, which decides.
     """
     factor = dct_factor(height, width, min_height, min_width) if fmt == "jpeg" and (min_height or min_width) else 1
     if native and _jpeg is not None and fmt == "jpeg":
@@ -128,10 +160,8 @@ def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, 
         try:
             _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out)
             return out
-        except ValueError as exc:
-            if "color conversion" not in str(exc).lower():
-                raise DecodeError(f"corrupt JPEG: {exc}") from None
-            # CMYK or YCCK: decode() converts them, whole
+        except ValueError:  # progressive, CMYK, damaged...: the whole decode below decides
+            pass
     image = decode(data, fmt, min_height, min_width, height, width)
     x1, y1, x2, y2 = _scale_box(box, height, width, *image.shape[:2])
     return image[y1:y2, x1:x2]

@@ -3,9 +3,9 @@
 A pipeline is an ``A.Compose`` whose randomness is reseeded for every sample from a 64-bit
 seed derived from (seed, epoch, shard, index), so the same order gives the same pixels on
 any server. When its first transform is a random-resized crop, the crop is chosen on the
-JPEG header's dimensions and only the crop's region is decoded (decode.decode_crop), at the
-smallest DCT scale that keeps it at least the output size; a first resize likewise decodes
-no larger than it needs.
+JPEG header's dimensions and the JPEG is decoded at the smallest DCT scale that keeps the
+crop at least the output size, only the crop's region once the file is known to decode
+(decode.decode_crop); a first resize likewise decodes no larger than it needs.
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
 draw the same random numbers, so they give the same pixels up to resampling rounding.
 """
@@ -184,11 +184,13 @@ class Pipeline:
                     f"{self.spec.height}x{self.spec.width}x3 for every input (end it with a "
                     f"Resize or a crop of that size)")
 
-    def __call__(self, data: bytes, seed: int, fused: bool = True) -> np.ndarray:
+    def __call__(self, data: bytes, seed: int, fused: bool = True, verified: bool = False) -> np.ndarray:
+        """The sample's pixels; ``verified``: the file has decoded whole without error before,
+        so a fused crop may decode its region only (when the server's region_decode is on)."""
         fmt, height, width = dec.read_size(data, self.max_pixels)
         self.reseed(seed)
         if fused and self._crop is not None:
-            return self._fused_crop(data, fmt, height, width)
+            return self._fused_crop(data, fmt, height, width, verified and self.region_decode)
         min_h = min_w = 0
         if fused and self._resize_target is not None:
             th, tw, cover = self._resize_target
@@ -200,7 +202,7 @@ class Pipeline:
         image = dec.decode(data, fmt, min_h, min_w, height, width)
         return self.compose(image=image)["image"]
 
-    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int) -> np.ndarray:
+    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int, region: bool) -> np.ndarray:
         crop = self._crop
         params = crop.get_params()
         params["shape"] = (height, width, 3)
@@ -210,7 +212,7 @@ class Pipeline:
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
         region = dec.decode_crop(data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width),
-                                 native=self.region_decode)
+                                 native=region)
         if region.shape[:2] != (out_h, out_w):
             # As albumentations picks it: on the crop's size in the source (area_for_downscale).
             pick = getattr(crop, "_get_interpolation_for_resize", None)

@@ -60,6 +60,10 @@ class LoaderService:
         self.cache = cache
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.shards = {s.id: s for s in shards}
+        # Samples that have decoded whole without error: only these may have just their crop's
+        # region decoded, which cannot see damage outside it (decode.decode_crop). A byte per
+        # sample, in pages touched only as samples are marked.
+        self._decoded = {s.id: np.zeros(len(s), np.bool_) for s in shards}
         self._shard_keys = {s.id: int(hashlib.sha256(s.id.encode()).hexdigest()[:16], 16) for s in shards}
         self.pool = pool
         self.arena = arena
@@ -264,12 +268,13 @@ class LoaderService:
             future.set_result([])
             return future
         locations, fills = [], []
+        decoded = self._decoded[shard.id]
         for pos, index in enumerate(indices.tolist()):
             path, offset, length = shard.locate(index)
             mode, cache_offset = (self.cache.plan(shard.id, index, length) if self.cache is not None else (0, 0))
             if mode == 1:
                 fills.append((pos, index, cache_offset))
-            locations.append((path, offset, length, mode, cache_offset))
+            locations.append((path, offset, length, mode, cache_offset, bool(decoded[index])))
         # Split the chunk so that all workers share it (two tasks each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
         size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // (2 * self.config.workers))))
@@ -278,6 +283,14 @@ class LoaderService:
         parts = [self.pool.submit(Task(slot, first, spec_tuple, locations[first:first + size],
                                        seeds[first:first + size])) for first in firsts]
         future = _merge(parts, list(firsts))
+
+        def mark_decoded(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                ok = np.ones(len(indices), np.bool_)
+                ok[[pos for pos, _ in f.result()]] = False
+                decoded[indices[ok]] = True
+
+        future.add_done_callback(mark_decoded)
         if fills:
             def mark(f: asyncio.Future) -> None:
                 failed = {pos for pos, _ in f.result()} if not f.cancelled() else None

@@ -75,7 +75,7 @@ def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_b
         out = np.ndarray((len(locations), height, width, 3), np.uint8,
                          buffer=arena, offset=slot * slot_bytes + first * height * width * 3)
         errors = []
-        for i, ((path, offset, length, cache_mode, cache_offset), seed) in enumerate(zip(locations, seeds)):
+        for i, ((path, offset, length, cache_mode, cache_offset, verified), seed) in enumerate(zip(locations, seeds)):
             try:
                 if isinstance(pipeline, str):
                     raise DecodeError(pipeline)
@@ -85,7 +85,7 @@ def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_b
                     data = read_sample(path, offset, length)
                     if cache_mode == 1:
                         cache[cache_offset:cache_offset + length] = data
-                out[i] = pipeline(data, seed)
+                out[i] = pipeline(data, seed, verified=verified)
             except (DecodeError, OSError) as exc:
                 out[i] = 0
                 errors.append((i, str(exc)))

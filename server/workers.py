@@ -31,7 +31,7 @@ class Task:
     slot: int
     first: int
     pipeline: tuple  # (name, height, width, albumentations_json)
-    locations: list  # [(path, offset, length, cache_mode, cache_offset)]
+    locations: list  # [(path, offset, length, cache_mode, cache_offset, verified)]
     seeds: list  # [int], one per sample
 
 

@@ -22,6 +22,9 @@ import math
 import pathlib
 import shutil
 import signal
+import struct
+import subprocess
+import sys
 import time
 import types
 
@@ -140,7 +143,7 @@ def test_fused_equals_plain_on_imagenet_sized_images(name, decoder, imagenet_lik
     for data in imagenet_like:
         _, h, w = dec.read_size(data, 10**8)
         for seed in range(12):
-            fused = pipeline(data, seed, fused=True)
+            fused = pipeline(data, seed, fused=True, verified=True)
             scale, decoded = spy.take(h, w)[0]
             # No reduced scale can keep 224 on a side of <= 500 / 2: every decode is full size.
             assert scale == (h, w)
@@ -162,7 +165,7 @@ def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, deco
     reduced = 0
     for data, h, w in large_photos:
         for seed in range(5):
-            fused = pipeline(data, seed, fused=True)
+            fused = pipeline(data, seed, fused=True, verified=True)
             calls = spy.take(h, w)
             assert len(calls) == 1
             shape, decoded = calls[0]
@@ -228,7 +231,7 @@ def test_region_decoder_gives_the_pixels_of_a_whole_decode(monkeypatch):
     for name, (data, h, w) in jpeg_variants().items():
         for box in random_boxes(rng, h, w, 12):
             for min_h, min_w in ((0, 0), (h // 2, w // 2), (h // 4, 1), (1, 1)):  # scales 1, 2, 4, 8
-                region = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w)
+                region = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w, native=True)
                 with monkeypatch.context() as m:
                     m.setattr(dec, "_jpeg", None)
                     whole = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w)
@@ -236,17 +239,19 @@ def test_region_decoder_gives_the_pixels_of_a_whole_decode(monkeypatch):
                 assert np.array_equal(region, whole), f"{name}: box {box} at min {min_h}x{min_w}"
 
 
-def test_region_decoder_refuses_what_a_whole_decode_refuses(decoder):
-    """Truncated and corrupt JPEGs raise DecodeError even when the crop lies in intact rows."""
+def test_whole_decode_refuses_damage_the_region_decoder_cannot_see(decoder):
+    """Why the server region-decodes only files that have decoded whole: damage below a crop
+    (here a cut file) is invisible to the region decoder, while a whole decode refuses it."""
     data, h, w = jpeg_variants()["420"]
-    top = (0, 0, 16, 16)  # rows a truncation after the first quarter leaves intact
-    for cut in (len(data) // 4, len(data) // 2, len(data) - 2):
+    top = (0, 0, 16, 16)
+    for cut in (len(data) // 2, len(data) - 2):
         with pytest.raises(dec.DecodeError, match="(?i)corrupt|premature"):
-            dec.decode_crop(data[:cut], "jpeg", h, w, top, 0, 0)
-    scan = data.index(b"\xff\xda")  # start of scan: garble the entropy-coded data right after it
-    garbled = data[:scan + 40] + bytes([0xFF, 0xD0 + 5]) + data[scan + 42:]  # a restart marker out of place
-    with pytest.raises(dec.DecodeError, match="(?i)corrupt"):
-        dec.decode_crop(garbled, "jpeg", h, w, (0, 0, w, h), 0, 0)
+            dec.decode_crop(data[:cut], "jpeg", h, w, top, 0, 0)  # native=False: whole
+        if decoder == "region":
+            assert dec.decode_crop(data[:cut], "jpeg", h, w, top, 0, 0, native=True).shape == (16, 16, 3)
+    progressive = jpeg_variants()["progressive"][0]  # read to its end before any row: refused either way
+    with pytest.raises(dec.DecodeError):
+        dec.decode_crop(progressive[:len(progressive) // 2], "jpeg", h, w, top, 0, 0, native=True)
 
 
 def test_region_decoder_leaves_cmyk_to_the_whole_decode(monkeypatch):
@@ -257,14 +262,57 @@ def test_region_decoder_leaves_cmyk_to_the_whole_decode(monkeypatch):
     Image.fromarray(image).convert("CMYK").save(buf, "JPEG", quality=95)
     data = buf.getvalue()
     for min_h, min_w in ((0, 0), (60, 80)):
-        region = dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), min_h, min_w)
+        region = dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), min_h, min_w, native=True)
         monkeypatch.setattr(dec, "_jpeg", None)
         assert np.array_equal(region, dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), min_h, min_w))
         monkeypatch.undo()
     opencv = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB)[20:100, 10:110]
     assert region.shape == (40, 50, 3)
-    full = dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), 0, 0)
+    full = dec.decode_crop(data, "jpeg", 120, 160, (10, 20, 110, 100), 0, 0, native=True)
     assert np.abs(full.astype(float) - opencv).mean() < 3  # RGB, not inverted or raw CMYK
+
+
+def lossless_jpeg(image: np.ndarray) -> bytes:
+    """A lossless JPEG (SOF3, predictor 1, one Huffman table of fixed 4-bit codes), as DICOM has them."""
+    h, w, _ = image.shape
+    out = bytearray(b"\xff\xd8")
+    out += b"\xff\xc3" + struct.pack(">HBHHB", 17, 8, h, w, 3) + b"".join(bytes([c, 0x11, 0]) for c in (1, 2, 3))
+    counts = [0] * 16
+    counts[3] = 9  # nine categories, codes 0000..1000
+    out += b"\xff\xc4" + struct.pack(">HB", 28, 0) + bytes(counts) + bytes(range(9))
+    out += b"\xff\xda" + struct.pack(">HB", 12, 3) + bytes([1, 0, 2, 0, 3, 0, 1, 0, 0])
+    bits = []
+    pixels = image.astype(int)
+    for y in range(h):
+        for x in range(w):
+            for c in range(3):
+                above_or_left = 128 if x == y == 0 else pixels[y, x - 1, c] if y == 0 or x > 0 else pixels[y - 1, x, c]
+                diff = int(pixels[y, x, c] - above_or_left)
+                size = abs(diff).bit_length()
+                bits += [int(b) for b in f"{size:04b}"]
+                if size:
+                    bits += [int(b) for b in f"{diff if diff > 0 else diff + (1 << size) - 1:0{size}b}"]
+    bits += [1] * (-len(bits) % 8)
+    for i in range(0, len(bits), 8):
+        byte = int("".join(map(str, bits[i:i + 8])), 2)
+        out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])
+    return bytes(out + b"\xff\xd9")
+
+
+def test_lossless_jpeg_is_decoded_whole_and_exactly():
+    """simplejpeg crashed (SIGSEGV) decoding a lossless JPEG at a reduced scale; OpenCV decodes it whole."""
+    image = make_image(0, 5, np.random.default_rng(4), 48, 64)
+    data = lossless_jpeg(image)
+    assert dec.read_size(data, 10**6) == ("jpeg-lossless", 48, 64)
+    assert np.array_equal(dec.decode(data, "jpeg-lossless", 8, 8, 48, 64), image)  # lossless: every bit
+    script = ("import sys, numpy as np; from remoteloader.server.pipelines import Pipeline, PipelineSpec\n"
+              "data = sys.stdin.buffer.read()\n"
+              "for verified in (False, True):\n"
+              "    for seed in range(20):\n"
+              "        assert Pipeline(PipelineSpec('train', 8, 8))(data, seed, verified=verified).shape == (8, 8, 3)\n"
+              "print('ok')")
+    result = subprocess.run([sys.executable, "-c", script], input=data, capture_output=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == b"ok", (result.returncode, result.stderr[-2000:])
 
 
 def test_region_decoder_checks_its_arguments():
@@ -276,7 +324,7 @@ def test_region_decoder_checks_its_arguments():
         dec._jpeg.decode_region(data, 3, 0, 0, 10, 10, out)
     with pytest.raises(ValueError, match="h \\* w \\* 3"):
         dec._jpeg.decode_region(data, 1, 0, 0, 10, 11, out)
-    for x, y in ((w - 5, 0), (0, h - 5), (2**32 - 5, 0)):
+    for x, y in ((w - 5, 0), (0, h - 5), (2**32 + 3, 0), (-1, 0), (0, 2**70)):
         with pytest.raises((ValueError, OverflowError)):
             dec._jpeg.decode_region(data, 1, x, y, 10, 10, out)
     with pytest.raises(ValueError, match="outside"):  # inside the image, outside it at 1/8 scale (38x52)
@@ -307,9 +355,28 @@ def test_dct_factor():
         assert f in (1, 2, 4, 8)
         # Never smaller than the minimum ...
         assert math.ceil(h / f) >= mh and math.ceil(w / f) >= mw, (h, w, mh, mw, f)
-        # ... and the largest such scale.
-        if f < 8:
+        # ... and the largest such scale, except that a side under 8 px is never reduced.
+        if min(h, w) < 8:
+            assert f == 1
+        elif f < 8:
             assert math.ceil(h / (2 * f)) < mh or math.ceil(w / (2 * f)) < mw, (h, w, mh, mw, f)
+    assert dec.dct_factor(7, 4000, 1, 1) == dec.dct_factor(4000, 5, 1, 1) == 1
+
+
+def test_tiny_images_decode_alike_by_either_decoder(monkeypatch):
+    """Sides of 1-9 px at every minimum: the region decoder and simplejpeg pick the same scale."""
+    if dec._jpeg is None:
+        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+    rng = np.random.default_rng(2)
+    for h in range(1, 10):
+        for w in range(1, 10):
+            data = encode_jpeg(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), 90)
+            for mh, mw in {(1, 1), (1, w), (h, 1), (max(1, h // 2), max(1, w // 2))}:
+                region = dec.decode_crop(data, "jpeg", h, w, (0, 0, w, h), mh, mw, native=True)
+                with monkeypatch.context() as m:
+                    m.setattr(dec, "_jpeg", None)
+                    whole = dec.decode_crop(data, "jpeg", h, w, (0, 0, w, h), mh, mw)
+                assert np.array_equal(region, whole), (h, w, mh, mw)
 
 
 def test_decode_min_zero_is_full_size_and_scales_match_dct_factor(large_photos):
@@ -371,7 +438,7 @@ def test_fused_crop_follows_area_for_downscale(decoder, imagenet_like):
     for data in imagenet_like:
         _, h, w = dec.read_size(data, 10**8)
         for seed in range(8):
-            fused = pipeline(data, seed)
+            fused = pipeline(data, seed, verified=True)
             assert np.array_equal(fused, pipeline(data, seed, fused=False)), f"seed {seed}"
             x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
             downscale = y2 - y1 > 200 or x2 - x1 > 200
@@ -574,7 +641,7 @@ def test_region_decode_off_serves_the_same_pixels(servers, run_bounded):
     """--region-decode false is taken (and logged); whole-image decoding serves the same pixels."""
     c, index = servers["cluster"], servers["index"]
     assert "JPEG crops: whole images (--region-decode off)" in c.stderr(index["plain"])
-    built = "crop regions only (native" if dec._jpeg is not None else "whole images (simplejpeg"
+    built = "crop regions only, once a file has decoded" if dec._jpeg is not None else "whole images (simplejpeg"
     assert f"JPEG crops: {built}" in c.stderr(index["workers"])
     root = servers["cached"]
     with loader(servers["address"]["plain"]) as ld:
@@ -585,6 +652,38 @@ def test_region_decode_off_serves_the_same_pixels(servers, run_bounded):
             seed = sample_seeds(SEED, 0, shard_key(shard.id), np.asarray([i - shard.offset]))[0]
             expected = Pipeline(PipelineSpec("train", SIZE, SIZE))((root / ld.sample_key(i)).read_bytes(), seed)
             assert np.array_equal(image, expected), f"sample {i}: pixels differ"
+
+
+def test_a_damaged_file_fails_in_every_epoch_though_the_region_decoder_would_take_it(cluster, tmp_path,
+                                                                                      run_bounded):
+    """The region decoder is used only for files that decoded whole before, so a file cut near
+    its end is refused every epoch, not only in the epochs whose crop reaches the damage."""
+    root = make_imagefolder(tmp_path / "data", ["a", "b"], 4, size=(120, 160), seed=4)
+    whole = (root / "a" / "a_00000.jpg").read_bytes()
+    cut = root / "a" / "a_00000.jpg"
+    cut.write_bytes(whole[: len(whole) * 9 // 10])  # its last rows are gone
+    cluster.add(root)
+    epochs, served, failures = 4, 0, []
+    with loader(cluster.address(0), batch_size=4, on_error=failures.extend) as ld:
+        (shard,) = ld.catalog.shards
+        victim = next(i for i in range(ld.num_samples) if ld.sample_key(i) == "a/a_00000.jpg")
+        reference = Pipeline(PipelineSpec("train", SIZE, SIZE))
+        for epoch in range(epochs):
+            ld.set_epoch(epoch)
+            failures.clear()
+            got = collect(run_bounded, ld)
+            assert [f.key for f in failures] == ["a/a_00000.jpg"], f"epoch {epoch}: {failures}"
+            assert sorted(got) == list(range(ld.num_samples))  # the failed one as zeros
+            assert not got[victim][0].any()
+            seed = sample_seeds(SEED, epoch, shard_key(shard.id), np.asarray([victim - shard.offset]))[0]
+            if dec._jpeg is not None:
+                try:  # what the region decoder alone would have made of it this epoch
+                    reference(cut.read_bytes(), seed, verified=True)
+                    served += 1
+                except dec.DecodeError:
+                    pass
+    if dec._jpeg is not None:
+        assert served > 0, "no epoch's crop missed the damage: the test shows nothing"
 
 
 def eval_epoch(run_bounded, address: str, **kwargs) -> dict[str, tuple[np.ndarray, int]]:

@@ -358,7 +358,7 @@ while time.monotonic() < deadline:
             data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 16)))
     data = bytes(data)
     try:
-        _, h, w = dec.read_size(data, 10**7)
+        fmt, h, w = dec.read_size(data, 10**7)
     except dec.DecodeError:
         continue
     x1, y1 = r.randrange(w), r.randrange(h)
@@ -366,7 +366,7 @@ while time.monotonic() < deadline:
     mins = r.choice([(0, 0), (1, 1), (max(1, h // 2), max(1, w // 2)), (h, w)])
     calls += 1
     try:
-        out = dec.decode_crop(data, "jpeg", h, w, box, *mins)
+        out = dec.decode_crop(data, fmt, h, w, box, *mins, native=r.random() < 0.8)
     except dec.DecodeError:
         refused += 1
         continue
