@@ -74,13 +74,14 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
     credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
                    if config.tls_cert else None)
+    indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker.main)
     shards = open_shards(list(config.data))
     if config.synthetic:
         shards.append(SyntheticShard(config.synthetic))
     arena = Arena(config.slots, config.slot_bytes)
     cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
     pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache,
-                      config.region_decode)
+                      config.region_decode, indexed_ns)
     if config.synthetic:
         # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
         np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(

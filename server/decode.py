@@ -1,7 +1,7 @@
 """Image header checks and libjpeg-turbo decoding, optionally at a reduced DCT scale.
 
 JPEGs are decoded with simplejpeg (libjpeg-turbo) in strict mode, so truncated or corrupt
-files raise instead of yielding half-grey images; PNGs and lossless JPEGs go through OpenCV.
+files raise instead of yielding half-grey images; PNGs go through OpenCV.
 Everything returns RGB uint8 HWC.
 
 ``decode_crop`` can decode only a crop's rows and columns with the native region decoder
@@ -27,7 +27,7 @@ except ImportError:  # not built (no compiler or no libjpeg-turbo headers at ins
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FORMATS = ("jpeg", "png")
-_LOSSLESS_FRAMES = (0xC3, 0xC7, 0xCB, 0xCF)  # SOF3/7/11/15
+_SCALABLE_FRAMES = (0xC0, 0xC1, 0xC2, 0xC9, 0xCA)  # DCT-based: baseline, extended, progressive, arithmetic
 
 
 class DecodeError(ValueError):
@@ -48,8 +48,8 @@ def sniff_format(data: bytes) -> str:
 def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     """Reads (format, height, width) from the header without decoding pixels.
 
-    The format is "jpeg", "png" or "jpeg-lossless" (decoded whole, by OpenCV: simplejpeg
-    crashes scaling one).
+    The format is "png", "jpeg", or "jpeg-full" for a JPEG that must be decoded at full size:
+    a lossless one (simplejpeg crashed scaling those) or one whose frame marker was not found.
 
     Raises DecodeError when the header is unreadable or the image has more than
     ``max_pixels`` pixels (a decompression bomb or an absurd photo).
@@ -60,8 +60,8 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except (ValueError, KeyError) as exc:  # KeyError: an unknown subsampling or colour-space code
             raise DecodeError(f"corrupt JPEG header: {type(exc).__name__}: {exc}") from None
-        if _frame_marker(data) in _LOSSLESS_FRAMES:
-            fmt = "jpeg-lossless"
+        if _frame_marker(data) not in _SCALABLE_FRAMES:
+            fmt = "jpeg-full"
     else:
         if len(data) < 24 or data[12:16] != b"IHDR":
             raise DecodeError("corrupt PNG header")
@@ -73,10 +73,16 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, height, width
 
 
-def _frame_marker(data: bytes) -> int | None:
-    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...), or None."""
+def _frame_marker(data: bytes, max_steps: int = 256) -> int | None:
+    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...), or None.
+
+    None also when it is not among the first ``max_steps`` markers and fill bytes (a real
+    file has a dozen): a crafted file cannot make this slow.
+    """
     i, n = 2, len(data)
-    while i + 4 <= n and data[i] == 0xFF:
+    for _ in range(max_steps):
+        if i + 4 > n or data[i] != 0xFF:
+            return None
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
@@ -86,8 +92,8 @@ def _frame_marker(data: bytes) -> int | None:
             return None
         elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
             i += 2
-        else:
-            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        else:  # as libjpeg: a length under 2 skips just the length field
+            i += 2 + max(int.from_bytes(data[i + 2:i + 4], "big"), 2)
     return None
 
 
@@ -113,21 +119,23 @@ def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, heigh
 
     For a JPEG of ``height`` x ``width`` (from its header), decodes at 1/2, 1/4 or 1/8
     scale when that still gives at least ``min_height`` x ``min_width``; 0 means full size.
+    A "jpeg-full" is decoded at full size.
     """
-    if fmt == "jpeg":
-        factor = dct_factor(height, width, min_height, min_width) if (min_height or min_width) and height else 1
+    if fmt in ("jpeg", "jpeg-full"):
+        factor = (dct_factor(height, width, min_height, min_width)
+                  if fmt == "jpeg" and (min_height or min_width) and height else 1)
         try:
             return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=True, fastupsample=True,
                                           min_height=-(-height // factor) if factor > 1 else 0,
                                           min_width=-(-width // factor) if factor > 1 else 0, strict=True)
         except ValueError as exc:
             message = str(exc)
-            # libjpeg-turbo cannot convert CMYK/YCCK to RGB; OpenCV can (full-size decode).
+            # simplejpeg before 1.9 cannot convert CMYK/YCCK to RGB; OpenCV can (full-size decode).
             if "color conversion" not in message.lower():
                 raise DecodeError(f"corrupt JPEG: {message}") from None
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB)
     if image is None:
-        raise DecodeError(f"corrupt {fmt.split('-')[0].upper()}: OpenCV could not decode it")
+        raise DecodeError(f"corrupt {fmt.upper()}: OpenCV could not decode it")
     return image
 
 

@@ -288,6 +288,7 @@ class LoaderService:
             if not f.cancelled():
                 ok = np.ones(len(indices), np.bool_)
                 ok[[pos for pos, _ in f.result()]] = False
+                decoded[indices[~ok]] = False  # decoded whole again next time
                 decoded[indices[ok]] = True
 
         future.add_done_callback(mark_decoded)

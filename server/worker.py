@@ -17,21 +17,25 @@ _MAX_PIPELINES = 16
 _MAX_FILE_BYTES = 256 << 20
 
 
-def read_sample(path: str, offset: int, length: int) -> bytes:
-    """Reads ``length`` bytes at ``offset`` (a whole file when offset is 0 and it has that size)."""
+def read_sample(path: str, offset: int, length: int) -> tuple[bytes, int]:
+    """Reads ``length`` bytes at ``offset`` (a whole file when offset is 0 and it has that size).
+
+    Returns them with the file's modification time (ns).
+    """
     if length > _MAX_FILE_BYTES:
         raise DecodeError(f"sample is {length} bytes, over the limit of {_MAX_FILE_BYTES}")
     with open(path, "rb") as f:
+        mtime_ns = os.fstat(f.fileno()).st_mtime_ns
         if offset:
             f.seek(offset)
         data = f.read(length + 1 if offset == 0 else length)
     if len(data) != length:
         raise DecodeError(f"file changed since the server indexed it: read {len(data)} bytes, expected {length}")
-    return data
+    return data, mtime_ns
 
 
 def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int, allow_custom: bool,
-         max_pixels: int, cache_bytes: int, region_decode: bool) -> None:
+         max_pixels: int, cache_bytes: int, region_decode: bool, indexed_ns: int) -> None:
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -79,10 +83,13 @@ def main(tasks, results, arena_fd: int, cache_fd: int | None, slots: int, slot_b
             try:
                 if isinstance(pipeline, str):
                     raise DecodeError(pipeline)
-                if cache_mode == 2:
+                if cache_mode == 2:  # the very bytes that decoded before, if verified
                     data = cache[cache_offset:cache_offset + length]
                 else:
-                    data = read_sample(path, offset, length)
+                    data, mtime_ns = read_sample(path, offset, length)
+                    # A file written since the server indexed it may differ from the bytes that
+                    # decoded whole before (same length, new content): decode it whole again.
+                    verified = verified and mtime_ns < indexed_ns
                     if cache_mode == 1:
                         cache[cache_offset:cache_offset + length] = data
                 out[i] = pipeline(data, seed, verified=verified)

@@ -158,18 +158,20 @@ class WorkerPool:
         allow_custom: Whether workers may build client-sent albumentations pipelines.
         max_pixels: Decode size cap passed to the pipelines.
         region_decode: Whether the pipelines decode only a crop's region (decode.decode_crop).
+        indexed_ns: When the server started indexing its data (time.time_ns()): files written
+            later are always decoded whole.
         cache: Shared cache of encoded samples, if any.
     """
 
     AHEAD = 2
 
     def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int,
-                 cache: "SampleCache | None" = None, region_decode: bool = True):
+                 cache: "SampleCache | None" = None, region_decode: bool = True, indexed_ns: int = 0):
         self.size = workers
         self._arena = arena
         self._cache = cache
         self._settings = (arena.count, arena.slot_bytes, allow_custom, max_pixels, cache.size if cache else 0,
-                          region_decode)
+                          region_decode, indexed_ns)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker"])
         self._ctx = ctx

@@ -299,19 +299,31 @@ def lossless_jpeg(image: np.ndarray) -> bytes:
     return bytes(out + b"\xff\xd9")
 
 
-def test_lossless_jpeg_is_decoded_whole_and_exactly():
-    """simplejpeg crashed (SIGSEGV) decoding a lossless JPEG at a reduced scale; OpenCV decodes it whole."""
+def test_lossless_jpeg_is_decoded_at_full_size_and_exactly():
+    """simplejpeg crashed (SIGSEGV) decoding a lossless JPEG at a reduced scale."""
     image = make_image(0, 5, np.random.default_rng(4), 48, 64)
     data = lossless_jpeg(image)
-    assert dec.read_size(data, 10**6) == ("jpeg-lossless", 48, 64)
-    assert np.array_equal(dec.decode(data, "jpeg-lossless", 8, 8, 48, 64), image)  # lossless: every bit
+    assert dec.read_size(data, 10**6) == ("jpeg-full", 48, 64)
+    assert np.array_equal(dec.decode(data, "jpeg-full", 8, 8, 48, 64), image)  # lossless: every bit
+    # Segments libjpeg skips without a word, which must not hide the frame: an empty APP2 (its
+    # length field says 0), a COM of length 1, fill bytes, a large APP1.
+    for extra in (b"\xff\xe2\x00\x00", b"\xff\xfe\x00\x01", b"\xff" * 5, b"\xff\xe1\xff\xff" + bytes(65533)):
+        odd = data[:2] + extra + data[2:]
+        assert dec.read_size(odd, 10**6) == ("jpeg-full", 48, 64), extra[:4]
+        assert np.array_equal(dec.decode(odd, "jpeg-full", 8, 8, 48, 64), image)
+    # Whatever hides the frame marker (here, thousands of segments) means full size: safe for any JPEG.
+    hidden = data[:2] + b"\xff\xfe\x00\x02" * 5000 + data[2:]
+    assert dec.read_size(hidden, 10**6)[0] == "jpeg-full"
+    baseline = encode_jpeg(image, 90)
+    assert dec.read_size(baseline[:2] + b"\xff\xfe\x00\x02" * 20 + baseline[2:], 10**6)[0] == "jpeg"
     script = ("import sys, numpy as np; from remoteloader.server.pipelines import Pipeline, PipelineSpec\n"
               "data = sys.stdin.buffer.read()\n"
               "for verified in (False, True):\n"
               "    for seed in range(20):\n"
               "        assert Pipeline(PipelineSpec('train', 8, 8))(data, seed, verified=verified).shape == (8, 8, 3)\n"
               "print('ok')")
-    result = subprocess.run([sys.executable, "-c", script], input=data, capture_output=True, timeout=60)
+    empty_app2 = data[:2] + b"\xff\xe2\x00\x00" + data[2:]  # the case that once hid the frame
+    result = subprocess.run([sys.executable, "-c", script], input=empty_app2, capture_output=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == b"ok", (result.returncode, result.stderr[-2000:])
 
 
@@ -656,34 +668,61 @@ def test_region_decode_off_serves_the_same_pixels(servers, run_bounded):
 
 def test_a_damaged_file_fails_in_every_epoch_though_the_region_decoder_would_take_it(cluster, tmp_path,
                                                                                       run_bounded):
-    """The region decoder is used only for files that decoded whole before, so a file cut near
-    its end is refused every epoch, not only in the epochs whose crop reaches the damage."""
+    """The region decoder is used only for files that decoded whole before (and were not written
+    since the server indexed them), so a damaged file is refused every epoch, not only in the
+    epochs whose crop reaches the damage: a file cut near its end from the start, and a file
+    damaged in place (same length) after it decoded cleanly in epoch 0."""
     root = make_imagefolder(tmp_path / "data", ["a", "b"], 4, size=(120, 160), seed=4)
-    whole = (root / "a" / "a_00000.jpg").read_bytes()
     cut = root / "a" / "a_00000.jpg"
+    whole = cut.read_bytes()
     cut.write_bytes(whole[: len(whole) * 9 // 10])  # its last rows are gone
     cluster.add(root)
-    epochs, served, failures = 4, 0, []
+    epochs, failures = 5, []
     with loader(cluster.address(0), batch_size=4, on_error=failures.extend) as ld:
         (shard,) = ld.catalog.shards
-        victim = next(i for i in range(ld.num_samples) if ld.sample_key(i) == "a/a_00000.jpg")
+        ids = {ld.sample_key(i): i for i in range(ld.num_samples)}
         reference = Pipeline(PipelineSpec("train", SIZE, SIZE))
+
+        def seed(key: str, epoch: int) -> int:
+            return sample_seeds(SEED, epoch, shard_key(shard.id), np.asarray([ids[key] - shard.offset]))[0]
+
+        def damage(data: bytes) -> bytes:  # the last 10% zeroed: the same length
+            return data[: len(data) * 9 // 10] + bytes(len(data) - len(data) * 9 // 10)
+
+        # The file to damage after epoch 0: one whose epoch-1 crop misses the damage, so that
+        # only the check of the file's modification time can refuse it in epoch 1.
+        later = None
+        for key in (k for k in ids if k.startswith("b/")):
+            try:
+                reference(damage((root / key).read_bytes()), seed(key, 1), verified=True)
+                later = root / key
+                break
+            except dec.DecodeError:
+                continue
+        if dec._jpeg is not None:
+            assert later is not None, "every crop reaches the damage: the test would show nothing"
+        else:
+            later = root / "b" / "b_00000.jpg"
+        served = {"a/a_00000.jpg": 0, f"b/{later.name}": 0}  # epochs the region decoder alone would serve it
         for epoch in range(epochs):
+            if epoch == 1:
+                later.write_bytes(damage(later.read_bytes()))
             ld.set_epoch(epoch)
             failures.clear()
             got = collect(run_bounded, ld)
-            assert [f.key for f in failures] == ["a/a_00000.jpg"], f"epoch {epoch}: {failures}"
-            assert sorted(got) == list(range(ld.num_samples))  # the failed one as zeros
-            assert not got[victim][0].any()
-            seed = sample_seeds(SEED, epoch, shard_key(shard.id), np.asarray([victim - shard.offset]))[0]
-            if dec._jpeg is not None:
-                try:  # what the region decoder alone would have made of it this epoch
-                    reference(cut.read_bytes(), seed, verified=True)
-                    served += 1
-                except dec.DecodeError:
-                    pass
+            expected = ["a/a_00000.jpg"] + ([f"b/{later.name}"] if epoch else [])
+            assert sorted(f.key for f in failures) == expected, f"epoch {epoch}: {failures}"
+            assert sorted(got) == list(range(ld.num_samples))  # the failed ones as zeros
+            for key in expected:
+                assert not got[ids[key]][0].any()
+                if epoch and dec._jpeg is not None:
+                    try:  # what the region decoder would have made of it this epoch
+                        reference((root / key).read_bytes(), seed(key, epoch), verified=True)
+                        served[key] += 1
+                    except dec.DecodeError:
+                        pass
     if dec._jpeg is not None:
-        assert served > 0, "no epoch's crop missed the damage: the test shows nothing"
+        assert all(served.values()), f"some file's crops all reached its damage: the test shows nothing {served}"
 
 
 def eval_epoch(run_bounded, address: str, **kwargs) -> dict[str, tuple[np.ndarray, int]]:
