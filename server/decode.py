@@ -113,6 +113,14 @@ def dct_factor(height: int, width: int, min_height: int, min_width: int) -> int:
     return factor
 
 
+def _decode_factor(fmt: str, height: int, width: int, min_height: int, min_width: int) -> int:
+    """The DCT scale denominator decode() and decode_crop() use: 1 unless a scalable JPEG of
+    known size has a minimum (0 x 0 means full size)."""
+    if fmt == "jpeg" and (min_height or min_width) and height:
+        return dct_factor(height, width, min_height, min_width)
+    return 1
+
+
 def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, height: int = 0,
            width: int = 0) -> np.ndarray:
     """Decodes to RGB uint8 HWC.
@@ -122,8 +130,7 @@ def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, heigh
     A "jpeg-full" is decoded at full size.
     """
     if fmt in ("jpeg", "jpeg-full"):
-        factor = (dct_factor(height, width, min_height, min_width)
-                  if fmt == "jpeg" and (min_height or min_width) and height else 1)
+        factor = _decode_factor(fmt, height, width, min_height, min_width)
         try:
             return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=True, fastupsample=True,
                                           min_height=-(-height // factor) if factor > 1 else 0,
@@ -161,7 +168,7 @@ def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, 
     can then go unseen (see the module's docstring): pass it only for files known to decode.
     Whatever the region decoder refuses is decoded whole, which decides.
     """
-    factor = dct_factor(height, width, min_height, min_width) if fmt == "jpeg" and (min_height or min_width) else 1
+    factor = _decode_factor(fmt, height, width, min_height, min_width)
     if native and _jpeg is not None and fmt == "jpeg":
         x1, y1, x2, y2 = _scale_box(box, height, width, -(-height // factor), -(-width // factor))
         out = np.empty((y2 - y1, x2 - x1, 3), np.uint8)

@@ -284,20 +284,18 @@ class LoaderService:
                                        seeds[first:first + size])) for first in firsts]
         future = _merge(parts, list(firsts))
 
-        def mark_decoded(f: asyncio.Future) -> None:
-            if not f.cancelled():
+        def done(f: asyncio.Future) -> None:
+            # What decoded cleanly may be region-decoded next time, and its cache fill stands.
+            failed = {pos for pos, _ in f.result()} if not f.cancelled() else None
+            if failed is not None:
                 ok = np.ones(len(indices), np.bool_)
-                ok[[pos for pos, _ in f.result()]] = False
+                ok[list(failed)] = False
                 decoded[indices[~ok]] = False  # decoded whole again next time
                 decoded[indices[ok]] = True
+            for pos, index, cache_offset in fills:
+                self.cache.filled(shard.id, index, cache_offset, failed is not None and pos not in failed)
 
-        future.add_done_callback(mark_decoded)
-        if fills:
-            def mark(f: asyncio.Future) -> None:
-                failed = {pos for pos, _ in f.result()} if not f.cancelled() else None
-                for pos, index, cache_offset in fills:
-                    self.cache.filled(shard.id, index, cache_offset, failed is not None and pos not in failed)
-            future.add_done_callback(mark)
+        future.add_done_callback(done)
         return future
 
     def _check_order(self, request, state: dict):

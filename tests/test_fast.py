@@ -40,6 +40,8 @@ from remoteloader.server.service import sample_seeds
 from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
+NOT_BUILT = "the native region decoder was not built (no compiler or libjpeg-turbo headers)"
+needs_region_decoder = pytest.mark.skipif(dec._jpeg is None, reason=NOT_BUILT)
 
 CLASSES = ["ant", "bee", "cat"]
 PER_CLASS = 12  # 36 samples
@@ -90,7 +92,7 @@ def decoder(request, monkeypatch) -> str:
     """Runs a test with the native region decoder (when built) and with whole-image decoding."""
     if request.param == "region":
         if dec._jpeg is None:
-            pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+            pytest.skip(NOT_BUILT)
     else:
         monkeypatch.setattr(dec, "_jpeg", None)
     return request.param
@@ -223,10 +225,9 @@ def random_boxes(rng: np.random.Generator, height: int, width: int, n: int):
         yield int(x1), int(y1), int(x2), int(y2)
 
 
+@needs_region_decoder
 def test_region_decoder_gives_the_pixels_of_a_whole_decode(monkeypatch):
     """decode_crop: the native region decoder and whole-image decoding agree to the bit."""
-    if dec._jpeg is None:
-        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
     rng = np.random.default_rng(0)
     for name, (data, h, w) in jpeg_variants().items():
         for box in random_boxes(rng, h, w, 12):
@@ -327,9 +328,8 @@ def test_lossless_jpeg_is_decoded_at_full_size_and_exactly():
     assert result.returncode == 0 and result.stdout.strip() == b"ok", (result.returncode, result.stderr[-2000:])
 
 
+@needs_region_decoder
 def test_region_decoder_checks_its_arguments():
-    if dec._jpeg is None:
-        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
     data, h, w = jpeg_variants()["420"]
     out = np.empty((10, 10, 3), np.uint8)
     with pytest.raises(ValueError, match="denom"):
@@ -375,10 +375,9 @@ def test_dct_factor():
     assert dec.dct_factor(7, 4000, 1, 1) == dec.dct_factor(4000, 5, 1, 1) == 1
 
 
+@needs_region_decoder
 def test_tiny_images_decode_alike_by_either_decoder(monkeypatch):
     """Sides of 1-9 px at every minimum: the region decoder and simplejpeg pick the same scale."""
-    if dec._jpeg is None:
-        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
     rng = np.random.default_rng(2)
     for h in range(1, 10):
         for w in range(1, 10):
