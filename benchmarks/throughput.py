@@ -1,10 +1,12 @@
 """Images/s delivered to a training loop: RemoteLoader vs. torch DataLoader (PIL and OpenCV).
 
     python benchmarks/throughput.py [--images N] [--epochs E] [--batch-size B] [--workers K]
-                                    [--data DIR] [--json PATH]
+                                    [--data DIR] [--output uint8|float] [--json PATH]
 
 One run, on the same cores, measures three loaders that produce the same thing (random
-resized crop to 224x224, scale 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 RGB):
+resized crop to 224x224, scale 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 RGB; or with
+``--output float``, float32 NCHW normalized with ImageNet's mean/std, as ToTensor +
+Normalize give it):
 
   remote  RemoteLoader fed by one local ``remoteloader-server`` (--workers K, 127.0.0.1)
   pil     torch DataLoader(num_workers=K): PIL open/convert, torchvision's RandomResizedCrop
@@ -53,6 +55,8 @@ LOADERS = ("remote", "pil", "opencv")
 TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL", "opencv": "DataLoader + OpenCV/albumentations"}
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as in torchvision's example
+OUTPUTS = ("uint8", "float")
 
 
 # ---- baseline datasets ---------------------------------------------------------------------
@@ -88,12 +92,25 @@ def pil_to_tensor(pic: Image.Image) -> torch.Tensor:
     return img.view(pic.size[1], pic.size[0], 3).permute((2, 0, 1))
 
 
-class PILTrainSet(Dataset):
-    """ImageFolder + RandomResizedCrop(size) + RandomHorizontalFlip() + PILToTensor(), torchvision-style."""
+def to_tensor_normalize(img: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """torchvision's ToTensor() then Normalize(mean, std) on a CHW uint8 view, step for step."""
+    x = img.contiguous().to(dtype=torch.float32).div(255)  # ToTensor: permute(...).contiguous(), float, /255
+    return x.clone().sub_(mean).div_(std)  # F.normalize(inplace=False): clone, sub_, div_
 
-    def __init__(self, samples: list[tuple[str, int]], size: int):
+
+class PILTrainSet(Dataset):
+    """ImageFolder + RandomResizedCrop(size) + RandomHorizontalFlip() + PILToTensor(), torchvision-style.
+
+    ``output="float"``: ToTensor() + Normalize(MEAN, STD) in place of PILToTensor(), the
+    pipeline of torchvision's ImageNet example.
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], size: int, output: str = "uint8"):
         self.samples = samples
         self.size = size
+        self.output = output
+        self.mean = torch.tensor(MEAN).view(3, 1, 1)
+        self.std = torch.tensor(STD).view(3, 1, 1)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -108,13 +125,18 @@ class PILTrainSet(Dataset):
         img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.BILINEAR)
         if torch.rand(1) < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        return pil_to_tensor(img), label
+        tensor = pil_to_tensor(img)
+        if self.output == "float":
+            tensor = to_tensor_normalize(tensor, self.mean, self.std)
+        return tensor, label
 
 
-def albumentations_train(size: int) -> A.Compose:
+def albumentations_train(size: int, output: str = "uint8") -> A.Compose:
+    normalize = [A.Normalize(mean=MEAN, std=STD)] if output == "float" else []  # float32, x/255 first
     return A.Compose([
         A.RandomResizedCrop(size=(size, size), scale=SCALE, ratio=RATIO, interpolation=cv2.INTER_LINEAR),
         A.HorizontalFlip(p=0.5),
+        *normalize,
         ToTensorV2(),
     ])
 
@@ -122,9 +144,9 @@ def albumentations_train(size: int) -> A.Compose:
 class OpenCVTrainSet(Dataset):
     """ImageFolder read with cv2.imread + cvtColor, augmented by albumentations."""
 
-    def __init__(self, samples: list[tuple[str, int]], size: int):
+    def __init__(self, samples: list[tuple[str, int]], size: int, output: str = "uint8"):
         self.samples = samples
-        self.transform = albumentations_train(size)
+        self.transform = albumentations_train(size, output)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -169,7 +191,7 @@ CPU_PARTS = ("client", "client_children", "server_main", "server_workers")
 
 
 def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batch: int, size: int,
-              expect_images: int) -> dict:
+              expect_images: int, output: str = "uint8") -> dict:
     """Iterates one whole epoch; the loop only touches each batch (shape, label sum)."""
     if name == "remote":
         loader.set_epoch(epoch)
@@ -196,7 +218,7 @@ def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batc
     cpu = {k: cpu1[k] - cpu0[k] for k in CPU_PARTS}
     if sample is None:
         raise RuntimeError(f"{name}: epoch {epoch} delivered no batch")
-    _check_batch(name, *sample, expect_batch, size)
+    _check_batch(name, *sample, expect_batch, size, output)
     del sample
     if images != expect_images:
         raise RuntimeError(f"{name}: epoch {epoch} delivered {images} images, expected {expect_images}")
@@ -206,13 +228,18 @@ def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batc
             "server_cpu_s": cpu["server_main"] + cpu["server_workers"], "label_sum": label_sum}
 
 
-def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: int, size: int) -> None:
-    shape = (batch, size, size, 3) if name == "remote" else (batch, 3, size, size)
-    if tuple(images.shape) != shape or images.dtype != torch.uint8:
-        raise RuntimeError(f"{name}: got a batch of {tuple(images.shape)} {images.dtype}, expected {shape} uint8")
+def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: int, size: int,
+                 output: str = "uint8") -> None:
+    # RemoteLoader: uint8 NHWC, or normalized NCHW (channels_last memory); DataLoaders: NCHW.
+    shape = (batch, size, size, 3) if name == "remote" and output == "uint8" else (batch, 3, size, size)
+    dtype = torch.uint8 if output == "uint8" else torch.float32
+    if tuple(images.shape) != shape or images.dtype != dtype:
+        raise RuntimeError(f"{name}: got a batch of {tuple(images.shape)} {images.dtype}, expected {shape} {dtype}")
     if labels.shape != (batch,) or int(labels.min()) < 0 or int(labels.max()) >= _common.NUM_CLASSES:
         raise RuntimeError(f"{name}: bad labels {labels[:8].tolist()}...")
-    if float(images[:4].float().std()) < 1.0:
+    if output == "float" and not -3.0 < float(images[:4].mean()) < 3.0:
+        raise RuntimeError(f"{name}: normalized images average {float(images[:4].mean()):.2f}: not normalized?")
+    if float(images[:4].float().std()) < (1.0 if output == "uint8" else 1.0 / 64):
         raise RuntimeError(f"{name}: the first images of the batch are flat (all zeros?)")
 
 
@@ -261,6 +288,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"cached ImageFolder (default {_common.DEFAULT_DATA})")
     parser.add_argument("--loaders", default=",".join(LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
+    parser.add_argument("--output", choices=OUTPUTS, default="uint8",
+                        help="what every loader delivers: uint8 images (default), or float32 NCHW normalized "
+                             "with ImageNet's mean/std (ToTensor + Normalize, the usual torchvision pipeline; "
+                             "RemoteLoader(normalize=...) does it in the training process)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every measurement to this JSON file")
     parser.add_argument("--server-args", action="append", default=[], metavar="FLAG",
                         help="a further remoteloader-server flag, =-joined, once per flag: e.g. "
@@ -308,7 +339,7 @@ def main(argv=None) -> int:
           f"{load[2]:.2f}; python {platform.python_version()}, torch {torch.__version__}, "
           f"Pillow {Image.__version__}, OpenCV {cv2.__version__}, albumentations {A.__version__}")
     print(f"config: batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.workers} workers per loader, "
-          f"{args.warmup} warm-up + {args.epochs} timed epochs per loader, loaders {', '.join(args.loaders)}")
+          f"{args.output} output, {args.warmup} warm-up + {args.epochs} timed epochs per loader, loaders {', '.join(args.loaders)}")
     if load[0] > 0.5 * cores:
         print(f"warning: load average {load[0]:.1f} on {cores} cores: other processes compete; "
               f"images/s will be noisy (CPU ms/img much less so)")
@@ -332,9 +363,10 @@ def main(argv=None) -> int:
         expect = args.batch_size
         per_epoch = len(samples) // args.batch_size * args.batch_size  # drop_last everywhere
         if "pil" in args.loaders:
-            dataloaders["pil"] = make_dataloader(PILTrainSet(samples, args.image_size), args.batch_size, args.workers)
+            dataloaders["pil"] = make_dataloader(PILTrainSet(samples, args.image_size, args.output), args.batch_size,
+                                                 args.workers)
         if "opencv" in args.loaders:
-            dataloaders["opencv"] = make_dataloader(OpenCVTrainSet(samples, args.image_size), args.batch_size,
+            dataloaders["opencv"] = make_dataloader(OpenCVTrainSet(samples, args.image_size, args.output), args.batch_size,
                                                     args.workers)
         loaders: dict[str, object] = dict(dataloaders)
         # Warm-up. The DataLoaders fork their (persistent) workers here, before the
@@ -342,19 +374,22 @@ def main(argv=None) -> int:
         epoch_no = {name: 0 for name in args.loaders}
         for name in ("pil", "opencv"):
             for _ in range(args.warmup if name in loaders else 0):
-                r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch)
+                r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch,
+                              args.output)
                 epoch_no[name] += 1
                 print(f"warm-up {name}: {r['images_per_s']:.0f} img/s", flush=True)
         if server is not None:
             from remoteloader.client.loader import RemoteLoader
 
             remote = RemoteLoader(server.address, batch_size=args.batch_size, image_size=args.image_size,
-                                  pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0)
+                                  pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0,
+                                  normalize=(MEAN, STD) if args.output == "float" else None)
             if remote.num_samples != len(samples):
                 raise RuntimeError(f"the server serves {remote.num_samples} samples, expected {len(samples)}")
             loaders["remote"] = remote
             for _ in range(args.warmup):
-                r = run_epoch("remote", remote, epoch_no["remote"], server_pid, expect, args.image_size, per_epoch)
+                r = run_epoch("remote", remote, epoch_no["remote"], server_pid, expect, args.image_size, per_epoch,
+                              args.output)
                 epoch_no["remote"] += 1
                 print(f"warm-up remote: {r['images_per_s']:.0f} img/s", flush=True)
         order = [n for n in LOADERS if n in loaders]
@@ -362,7 +397,8 @@ def main(argv=None) -> int:
             for name in order:
                 if server is not None and server.process.poll() is not None:
                     raise RuntimeError(f"the server exited (code {server.process.returncode}):\n{server.log_tail()}")
-                r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch)
+                r = run_epoch(name, loaders[name], epoch_no[name], server_pid, expect, args.image_size, per_epoch,
+                              args.output)
                 epoch_no[name] += 1
                 r["round"] = round_no
                 records.append(r)
@@ -393,7 +429,7 @@ def main(argv=None) -> int:
             print(f"server log kept: {server.log_path}", file=sys.stderr)
 
     summary = {name: summarize([r for r in records if r["loader"] == name], cores) for name in order}
-    print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} uint8, {args.workers} workers "
+    print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} {args.output}, {args.workers} workers "
           f"per loader, {cores} cores; median of {args.epochs} epochs)\n")
     print(markdown_table(summary, order))
     print("\nCPU ms per image, by process (median over epochs):\n")

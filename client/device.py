@@ -1,8 +1,9 @@
 """Delivery to the training loop: host buffers, and the CUDA path.
 
 On the CPU, each batch is received into its own buffer (huge-page backed) that is handed to
-the user as is, and reused for a later batch once the user has dropped it; normalization,
-when asked for, runs in the consumer's thread.
+the user as is, and reused for a later batch once the user has dropped it. Normalization,
+when asked for, runs in the consumer's thread, in one pass over cache-sized pieces into an
+output buffer from the same pool (``normalize_host``).
 
 On CUDA, batches are received into pinned host buffers from a fixed pool. A transfer
 thread copies each finished batch to the GPU on its own stream, a few batches ahead of
@@ -56,6 +57,41 @@ def normalize_images(images: torch.Tensor, normalize, dtype: torch.dtype) -> tor
     return x.to(dtype).contiguous(memory_format=torch.channels_last)
 
 
+HOST_CHUNK = 3 * 16384  # elements per piece: 192 KiB of float32 output, inside L2 with its input
+
+
+def normalize_host(images: np.ndarray, out: torch.Tensor, normalize) -> torch.Tensor:
+    """uint8 NHWC ``images`` -> ``out`` (same shape, floating dtype), (x / 255 - mean) / std.
+
+    The CPU twin of ``normalize_images``: one thread, in pieces that stay in cache, with the
+    per-channel factors laid out as long as a piece, so numpy's loops run over contiguous
+    memory rather than broadcasting a 3-vector. Measured on a 256x224x224 batch: 0.1 CPU ms
+    per image, against 0.73-0.87 for the torch expression (a fresh 154 MB tensor per step,
+    and OpenMP threads that spin). Returns ``out`` viewed as NCHW (channels_last strides).
+    """
+    scale, shift = _host_affine(tuple(normalize[0]), tuple(normalize[1]))
+    src = images.reshape(-1)
+    if out.dtype == torch.float32:
+        dst, scratch = out.numpy().reshape(-1), None
+    else:  # bfloat16/float16: computed in float32, then cast piece by piece (small: one thread)
+        dst, scratch = out.view(-1), np.empty(HOST_CHUNK, np.float32)
+    for start in range(0, src.size, HOST_CHUNK):
+        piece = src[start:start + HOST_CHUNK]
+        n = piece.size
+        target = dst[start:start + n] if scratch is None else scratch[:n]
+        np.multiply(piece, scale[:n], out=target, dtype=np.float32)
+        np.add(target, shift[:n], out=target)
+        if scratch is not None:
+            dst[start:start + n].copy_(torch.from_numpy(target))
+    return out.permute(0, 3, 1, 2)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_affine(mean: tuple, std: tuple) -> tuple[np.ndarray, np.ndarray]:
+    scale, shift = _affine(mean, std, torch.device("cpu"))
+    return (np.tile(scale.numpy(), HOST_CHUNK // 3), np.tile(shift.numpy(), HOST_CHUNK // 3))
+
+
 @functools.lru_cache(maxsize=16)
 def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / 255 - mean) / std as x * scale + shift, built once per device (no copy per batch)."""
@@ -84,10 +120,12 @@ class HostPool:
         self._lock = threading.Lock()
         self.reused = 0  # batches received into recycled memory (for tests and stats)
 
-    def take(self, n: int, h: int, w: int) -> torch.Tensor:
-        nbytes = n * h * w * 3
+    def take(self, n: int, h: int, w: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """An (n, h, w, 3) tensor of ``dtype``: recycled memory when a batch of its size is free."""
+        size = torch.empty((), dtype=dtype).element_size()
+        nbytes = n * h * w * 3 * size
         if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
-            return torch.empty((n, h, w, 3), dtype=torch.uint8)
+            return torch.empty((n, h, w, 3), dtype=dtype)
         with self._lock:
             spare = self._free.get(nbytes)
             region = spare.pop() if spare else None
@@ -99,10 +137,10 @@ class HostPool:
                 pass
         else:
             self.reused += 1
-        array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3)
+        array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3 * size)
         # The tensor holds the array until its storage is freed (views and .numpy() included).
         weakref.finalize(array, self._give, region, nbytes)
-        return torch.from_numpy(array)
+        return torch.from_numpy(array).view(dtype)
 
     def _give(self, region: mmap.mmap, nbytes: int) -> None:
         with self._lock:
@@ -150,12 +188,16 @@ class HostDelivery:
                 # which tripled the training process's CPU per GB (perf, benchmarks/wire.py).
                 np.copyto(images.numpy(), batch.images)
             else:
-                images = normalize_images(torch.from_numpy(batch.images), self.normalize, self.dtype)
+                images = self._normalize(batch.images)
             self.receiver.free(batch.images)
-        else:
-            images = normalize_images(images, self.normalize, self.dtype)
+        elif self.normalize is not None:
+            images = self._normalize(images.numpy())
         return Delivered(batch.seq, images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids),
                          batch.failures, batch.nbytes)
+
+    def _normalize(self, images: np.ndarray) -> torch.Tensor:
+        out = self.pool.take(*images.shape[:3], dtype=self.dtype)
+        return normalize_host(images, out, self.normalize)
 
     def close(self, final: bool = False) -> None:
         self.pool.clear()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 import torch
 
-from remoteloader.client.device import HostDelivery, HostPool, normalize_images
+from remoteloader.client.device import HOST_CHUNK, HostDelivery, HostPool, normalize_host, normalize_images
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -24,6 +27,42 @@ def test_normalize_matches_the_formula_in_nchw_channels_last():
     half = normalize_images(images, (MEAN, STD), torch.bfloat16)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.double(), reference(images), atol=0.02, rtol=0.01)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.02), (torch.float16, 0.005)])
+def test_host_normalize_matches_the_formula_across_pieces(dtype, atol):
+    # 3 x 131 x 67 x 3 elements: more than one piece, and a last piece of odd length.
+    images = np.random.default_rng(1).integers(0, 256, (3, 131, 67, 3), dtype=np.uint8)
+    assert images.size > HOST_CHUNK and images.size % HOST_CHUNK % 3 == 0 and images.size % HOST_CHUNK
+    out = torch.full((3, 131, 67, 3), float("nan"), dtype=dtype)
+    result = normalize_host(images, out, (MEAN, STD))
+    assert result.shape == (3, 3, 131, 67) and result.dtype == dtype and result.data_ptr() == out.data_ptr()
+    assert result.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(result.double(), reference(torch.from_numpy(images)), atol=atol, rtol=0.01)
+    # The same figures as the CUDA path's expression.
+    torch.testing.assert_close(result, normalize_images(torch.from_numpy(images), (MEAN, STD), dtype))
+
+
+def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
+    delivery = HostDelivery((MEAN, STD), torch.float32, prefetch=2)
+    rng = np.random.default_rng(2)
+
+    def batch(seq):
+        images = delivery.allocate(16, 224, 224)
+        images.copy_(torch.from_numpy(rng.integers(0, 256, (16, 224, 224, 3), dtype=np.uint8)))
+        return SimpleNamespace(seq=seq, images=images, labels=np.zeros(16, np.int64), ids=np.arange(16),
+                               failures=[], nbytes=images.numel()), images.clone()
+
+    first, _ = batch(0)
+    out = delivery.convert(first).images
+    address = out.data_ptr()
+    out.fill_(float("nan"))  # what the user left in it must not survive
+    del out, first
+    second, raw = batch(1)
+    reused = delivery.pool.reused
+    again = delivery.convert(second).images
+    assert delivery.pool.reused > reused and again.data_ptr() == address
+    torch.testing.assert_close(again.double(), reference(raw), atol=1e-5, rtol=0)
 
 
 def test_without_normalize_the_uint8_batch_is_handed_over_as_is():

@@ -257,10 +257,11 @@ def test_presets_serve_non_square_sizes(data, pipeline, size):
         assert tuple(images.shape) == (len(ids), *size, 3)
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
-def test_normalize_gives_float_nchw_channels_last(data, dtype, atol):
+@pytest.mark.parametrize("dtype, atol, receiver", [(torch.float32, 1e-5, "thread"), (torch.bfloat16, 0.05, "thread"),
+                                                     (torch.float32, 1e-5, "process")])
+def test_normalize_gives_float_nchw_channels_last(data, dtype, atol, receiver):
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-    with loader_for(data, seed=2, return_ids=True, normalize=(mean, std), dtype=dtype) as a, \
+    with loader_for(data, seed=2, return_ids=True, normalize=(mean, std), dtype=dtype, receiver=receiver) as a, \
             loader_for(data, seed=2, return_ids=True) as b:
         normalized, raw = data.epoch(a), data.epoch(b)
     assert len(normalized) == len(raw) == data.total // BATCH
