@@ -72,7 +72,8 @@ class RemoteLoader:
     Flow control:
         prefetch: Batches requested ahead of the training loop (default 8: with uneven servers
             and ordered delivery, 4 left 10% of their capacity unused). Host memory is about
-            (prefetch + 1) x batch bytes (pinned, on CUDA: (prefetch + 2) x batch bytes).
+            (prefetch + 2) x batch bytes (pinned on CUDA); with ``normalize`` on the CPU, add
+            the normalized batches you hold and up to two spare ones.
         max_inflight: Orders outstanding per server (default 4); server-side memory for the
             stream is about max_inflight x order bytes.
         connect_timeout: Seconds to wait for each server at start (default 10).
@@ -113,8 +114,8 @@ class RemoteLoader:
         self.rank, self.world_size = _rank_world(rank, world_size)
         self.device = _device(device)
         self.normalize = _normalize(normalize)
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype={dtype}: expected a floating dtype (torch.float32, bfloat16, float16)")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"dtype={dtype}: expected torch.float32, bfloat16, float16 or float64")
         self.dtype = dtype
         self.return_ids = bool(return_ids)
         self.ordered = bool(ordered)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,8 +41,15 @@ def test_host_normalize_matches_the_formula_across_pieces(dtype, atol):
     assert result.shape == (3, 3, 131, 67) and result.dtype == dtype and result.data_ptr() == out.data_ptr()
     assert result.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(result.double(), reference(torch.from_numpy(images)), atol=atol, rtol=0.01)
-    # The same figures as the CUDA path's expression.
+    # Within float32 rounding of the CUDA path's expression (which fuses multiply and add).
     torch.testing.assert_close(result, normalize_images(torch.from_numpy(images), (MEAN, STD), dtype))
+
+
+def _received(delivery, seq, rng, n=16):
+    images = delivery.allocate(n, 224, 224)
+    images.copy_(torch.from_numpy(rng.integers(0, 256, (n, 224, 224, 3), dtype=np.uint8)))
+    return SimpleNamespace(seq=seq, images=images, labels=np.zeros(n, np.int64), ids=np.arange(n),
+                           failures=[], nbytes=images.numel()), images.clone()
 
 
 def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
@@ -48,10 +57,7 @@ def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
     rng = np.random.default_rng(2)
 
     def batch(seq):
-        images = delivery.allocate(16, 224, 224)
-        images.copy_(torch.from_numpy(rng.integers(0, 256, (16, 224, 224, 3), dtype=np.uint8)))
-        return SimpleNamespace(seq=seq, images=images, labels=np.zeros(16, np.int64), ids=np.arange(16),
-                               failures=[], nbytes=images.numel()), images.clone()
+        return _received(delivery, seq, rng)
 
     first, _ = batch(0)
     out = delivery.convert(first).images
@@ -59,10 +65,77 @@ def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
     out.fill_(float("nan"))  # what the user left in it must not survive
     del out, first
     second, raw = batch(1)
-    reused = delivery.pool.reused
+    reused = delivery.out_pool.reused
     again = delivery.convert(second).images
-    assert delivery.pool.reused > reused and again.data_ptr() == address
+    assert delivery.out_pool.reused > reused and again.data_ptr() == address
     torch.testing.assert_close(again.double(), reference(raw), atol=1e-5, rtol=0)
+
+
+def test_spare_normalized_batches_are_bounded_apart_from_the_receive_buffers():
+    delivery = HostDelivery((MEAN, STD), torch.float32, prefetch=8)
+    rng = np.random.default_rng(3)
+    held = [delivery.convert(_received(delivery, seq, rng, n=32)[0]).images for seq in range(6)]
+    # One uint8 buffer, free again once normalized, received into six times.
+    assert delivery.pool.free_batches() == 1 and delivery.pool.reused == 5
+    del held  # six float32 batches, each 4x a uint8 one: two are kept for reuse
+    assert delivery.out_pool.free_batches() == 2 and delivery.pool.free_batches() == 1
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch has one thread here")
+def test_host_normalize_to_bfloat16_stays_in_the_calling_thread():
+    # torch runs a copy_ of more than 32768 elements on its OpenMP threads, which spin:
+    # each piece's cast must stay under that.
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_by_thread():
+        seen = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            seen[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        return seen
+
+    images = np.random.default_rng(4).integers(0, 256, (64, 224, 224, 3), dtype=np.uint8)
+    out = torch.empty(images.shape, dtype=torch.bfloat16)
+    normalize_host(images, out, (MEAN, STD))
+    me = threading.get_native_id()
+    before = cpu_by_thread()
+    for _ in range(10):
+        normalize_host(images, out, (MEAN, STD))
+    after = cpu_by_thread()
+    others = sum(v - before.get(k, 0.0) for k, v in after.items() if k != me)
+    assert after[me] - before.get(me, 0.0) > 0.05  # the work was done (and measured) here
+    assert others < 0.05, f"{others:.2f} CPU-s on other threads while normalizing to bfloat16"
+
+
+def test_a_batch_given_back_while_the_pool_is_locked_does_not_deadlock():
+    # A finalizer may run inside the garbage collector, started by an allocation made
+    # while this very thread holds the pool's lock.
+    pool = HostPool(keep=2)
+    batch = pool.take(64, 224, 224)
+    address = batch.data_ptr()
+    gave_back = threading.Event()
+
+    def locked_then_collected():
+        nonlocal batch
+        with pool._lock:
+            del batch  # runs the finalizer here, as a collection under the lock would
+            gave_back.set()
+
+    thread = threading.Thread(target=locked_then_collected, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert gave_back.is_set() and not thread.is_alive(), "giving a batch back blocked on the pool's lock"
+    assert pool.take(64, 224, 224).data_ptr() == address and pool.reused == 1
+
+
+def test_normalize_host_refuses_a_non_contiguous_output():
+    images = np.zeros((2, 8, 8, 3), np.uint8)
+    with pytest.raises(ValueError, match="contiguous"):
+        normalize_host(images, torch.empty((2, 3, 8, 8), dtype=torch.float32).permute(0, 2, 3, 1), (MEAN, STD))
 
 
 def test_without_normalize_the_uint8_batch_is_handed_over_as_is():

@@ -297,6 +297,8 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(data):
     ({"image_size": "big"}, "image_size"),
     ({"image_size": 4}, "image_size"),  # below the servers' min_image_size (8)
     ({"image_size": 4096}, "image_size"),  # above their max_image_size (1024)
+    ({"dtype": torch.uint8}, "dtype"),
+    ({"dtype": torch.float8_e4m3fn, "normalize": ((0.5,) * 3, (0.5,) * 3)}, "dtype"),
 ])
 def test_invalid_arguments_raise_value_error_naming_them(data, kwargs, name):
     with pytest.raises(ValueError, match=name):
