@@ -287,7 +287,9 @@ class Engine:
         self._pump()
 
     async def _reconnect(self, link: Link) -> None:
-        delay = 0.1
+        # The back-off carries over when a server fails again before sending anything
+        # (one that refuses each new stream, e.g. RESOURCE_EXHAUSTED): no tight retry loop.
+        delay = link.retry_delay
         deadline = link.down_since + self.reconnect_timeout
         try:
             while time.monotonic() < deadline and link.state == "down":
@@ -301,6 +303,7 @@ class Engine:
                     link.last_error = describe_error(exc)
                     continue
                 link.reconnects += 1
+                link.retry_delay = delay  # the next failure's first wait, unless this stream works
                 log.info("loader server %s is back", link.address)
                 self._pump()
                 return

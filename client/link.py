@@ -18,6 +18,7 @@ from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
 
 _STREAM = "/remoteloader.v1.Loader/Stream"
 MiB = 1 << 20
+RETRY_DELAY = 0.1  # first reconnect attempt after a failure; doubles up to 2 s
 
 # Status codes that mean the request itself is wrong: retrying elsewhere cannot help.
 # (RESOURCE_EXHAUSTED is not among them: "too many open streams" passes when others close.)
@@ -63,6 +64,7 @@ class Link:
         self.failures = 0
         self.reconnects = 0
         self.down_since: float | None = None
+        self.retry_delay = RETRY_DELAY  # the engine's first wait before reconnecting (see _fail)
         self.last_error = ""
         self.gave_up = ""  # why the engine stopped trying this server, if it did
         self.last_progress = 0.0  # its last chunk, or when it was given work while idle
@@ -99,8 +101,9 @@ class Link:
                                            wait_for_ready=True, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
                 raise PermissionError(f"loader server {self.address} refused this client: {exc.code().name}: "
-                                      f"{exc.details()}") from None
+                                      f"{exc.details()}{hint}") from None
             raise ConnectionError(f"loader server {self.address} did not answer within {timeout:g}s "
                                   f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
                                   f"{exc.details()}") from None
@@ -184,11 +187,13 @@ class Link:
         self.state = "down"
         self.failures += 1
         # A stream that failed again soon, before delivering anything, keeps the first
-        # failure's time, so a server that accepts connections but fails every stream
+        # failure's time and the reconnect back-off reached, so a server that accepts
+        # connections but fails (or refuses) every stream is retried ever more slowly and
         # still runs out of reconnect_timeout; one that worked, or lasted, starts afresh.
         now = time.monotonic()
         if self.down_since is None or self._healthy or now - self._up_since > 10.0:
             self.down_since = now
+            self.retry_delay = RETRY_DELAY
         self.last_error = describe_error(exc)
         self._stop_stream()
         self.engine.on_link_down(self, exc)

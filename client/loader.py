@@ -521,4 +521,8 @@ def _normalize(normalize):
         raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each") from None
     if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std) or not all(map(math.isfinite, mean + std)):
         raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each, std > 0")
+    if any(abs(v) > 1 for v in mean) or any(v > 1 for v in std):
+        raise ValueError(f"normalize={normalize!r}: mean and std are on the 0..1 scale (images are divided "
+                         f"by 255 first), e.g. ImageNet's ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)); "
+                         f"divide 0..255 figures by 255")
     return mean, std

@@ -43,6 +43,29 @@ from remoteloader.protos import codec, loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
+_shared: tuple[int, asyncio.AbstractEventLoop, threading.Thread] | None = None
+_shared_lock = threading.Lock()
+
+
+def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """The process's one I/O event loop and its daemon thread ("remoteloader-io").
+
+    Every RemoteLoader of a process runs on this loop, and it is never closed. grpc.aio ties
+    all the loops that make calls to one process-wide completion queue, and one loop's
+    callback may hand a completion to another loop: when a closed loader had closed its own
+    loop, a late completion of its cancelled calls raised "Event loop is closed" inside a
+    live loader's callback (a training loader beside short-lived evaluation loaders). A
+    forked child gets a loop of its own.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid() or not _shared[2].is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="remoteloader-io", daemon=True)
+            thread.start()
+            _shared = (os.getpid(), loop, thread)
+        return _shared[1], _shared[2]
+
 
 class Receiver:
     """Links, engine and the asyncio thread they run on, in this process.
@@ -61,9 +84,8 @@ class Receiver:
         self._address = address
         self._link_options = link_options
         self.links: dict[str, Link] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="remoteloader-io", daemon=True)
-        self._thread.start()
+        self._loop, self._thread = io_loop()
+        self._closed = False
         self.engine = Engine(self.links, None, setup, delivery=delivery, **engine_options)
 
     # ---- servers ------------------------------------------------------------------------
@@ -134,39 +156,31 @@ class Receiver:
         self._soon(self.engine.buffer_freed)
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return not self._closed and self._thread.is_alive()
 
     def close(self) -> None:
-        if self._loop.is_closed() or sys.is_finalizing():  # at shutdown the loop thread is frozen
+        """Ends this loader's streams, tasks and channels; the shared loop runs on."""
+        if self._closed or sys.is_finalizing():  # at shutdown the loop thread is frozen
             return
         try:
-            self._call(self._shutdown(), timeout=10)
+            self._call(self.engine.close(), timeout=10)
         except Exception:
             pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    async def _shutdown(self) -> None:
-        await self.engine.close()
-        # Let gRPC's own tasks see their calls cancelled before the loop stops.
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        self._closed = True
 
     def _call(self, coro, timeout: float | None):
-        """Runs a coroutine on the loop and waits for it (RuntimeError once the loop is closed)."""
-        if self._loop.is_closed():
+        """Runs a coroutine on the loop and waits for it (RuntimeError once closed)."""
+        if self._closed or self._loop.is_closed():
             coro.close()
             raise RuntimeError("RemoteLoader is closed")
         return asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop).result(timeout)
 
     def _soon(self, function, *args) -> None:
+        if self._closed:
+            return
         try:
             self._loop.call_soon_threadsafe(function, *args)
-        except RuntimeError:  # the loop closed meanwhile: nothing left to do
+        except RuntimeError:  # the loop closed meanwhile (interpreter shutdown): nothing to do
             pass
 
 

@@ -8,6 +8,7 @@ Two servers for the module:
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import queue
 import re
@@ -196,6 +197,34 @@ def test_streams_over_the_per_client_limit_are_refused_and_admitted_ones_are_ser
                 break
             time.sleep(0.1)
         assert code == grpc.StatusCode.OK and chunks == 1, (code, details)
+
+
+def test_a_server_that_refuses_every_new_stream_is_retried_with_back_off(servers, caplog):
+    # Both of this client's places are taken: the loader's stream is refused each time it
+    # is opened. Its retries must back off (they were 10 a second) until reconnect_timeout.
+    from remoteloader.client.engine import LoaderError
+
+    with grpc.insecure_channel(servers.address(SMALL)) as channel:
+        shard_id = _shard_id(channel)
+        held = [OpenStream(channel) for _ in range(2)]
+        try:
+            for n, stream in enumerate(held):
+                stream.send(_setup())
+                stream.send(_order(n + 1, shard_id, [n]))
+                assert sum(c.header.count for c in stream.receive(1)) == 1
+            caplog.set_level(logging.WARNING, logger="remoteloader.client")
+            with RemoteLoader(servers.address(SMALL), batch_size=4, image_size=SIZE, pipeline="eval",
+                              reconnect_timeout=4, connect_timeout=10, return_ids=True) as loader:
+                started = time.monotonic()
+                with pytest.raises(LoaderError):
+                    _bounded_epoch(loader, 30)
+                elapsed = time.monotonic() - started
+        finally:
+            for stream in held:
+                stream.close()
+    refusals = [r for r in caplog.records if "RESOURCE_EXHAUSTED" in r.getMessage() and r.levelno == logging.WARNING]
+    assert 3.5 < elapsed < 20, elapsed
+    assert 1 <= len(refusals) <= 8, f"{len(refusals)} refusals in {elapsed:.1f}s: no back-off"
 
 
 def test_streams_over_the_server_limit_are_refused_and_counted(servers):

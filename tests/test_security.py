@@ -294,7 +294,7 @@ def test_remote_loader_with_a_wrong_or_missing_token_is_refused(env, token):
     with pytest.raises(PermissionError) as info:
         _loader(env.address(TOKEN_SERVER), token=token, connect_timeout=5)
     message = str(info.value)
-    assert "UNAUTHENTICATED" in message and env.address(TOKEN_SERVER) in message, message
+    assert "UNAUTHENTICATED" in message and env.address(TOKEN_SERVER) in message and "token=" in message, message
 
 
 BAD_METADATA = {

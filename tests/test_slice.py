@@ -7,8 +7,11 @@ key says which server holds it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -298,6 +301,7 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(data):
     ({"image_size": 4}, "image_size"),  # below the servers' min_image_size (8)
     ({"image_size": 4096}, "image_size"),  # above their max_image_size (1024)
     ({"dtype": torch.uint8}, "dtype"),
+    ({"normalize": ((123.7, 116.3, 103.5), (58.4, 57.1, 57.4))}, "0..1 scale"),
     ({"dtype": torch.float8_e4m3fn, "normalize": ((0.5,) * 3, (0.5,) * 3)}, "dtype"),
 ])
 def test_invalid_arguments_raise_value_error_naming_them(data, kwargs, name):
@@ -309,20 +313,51 @@ def _io_threads() -> int:
     return sum(t.name == "remoteloader-io" and t.is_alive() for t in threading.enumerate())
 
 
+def _tasks_on_the_io_loop() -> int:
+    from remoteloader.client.receiver import io_loop
+
+    async def count():
+        return len(asyncio.all_tasks()) - 1  # less this one
+
+    return asyncio.run_coroutine_threadsafe(count(), io_loop()[0]).result(10)
+
+
 def test_context_manager_closes_and_close_is_idempotent(data):
-    before = _io_threads()
+    tasks = _tasks_on_the_io_loop()
     with loader_for(data) as loader:
         images, _labels = next(iter(loader))
         assert len(images) == BATCH
-        assert _io_threads() == before + 1
-    assert _io_threads() == before
+        assert _io_threads() == 1 and _tasks_on_the_io_loop() > tasks
+    # Its streams, tasks and channels are gone; the process's I/O thread stays for the next.
+    deadline = time.monotonic() + 5
+    while _tasks_on_the_io_loop() != tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _tasks_on_the_io_loop() == tasks and _io_threads() == 1
     loader.close()  # a second close is fine
     with pytest.raises(RuntimeError, match="closed"):
         iter(loader)
     explicit = loader_for(data)
     explicit.close()
     explicit.close()
-    assert _io_threads() == before
+    assert _io_threads() == 1
+
+
+def test_loaders_opened_and_closed_beside_another_leave_it_undisturbed(data, caplog):
+    # A training loader beside short-lived evaluation loaders. With a loop per loader,
+    # gRPC handed late completions of a closed loader's calls to its closed loop from the
+    # live loader's callback: "Exception in callback ... Event loop is closed".
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    with loader_for(data, seed=1) as keeper:
+        batches = iter(keeper)
+        first = next(batches)
+        for seed in range(8):
+            with loader_for(data, seed=seed + 2) as other:
+                next(iter(other))
+                assert other._io._loop is keeper._io._loop
+        rest = list(batches)
+    assert len(rest) + 1 == data.total // BATCH and len(first[0]) == BATCH
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors[:3]
 
 
 def test_breaking_out_early_then_iterating_again(data):
