@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import pathlib
+import re
+import signal
 import tempfile
+import threading
 import time
 
 CLASSES = ["diagonal", "horizontal", "slanted", "steep", "vertical", "wavy"]
@@ -27,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=1, help="decode workers per server")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--data", default=None, help="keep the generated dataset here (default: a temp dir)")
+    parser.add_argument("--data", default=None,
+                        help="write the generated dataset here and keep it: a new or empty folder, or one "
+                             "an earlier demo wrote (default: a temp dir, removed at exit)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prepare", metavar="DIR", default=None,
                         help="only write the dataset as DIR/shard-<i> (one per server) and exit")
@@ -42,11 +47,14 @@ def run(args: argparse.Namespace) -> int:
     from remoteloader.client import RemoteLoader
     from remoteloader.server.local import LocalServer
 
-    if not 2 <= args.classes <= len(CLASSES):
-        raise SystemExit(f"--classes={args.classes}: expected 2..{len(CLASSES)}")
-    if args.servers < 1:
-        raise SystemExit(f"--servers={args.servers}: expected at least 1")
+    _check(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device={args.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                         f"use --device cpu or auto")
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
+        signal.signal(signal.SIGTERM, _interrupt)
     torch.manual_seed(args.seed)
     with contextlib.ExitStack() as stack:
         if args.prepare or not args.connect:
@@ -74,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
         loss_fn = torch.nn.CrossEntropyLoss()
         print(f"{train.num_samples} images, {len(train)} batches of {args.batch_size} per epoch")
+        if len(train) == 0:
+            raise SystemExit(f"the servers hold {train.num_samples} images, fewer than --batch-size "
+                             f"{args.batch_size}: no whole batch to train on")
         print(f"{'epoch':>5} {'images/s':>9} {'data wait':>9} {'loss':>7}")
         for epoch in range(args.epochs):
             train.set_epoch(epoch)
@@ -99,6 +110,41 @@ def run(args: argparse.Namespace) -> int:
                 total += len(labels)
         print(f"accuracy (eval pipeline, {total} images): {correct / total:.1%}")
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuses bad arguments before anything is written or started."""
+    if not 2 <= args.classes <= len(CLASSES):
+        raise SystemExit(f"--classes={args.classes}: expected 2..{len(CLASSES)}")
+    for name, low in (("servers", 1), ("epochs", 1), ("batch_size", 1), ("workers", 1)):
+        if getattr(args, name) < low:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected at least {low}")
+    if not 8 <= args.image_size <= 1024:
+        raise SystemExit(f"--image-size={args.image_size}: expected 8..1024 (the servers' default limits)")
+    if args.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", args.device):
+        raise SystemExit(f"--device={args.device}: expected auto, cpu, cuda or cuda:N")
+    if args.connect:
+        return
+    per_shard = args.images_per_class // args.servers
+    if per_shard < 1:
+        raise SystemExit(f"--images-per-class={args.images_per_class}: each of the {args.servers} shards needs "
+                         f"at least one image per class")
+    if args.classes * per_shard * args.servers < args.batch_size:
+        raise SystemExit(f"{args.classes * per_shard * args.servers} images in all, fewer than --batch-size "
+                         f"{args.batch_size}: raise --images-per-class or lower --batch-size")
+    root = args.prepare or args.data
+    if root is not None:
+        root = pathlib.Path(root)
+        if root.exists() and not root.is_dir():
+            raise SystemExit(f"{root} is not a folder")
+        strangers = [p.name for p in root.iterdir() if not re.fullmatch(r"shard-\d+", p.name)] if root.exists() else []
+        if strangers:
+            raise SystemExit(f"{root} holds {', '.join(sorted(strangers)[:3])}{' ...' if len(strangers) > 3 else ''}, "
+                             f"which the demo did not write; give it a new or empty folder")
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt  # unwinds the ExitStack: loaders, servers, temp dataset
 
 
 def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.Path]:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 DEMO = [sys.executable, "-m", "remoteloader.server.cli", "demo"]
 
 
@@ -32,18 +34,24 @@ def test_demo_trains_prints_figures_and_stops_its_servers(tmp_path):
     assert server_pids() <= before, "the demo left loader servers running"
 
 
-def test_ctrl_c_stops_the_demo_and_its_servers(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(tmp_path, signum):
     before = server_pids()
-    proc = subprocess.Popen(DEMO + ["--epochs", "50", "--images-per-class", "40", "--image-size", "32",
-                                    "--data", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    # With --data the dataset is kept; without, it lives in a temp dir that must go.
+    keep = ["--data", str(tmp_path)] if signum == signal.SIGINT else []
+    proc = subprocess.Popen(DEMO + ["--epochs", "50", "--images-per-class", "40", "--image-size", "32", *keep],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
+    data = None
     for line in proc.stdout:
+        found = re.match(r"dataset: \d+ shard\(s\) under (\S+),", line)
+        data = found.group(1) if found else data
         if line.lstrip().startswith("0 ") or time.monotonic() > deadline:  # first epoch done: training
             break
     started = server_pids() - before
     assert started, "the demo should have started loader servers"
-    proc.send_signal(signal.SIGINT)
+    assert data and os.path.isdir(data)
+    proc.send_signal(signum)
     try:
         code = proc.wait(60)
     finally:
@@ -53,3 +61,32 @@ def test_ctrl_c_stops_the_demo_and_its_servers(tmp_path):
     assert not (server_pids() & started), "Ctrl-C left loader servers running"
     for pid in started:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert os.path.isdir(data) == bool(keep), f"{data}: kept {os.path.isdir(data)}, asked to keep {bool(keep)}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size=0"),
+    (["--image-size", "4"], "--image-size=4"),
+    (["--images-per-class", "1"], "at least one image per class"),
+    (["--images-per-class", "8", "--batch-size", "64"], "fewer than --batch-size"),
+    (["--device", "tpu"], "--device=tpu"),
+    (["--epochs", "0"], "--epochs=0"),
+])
+def test_bad_demo_arguments_are_one_line_errors_before_anything_starts(tmp_path, argv, message):
+    from remoteloader.server.cli import main
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["demo", "--data", str(tmp_path / "new"), *argv])
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_demo_never_writes_into_a_folder_it_did_not_make(tmp_path):
+    from remoteloader.server.cli import main
+
+    (tmp_path / "cats").mkdir()
+    (tmp_path / "cats" / "a.jpg").write_bytes(b"mine")
+    with pytest.raises(SystemExit, match="did not write"):
+        main(["demo", "--data", str(tmp_path)])
+    with pytest.raises(SystemExit, match="did not write"):
+        main(["demo", "--prepare", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cats"]
