@@ -312,7 +312,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+_MAIN_PID = os.getpid()
+
+
 def _raise_exit(signum, _frame):
+    if os.getpid() != _MAIN_PID:  # a forked dataset generator being stopped: just die
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     print(f"\n{signal.Signals(signum).name}: cleaning up", file=sys.stderr)
     raise SystemExit(128 + signum)
 

@@ -13,11 +13,13 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def serve_main(argv: list[str] | None = None) -> int:
+def serve_main(argv: list[str] | None = None, prog: str = "remoteloader-server") -> int:
     """``remoteloader-server``: run one loader server."""
     parser = _serve_parser(argparse.ArgumentParser(
-        prog="remoteloader-server", description="Serve image shards as augmented uint8 batches over gRPC."))
+        prog=prog, description="Serve image shards as augmented uint8 batches over gRPC."))
     args = parser.parse_args(argv)
+    for name in config_module.unknown_variables():
+        print(f"{prog}: warning: {name} is set but names no setting (see --help); ignored", file=sys.stderr)
     try:
         config = config_module.from_args(args)
     except ValueError as exc:
@@ -50,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     probe_module.add_arguments(probe)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
-        return serve_main(argv[1:])
+        return serve_main(argv[1:], prog="remoteloader serve")
     args = parser.parse_args(argv)
     if args.command == "demo":
         try:
             return demo_module.run(args)
-        except KeyboardInterrupt:  # the servers were stopped on the way out
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the servers were stopped on the way out
             print("interrupted; loader servers stopped", file=sys.stderr)
             return 130
     if args.command == "probe":

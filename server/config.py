@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
 ENV_PREFIX = "REMOTELOADER_"
+MAX_IMAGE_SIDE = 8192
 MiB = 1 << 20
 
 
@@ -60,7 +62,8 @@ class ServerConfig:
         tls_client_ca: PEM CA bundle; clients must present a certificate it signed (mTLS).
         token_file: File holding a bearer token every call must carry (health excepted).
         max_streams: Open order streams the server accepts in all (default 64).
-        max_streams_per_client: Open order streams per client address (default 8).
+        max_streams_per_client: Open order streams per client address (default 16: a train and
+            an eval loader on each of 8 GPU ranks of one host).
         stall_timeout: Seconds a stream may leave a finished chunk unread before it is ended
             with DEADLINE_EXCEEDED and its slots are freed (default 120).
     Operations:
@@ -91,7 +94,7 @@ class ServerConfig:
     tls_client_ca: str = ""
     token_file: str = ""
     max_streams: int = 64
-    max_streams_per_client: int = 8
+    max_streams_per_client: int = 16
     stall_timeout: float = 120.0
     metrics_port: int = 0
     grace: float = 30.0
@@ -108,6 +111,9 @@ class ServerConfig:
             raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
         _positive(self, "workers", "chunk_bytes", "max_order_samples", "max_inflight_orders",
                   "min_image_size", "max_image_size", "max_pixels")
+        if self.max_image_size > MAX_IMAGE_SIDE:
+            raise ValueError(f"max_image_size={self.max_image_size}: at most {MAX_IMAGE_SIDE} (each of the "
+                             f"slots holds at least one sample of max_image_size^2 x 3 bytes)")
         if self.min_image_size > self.max_image_size:
             raise ValueError(f"min_image_size={self.min_image_size} > max_image_size={self.max_image_size}")
         if self.slots < 0:
@@ -128,6 +134,8 @@ class ServerConfig:
         _positive(self, "max_streams", "max_streams_per_client", "stall_timeout")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off)")
+        if not isinstance(logging.getLevelName(str(self.log_level).upper()), int):
+            raise ValueError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format={self.log_format!r}: expected 'text' or 'json'")
         if self.grace < 0:
@@ -180,8 +188,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=f"{doc} [env {env}]")
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, type=kind, default=os.environ.get(env),
+            parser.add_argument(flag, type=_typed(kind, env), default=os.environ.get(env),
                                 help=f"{doc} (default {getattr(defaults, f.name)}) [env {env}]")
+
+
+def _typed(kind, env: str):
+    """``kind``, with an error that names the variable when the value came from it."""
+    def convert(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            source = f" (from {env})" if os.environ.get(env) == text else ""
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}{source}") from None
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def unknown_variables() -> list[str]:
+    """REMOTELOADER_* variables set in the environment that name no setting (typos)."""
+    names = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(ServerConfig)}
+    return sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in names)
 
 
 def from_args(args: argparse.Namespace) -> ServerConfig:

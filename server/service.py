@@ -199,7 +199,7 @@ class LoaderService:
                 if read not in done:
                     read.cancel()
                     queue.put_nowait((grpc.StatusCode.UNAVAILABLE,
-                                      "server is draining (SIGTERM); send unfinished orders elsewhere"))
+                                      "server is draining (SIGTERM or SIGINT); send unfinished orders elsewhere"))
                     return
                 request = read.result()
                 if request is grpc.aio.EOF:

@@ -52,7 +52,8 @@ class SharedFile:
         except OSError as exc:
             os.close(self.fd)
             raise OSError(f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory or 'the temp dir'}: "
-                          f"{exc} (a container needs shm_size for slots x chunk bytes plus --cache-bytes)") from None
+                          f"{exc} (slots x max(--chunk-bytes, --max-image-size^2 x 3), plus --cache-bytes; lower "
+                          f"those, or give a container more shm_size)") from None
         except AttributeError:  # not on this platform
             os.ftruncate(self.fd, size)
         self._mmap = mmap.mmap(self.fd, size)

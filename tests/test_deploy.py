@@ -599,3 +599,19 @@ def test_ci_runs_the_readme_test_command():
     assert ci.is_file() and os.access(ci, os.X_OK), ".ci/run must exist and be executable"
     lines = [line.strip() for line in ci.read_text().splitlines()]
     assert test_command in lines, f"{test_command!r} is not a line of .ci/run"
+
+
+def test_a_bad_environment_variable_is_named_and_a_misspelt_one_is_reported(monkeypatch, capsys, tmp_path):
+    # One image serves every shard through REMOTELOADER_* variables: a wrong one must be found.
+    from remoteloader.server.cli import serve_main
+
+    for k in [k for k in os.environ if k.startswith(config_module.ENV_PREFIX)]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("REMOTELOADER_WORKERS", "two")
+    with pytest.raises(SystemExit):
+        serve_main(["--data", str(tmp_path)])
+    assert "invalid int value: 'two' (from REMOTELOADER_WORKERS)" in capsys.readouterr().err
+    monkeypatch.delenv("REMOTELOADER_WORKERS")
+    monkeypatch.setenv("REMOTELOADER_WROKERS", "2")
+    assert serve_main(["--data", str(tmp_path / "missing"), "--port", "0"]) == 2  # no such data: no server
+    assert "REMOTELOADER_WROKERS is set but names no setting" in capsys.readouterr().err
