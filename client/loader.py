@@ -179,6 +179,10 @@ class RemoteLoader:
         except BaseException:
             self.close()
             raise
+        if self.drop_last and len(self) == 0 and self.num_samples:
+            warnings.warn(f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
+                          f"of the {self.num_samples} samples for each of {self.world_size} rank(s): every epoch "
+                          f"is empty (pass drop_last=False or a smaller batch_size)", stacklevel=2)
 
     # ---- the public surface ------------------------------------------------------------
     @property
@@ -240,6 +244,10 @@ class RemoteLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continues at the saved position: the rest of that epoch is bitwise the same."""
         state = json.loads(json.dumps(state))
+        missing = [k for k in ("version", "epoch", "position") if k not in state]
+        if missing or state.get("version") != 1:
+            raise ValueError(f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
+                             f"version {state.get('version')!r}")
         for key in ("seed", "num_samples", "batch_size", "world_size", "rank"):
             mine = self.seed if key == "seed" else getattr(self, key) if key != "num_samples" else self.num_samples
             if state.get(key) != mine:

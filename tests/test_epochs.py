@@ -222,6 +222,15 @@ def test_load_state_dict_refuses_a_different_seed_or_batch_size(servers, change)
     with make_loader(servers.three, **change) as other:
         with pytest.raises(ValueError, match=next(iter(change))):
             other.load_state_dict(state)
+        with pytest.raises(ValueError, match="not a RemoteLoader state_dict"):
+            other.load_state_dict({"foo": 1})  # e.g. the model's by mistake
+
+
+def test_a_batch_larger_than_every_epoch_warns(servers):
+    with pytest.warns(UserWarning, match="every epoch is empty"):
+        loader = make_loader(servers.three, batch_size=TOTAL + 1, drop_last=True)
+    with loader:
+        assert len(loader) == 0
 
 
 # ---- delivery order ---------------------------------------------------------------------

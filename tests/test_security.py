@@ -278,6 +278,13 @@ def test_client_rejects_a_server_certificate_from_an_unknown_ca(env):
         _loader(env.address(TLS), tls=env.certs.rogue_ca, connect_timeout=1.5)
 
 
+def test_a_ca_file_that_is_not_pem_is_refused_at_once(tmp_path):
+    not_pem = tmp_path / "ca.der"
+    not_pem.write_bytes(b"\x30\x82\x01\x0a not a PEM certificate")
+    with pytest.raises(ValueError, match="not a PEM file"):
+        TLSConfig(str(not_pem))
+
+
 def test_tls_client_against_plaintext_server_fails(env):
     with pytest.raises(ConnectionError):
         _loader(env.address(OPEN), tls=env.certs.ca, connect_timeout=1.5)
