@@ -20,6 +20,7 @@ import tarfile
 import numpy as np
 
 from remoteloader.server.catalog import CLASSES_FILE, ImageFolderShard, TarShard
+from remoteloader.server.decode import DecodeError, read_size
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -62,10 +63,15 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     paths: list[pathlib.Path] = []
     tar = None
     written = 0
+    unreadable: list[str] = []
     try:
         for index in order.tolist():
             key = source.key(index)
             data = pathlib.Path(source.locate(index).path).read_bytes()
+            try:  # the header only (a full decode would cost ~1 ms per image): copied anyway
+                read_size(data, max_pixels=1 << 62)
+            except DecodeError as exc:
+                unreadable.append(f"{key} ({exc})")
             if tar is None or written >= shard_size:
                 if tar is not None:
                     tar.close()
@@ -86,6 +92,10 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     names = list(source.class_names)
     for path in paths:  # the sidecar indexes: servers start without scanning the tars
         TarShard(path, names)
+    if unreadable:
+        print(f"remoteloader pack: warning: {len(unreadable)} file(s) have no readable image header; they are "
+              f"packed as they are and will fail when served: {'; '.join(unreadable[:5])}"
+              f"{' ...' if len(unreadable) > 5 else ''}", file=sys.stderr)
     return paths
 
 

@@ -99,6 +99,18 @@ def test_pack_shows_progress_on_stderr_unless_quiet(packed, tmp_path):
     assert len(members(tmp_path / "quiet" / "shard-00000.tar")) == 2 * len(CLASSES) * PER_CLASS
 
 
+def test_pack_names_files_without_a_readable_header_and_still_packs_them(tmp_path):
+    src = make_imagefolder(tmp_path / "src", CLASSES[:2], 2, size=(24, 32), seed=5)
+    (src / "ant" / "empty.jpg").write_bytes(b"")
+    (src / "bee" / "notes.jpg").write_bytes(b"not a jpeg at all")
+    result = pack_cli(src, tmp_path / "dst", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "2 file(s) have no readable image header" in result.stderr, result.stderr
+    assert "ant/empty.jpg" in result.stderr and "bee/notes.jpg" in result.stderr
+    packed_names = {name for name, _ in members(tmp_path / "dst" / "shard-00000.tar")}
+    assert {"ant/empty.jpg", "bee/notes.jpg"} <= packed_names  # nothing dropped: served as failures
+
+
 def test_pack_refuses_a_destination_holding_shards(packed):
     src, dst, _ = packed
     before = {p.name: p.read_bytes() for p in dst.iterdir()}
