@@ -148,6 +148,16 @@ def _open_refused(channel, shard_id: str, count: int) -> list[tuple[int, grpc.St
     return [_finish(call) for call in calls]
 
 
+def _admitted_streams(channel, shard_id: str, count: int) -> list[OpenStream]:
+    """``count`` streams held open, each admitted and served one sample."""
+    streams = [OpenStream(channel) for _ in range(count)]
+    for n, stream in enumerate(streams):
+        stream.send(_setup())
+        stream.send(_order(1, shard_id, [n]))
+        assert sum(c.header.count for c in stream.receive(1)) == 1
+    return streams
+
+
 def _bounded_epoch(loader, seconds: float, after_first=None) -> list[int]:
     """Iterates one epoch (closing the loader and failing after ``seconds``); returns the ids.
 
@@ -206,12 +216,8 @@ def test_a_server_that_refuses_every_new_stream_is_retried_with_back_off(servers
 
     with grpc.insecure_channel(servers.address(SMALL)) as channel:
         shard_id = _shard_id(channel)
-        held = [OpenStream(channel) for _ in range(2)]
+        held = _admitted_streams(channel, shard_id, 2)
         try:
-            for n, stream in enumerate(held):
-                stream.send(_setup())
-                stream.send(_order(n + 1, shard_id, [n]))
-                assert sum(c.header.count for c in stream.receive(1)) == 1
             caplog.set_level(logging.WARNING, logger="remoteloader.client")
             with RemoteLoader(servers.address(SMALL), batch_size=4, image_size=SIZE, pipeline="eval",
                               reconnect_timeout=4, connect_timeout=10, return_ids=True) as loader:
@@ -231,12 +237,8 @@ def test_streams_over_the_server_limit_are_refused_and_counted(servers):
     before = servers.metrics()
     with grpc.insecure_channel(servers.address(METERED)) as channel:
         shard_id = _shard_id(channel)
-        held = [OpenStream(channel) for _ in range(2)]
+        held = _admitted_streams(channel, shard_id, 2)
         try:
-            for n, stream in enumerate(held):
-                stream.send(_setup())
-                stream.send(_order(1, shard_id, [n]))
-                stream.receive(1)
             outcomes: list = []
             with RemoteLoader(servers.address(METERED), batch_size=5, image_size=SIZE, pipeline="eval",
                               drop_last=False, return_ids=True, on_error="skip", connect_timeout=10) as loader:
