@@ -85,6 +85,7 @@ class Receiver:
         self._link_options = link_options
         self.links: dict[str, Link] = {}
         self._loop, self._thread = io_loop()
+        self._pid = os.getpid()
         self._closed = False
         self.engine = Engine(self.links, None, setup, delivery=delivery, **engine_options)
 
@@ -147,6 +148,9 @@ class Receiver:
 
     def cancel_epoch(self, token: int) -> None:
         """Stops the epoch ``token`` if it still runs (its buffers return to the delivery)."""
+        if self._on_loop_thread():  # a generator finalized by a collection on the I/O thread
+            self._loop.call_soon(self.engine.cancel_epoch, token)
+            return
         self._call(_run(self.engine.cancel_epoch, token), timeout=10)
 
     def consumed(self, token: int) -> None:
@@ -160,7 +164,13 @@ class Receiver:
 
     def close(self) -> None:
         """Ends this loader's streams, tasks and channels; the shared loop runs on."""
-        if self._closed or sys.is_finalizing():  # at shutdown the loop thread is frozen
+        if self._closed or sys.is_finalizing() or os.getpid() != self._pid:  # at exit the loop is frozen
+            return
+        if self._on_loop_thread():
+            # Garbage collection of a loader in a reference cycle can run on the I/O thread
+            # itself, which must not wait for work only it can do: schedule it.
+            self._closed = True
+            self._loop.create_task(self.engine.close())
             return
         try:
             self._call(self.engine.close(), timeout=10)
@@ -168,15 +178,25 @@ class Receiver:
             pass
         self._closed = True
 
+    def _on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
     def _call(self, coro, timeout: float | None):
         """Runs a coroutine on the loop and waits for it (RuntimeError once closed)."""
         if self._closed or self._loop.is_closed():
             coro.close()
             raise RuntimeError("RemoteLoader is closed")
+        if os.getpid() != self._pid:
+            coro.close()
+            raise RuntimeError(f"this RemoteLoader was made in process {self._pid}; its connections do not "
+                               f"survive fork (gRPC is not fork-safe): use it in the process that made it")
+        if self._on_loop_thread():
+            coro.close()
+            raise RuntimeError("RemoteLoader: a blocking call on its own I/O thread would wait forever")
         return asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop).result(timeout)
 
     def _soon(self, function, *args) -> None:
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:
             return
         try:
             self._loop.call_soon_threadsafe(function, *args)

@@ -360,6 +360,65 @@ def test_loaders_opened_and_closed_beside_another_leave_it_undisturbed(data, cap
     assert not errors, errors[:3]
 
 
+def test_a_loader_collected_on_the_io_thread_closes_without_stalling_it(data):
+    # A loader in a reference cycle is closed by the cyclic garbage collector, on whichever
+    # thread runs it: often the shared I/O thread, which must not wait for itself (10 s).
+    import gc
+
+    from remoteloader.client.receiver import io_loop
+
+    tasks = _tasks_on_the_io_loop()
+    with loader_for(data, seed=3) as keeper:
+        dropped = loader_for(data, seed=4)
+        next(iter(dropped))
+        dropped.me = dropped  # a cycle: only the collector frees it
+        del dropped
+
+        async def collect_here():
+            started = time.monotonic()
+            gc.collect()
+            return time.monotonic() - started
+
+        took = asyncio.run_coroutine_threadsafe(collect_here(), io_loop()[0]).result(30)
+        assert took < 3, f"closing a collected loader held the I/O thread for {took:.1f}s"
+        assert len(list(keeper)) == data.total // BATCH  # the other loader is unharmed
+    deadline = time.monotonic() + 5
+    while _tasks_on_the_io_loop() != tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _tasks_on_the_io_loop() == tasks, "the collected loader left tasks behind"
+
+
+def test_a_loader_used_in_a_forked_child_is_a_clear_error_not_a_hang(data):
+    # e.g. a DataLoader worker holding the RemoteLoader: its connections live in the parent.
+    import os
+
+    with loader_for(data) as loader:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what iterating did, then leave at once
+            try:
+                next(iter(loader))
+                outcome = b"iterated"
+            except RuntimeError as exc:
+                outcome = str(exc).encode()[:500]
+            except BaseException as exc:
+                outcome = repr(exc).encode()[:500]
+            os.write(write, outcome)
+            os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 20
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("a forked child iterating its parent's loader hung")
+            time.sleep(0.05)
+        outcome = os.read(read, 1000).decode()
+        os.close(read)
+        assert "fork" in outcome, outcome
+        assert len(next(iter(loader))[0]) == BATCH  # the parent's loader still works
+
+
 def test_breaking_out_early_then_iterating_again(data):
     with loader_for(data, return_ids=True, drop_last=False, prefetch=2) as loader:
         for n, _batch in enumerate(loader):
