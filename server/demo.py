@@ -18,6 +18,7 @@ import threading
 import time
 
 CLASSES = ["diagonal", "horizontal", "slanted", "steep", "vertical", "wavy"]
+DONE_MARKER = ".remoteloader-demo-complete"
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
@@ -52,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device={args.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
                          f"use --device cpu or auto")
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
-        signal.signal(signal.SIGTERM, _interrupt)
     torch.manual_seed(args.seed)
     with contextlib.ExitStack() as stack:
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
+            stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _interrupt))
         if args.prepare or not args.connect:
             root = pathlib.Path(args.prepare or args.data or stack.enter_context(tempfile.TemporaryDirectory()))
             shards = _write_shards(root, args)
@@ -123,24 +124,29 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--image-size={args.image_size}: expected 8..1024 (the servers' default limits)")
     if args.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", args.device):
         raise SystemExit(f"--device={args.device}: expected auto, cpu, cuda or cuda:N")
-    if args.connect:
+    _check_folder(args.prepare or (None if args.connect else args.data))
+    if args.connect and not args.prepare:
         return
     per_shard = args.images_per_class // args.servers
     if per_shard < 1:
         raise SystemExit(f"--images-per-class={args.images_per_class}: each of the {args.servers} shards needs "
                          f"at least one image per class")
-    if args.classes * per_shard * args.servers < args.batch_size:
+    if not args.prepare and args.classes * per_shard * args.servers < args.batch_size:
         raise SystemExit(f"{args.classes * per_shard * args.servers} images in all, fewer than --batch-size "
                          f"{args.batch_size}: raise --images-per-class or lower --batch-size")
-    root = args.prepare or args.data
-    if root is not None:
-        root = pathlib.Path(root)
-        if root.exists() and not root.is_dir():
-            raise SystemExit(f"{root} is not a folder")
-        strangers = [p.name for p in root.iterdir() if not re.fullmatch(r"shard-\d+", p.name)] if root.exists() else []
-        if strangers:
-            raise SystemExit(f"{root} holds {', '.join(sorted(strangers)[:3])}{' ...' if len(strangers) > 3 else ''}, "
-                             f"which the demo did not write; give it a new or empty folder")
+
+
+def _check_folder(root) -> None:
+    """The dataset folder must be new, empty, or hold only shard-<i> folders (the demo's)."""
+    if root is None:
+        return
+    root = pathlib.Path(root)
+    if root.exists() and not root.is_dir():
+        raise SystemExit(f"{root} is not a folder")
+    strangers = [p.name for p in root.iterdir() if not re.fullmatch(r"shard-\d+", p.name)] if root.exists() else []
+    if strangers:
+        raise SystemExit(f"{root} holds {', '.join(sorted(strangers)[:3])}{' ...' if len(strangers) > 3 else ''}, "
+                         f"which the demo did not write; give it a new or empty folder")
 
 
 def _interrupt(signum, _frame):
@@ -155,9 +161,21 @@ def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.
     t0 = time.perf_counter()
     for i in range(args.servers):
         shard = root / f"shard-{i}"
-        if not any(shard.glob("*/*.jpg")):
+        done = shard / DONE_MARKER
+        recipe = f"classes={len(classes)} images_per_class={args.images_per_class} seed={args.seed}\n"
+        # Written last: a shard whose writing was cut short (Ctrl-C, a killed container), or
+        # made with other arguments, is written again, never served half-made. Its folder
+        # may be a mounted volume, so it is emptied of the demo's own files, not renamed.
+        if not done.exists() or done.read_text() != recipe:
+            done.unlink(missing_ok=True)
+            for name in CLASSES:
+                for old in shard.glob(f"{name}/*.jpg"):
+                    old.unlink()
+                if (shard / name).is_dir() and not any((shard / name).iterdir()):
+                    (shard / name).rmdir()
             per = args.images_per_class // args.servers
             make_imagefolder(shard, classes, per, size=(96, 128), seed=args.seed * 1000 + i, jitter=0.2)
+            done.write_text(recipe)
         shards.append(shard)
     print(f"dataset: {args.servers} shard(s) under {root}, {len(classes)} classes "
           f"({time.perf_counter() - t0:.1f}s)", flush=True)

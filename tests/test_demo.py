@@ -90,3 +90,30 @@ def test_the_demo_never_writes_into_a_folder_it_did_not_make(tmp_path):
     with pytest.raises(SystemExit, match="did not write"):
         main(["demo", "--prepare", str(tmp_path)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cats"]
+
+
+def test_a_shard_whose_writing_was_cut_short_is_written_again(tmp_path):
+    # e.g. the compose "prepare" service stopped half-way: its volume holds part of a shard.
+    from remoteloader.server.cli import main
+
+    partial = tmp_path / "shard-0" / "diagonal"
+    partial.mkdir(parents=True)
+    (partial / "diagonal_00000.jpg").write_bytes(b"")  # cut off mid-write
+    handler = signal.getsignal(signal.SIGTERM)
+    assert main(["demo", "--prepare", str(tmp_path), "--servers", "2", "--images-per-class", "8"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is handler  # the demo's own SIGTERM handling is undone
+    for shard in ("shard-0", "shard-1"):
+        files = sorted((tmp_path / shard).glob("*/*.jpg"))
+        assert len(files) == 4 * 4 and all(f.stat().st_size > 0 for f in files), shard
+    stamp = (tmp_path / "shard-0" / ".remoteloader-demo-complete").stat().st_mtime_ns
+    assert main(["demo", "--prepare", str(tmp_path), "--servers", "2", "--images-per-class", "8"]) == 0
+    assert (tmp_path / "shard-0" / ".remoteloader-demo-complete").stat().st_mtime_ns == stamp  # reused
+
+
+def test_prepare_with_connect_still_refuses_a_foreign_folder(tmp_path):
+    from remoteloader.server.cli import main
+
+    (tmp_path / "photos").mkdir()
+    with pytest.raises(SystemExit, match="did not write"):
+        main(["demo", "--prepare", str(tmp_path), "--connect", "127.0.0.1:1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]
