@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if threading.current_thread() is threading.main_thread():
             # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
-            stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _interrupt))
+            _signalled.clear()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                stack.callback(signal.signal, signum, signal.signal(signum, _interrupt))
         if args.prepare or not args.connect:
             root = pathlib.Path(args.prepare or args.data or stack.enter_context(tempfile.TemporaryDirectory()))
             shards = _write_shards(root, args)
@@ -88,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.batch_size}: no whole batch to train on")
         print(f"{'epoch':>5} {'images/s':>9} {'data wait':>9} {'loss':>7}")
         for epoch in range(args.epochs):
+            _check_signalled()
             train.set_epoch(epoch)
             seen, total_loss, waited = 0, 0.0, 0.0
             start = time.perf_counter()
@@ -101,12 +104,14 @@ def run(args: argparse.Namespace) -> int:
                 seen += len(labels)
                 total_loss += loss.item() * len(labels)
                 fetch = time.perf_counter()
+                _check_signalled()
             elapsed = time.perf_counter() - start
             print(f"{epoch:>5} {seen / elapsed:>9.0f} {waited / elapsed:>8.0%} {total_loss / seen:>7.3f}", flush=True)
         correct = total = 0
         model.eval()
         with torch.no_grad():
             for images, labels in evaluate:
+                _check_signalled()
                 correct += (model(images).argmax(1) == labels).sum().item()
                 total += len(labels)
         print(f"accuracy (eval pipeline, {total} images): {correct / total:.1%}")
@@ -149,8 +154,20 @@ def _check_folder(root) -> None:
                          f"which the demo did not write; give it a new or empty folder")
 
 
+_signalled: list[int] = []
+
+
 def _interrupt(signum, _frame):
-    raise KeyboardInterrupt  # unwinds the ExitStack: loaders, servers, temp dataset
+    # Unwinds the ExitStack: loaders, servers, temp dataset. Python swallows an exception
+    # raised while a finalizer runs (a batch's memory going back to its pool, say), so the
+    # signal is also remembered and raised again at the next batch.
+    _signalled.append(signum)
+    raise KeyboardInterrupt
+
+
+def _check_signalled() -> None:
+    if _signalled:
+        raise KeyboardInterrupt
 
 
 def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.Path]:
