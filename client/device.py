@@ -19,7 +19,6 @@ ready ahead of the loop = GPU_AHEAD (2) x output batch bytes.
 
 from __future__ import annotations
 
-import collections
 import functools
 import mmap
 import queue
@@ -108,7 +107,7 @@ def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor
 
 
 class HostPool:
-    """uint8 NHWC batches handed to the user, their memory reused once the user drops them.
+    """Batches handed to the user, their memory reused once the user drops them.
 
     Each batch of 4 MiB or more lives in its own anonymous mapping backed by transparent
     huge pages. A fresh mapping costs the kernel a page fault and a zeroed page for every
@@ -117,20 +116,21 @@ class HostPool:
     is gone (tracked on the numpy array that the tensor keeps alive), the mapping goes back
     to a free list and the next batch of that size is received into memory already mapped.
 
-    Memory: at most ``keep`` free batches are held; the batches the user still holds, and
-    those being received (``prefetch``), are the user's and in flight.
+    Dropping a batch runs no code: the pool holds a plain weak reference to each batch it
+    handed out and takes back, whenever it is asked for memory, the mappings whose batch
+    is gone. (A finalizer would run inside whatever the dropping thread was doing: a
+    garbage collection under this pool's lock, which deadlocked, or a Ctrl-C, which Python
+    then swallows.)
 
-    A batch comes back from a finalizer, which may run in any thread, and inside the
-    garbage collector while this very thread holds the pool's lock (a collection started
-    by an allocation under it). So giving back takes no lock: it appends to a deque, and
-    the free list is brought up to date, under the lock, by whoever can take it.
+    Memory: at most ``keep`` free batches are held; the batches the user still holds, and
+    those being received (``prefetch``), are the user's and in flight. A dropped batch's
+    mapping stays until the pool is next asked for memory (or cleared).
     """
 
     def __init__(self, keep: int):
         self.keep = keep
-        self._free: dict[int, list[mmap.mmap]] = {}  # only under _lock
-        self._free_count = 0
-        self._returned: collections.deque = collections.deque()  # (nbytes, region), lock-free
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lent: list[tuple[weakref.ref, mmap.mmap, int]] = []  # (batch array, its mapping, bytes)
         self._lock = threading.Lock()
         self.reused = 0  # batches received into recycled memory (for tests and stats)
 
@@ -144,7 +144,6 @@ class HostPool:
             self._collect()
             spare = self._free.get(nbytes)
             region = spare.pop() if spare else None
-            self._free_count -= region is not None
         if region is None:
             region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
@@ -155,39 +154,33 @@ class HostPool:
             self.reused += 1
         array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3 * size)
         # The tensor holds the array until its storage is freed (views and .numpy() included).
-        weakref.finalize(array, self._give, region, nbytes)
+        with self._lock:
+            self._lent.append((weakref.ref(array), region, nbytes))
         return torch.from_numpy(array).view(dtype)
 
-    def _give(self, region: mmap.mmap, nbytes: int) -> None:
-        self._returned.append((nbytes, region))
-        if self._lock.acquire(blocking=False):  # not if this thread holds it: see the class doc
-            try:
-                self._collect()
-            finally:
-                self._lock.release()
-
     def _collect(self) -> None:
-        """Moves returned batches to the free list, up to ``keep``; under _lock."""
-        while self._returned:
-            try:
-                nbytes, region = self._returned.popleft()
-            except IndexError:
-                break
-            if self._free_count < self.keep:
+        """Takes back the mappings of dropped batches, up to ``keep`` free; under _lock."""
+        count = sum(len(v) for v in self._free.values())
+        lent = []
+        for entry in self._lent:
+            ref, region, nbytes = entry
+            if ref() is not None:
+                lent.append(entry)
+            elif count < self.keep:
                 self._free.setdefault(nbytes, []).append(region)
-                self._free_count += 1
+                count += 1
             # otherwise the mapping is unmapped when its last reference (region) goes
+        self._lent = lent
 
     def free_batches(self) -> int:
         with self._lock:
             self._collect()
-            return self._free_count
+            return sum(len(v) for v in self._free.values())
 
     def clear(self) -> None:
         with self._lock:
-            self._returned.clear()
+            self._collect()
             self._free.clear()
-            self._free_count = 0
 
 
 class HostDelivery:
@@ -211,7 +204,7 @@ class HostDelivery:
         return self.pool.take(n, h, w)
 
     def release(self, buffer) -> None:
-        pass  # the pool takes the memory back when the last reference to it is gone
+        pass  # once the last reference to it is gone, the pool takes the memory back
 
     def start(self, source: queue.Queue) -> queue.Queue:
         return source
