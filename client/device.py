@@ -3,7 +3,7 @@
 On the CPU, each batch is received into its own buffer (huge-page backed) that is handed to
 the user as is, and reused for a later batch once the user has dropped it. Normalization,
 when asked for, runs in the consumer's thread, in one pass over cache-sized pieces into an
-output buffer from the same pool (``normalize_host``).
+output buffer from a pool of its own (``normalize_host``).
 
 On CUDA, batches are received into pinned host buffers from a fixed pool. A transfer
 thread copies each finished batch to the GPU on its own stream, a few batches ahead of

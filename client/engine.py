@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from remoteloader.client.catalog import Catalog, ShardInfo
-from remoteloader.client.link import RETRY_DELAY, Link, describe_error, is_fatal
+from remoteloader.client.link import Link, describe_error, is_fatal
 from remoteloader.protos import loader_pb2
 
 log = logging.getLogger("remoteloader.client")
@@ -105,9 +105,7 @@ class Engine:
                 await link.open_stream(self.setup)
             elif link.state in ("down", "dead") and link.address not in self._reconnecting:
                 # given up on (or refused) earlier: it gets another reconnect_timeout
-                link.state = "down"
-                link.down_since = time.monotonic()
-                link.retry_delay = RETRY_DELAY
+                link.down_afresh()
                 self._reconnecting[link.address] = asyncio.ensure_future(self._reconnect(link))
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_progress())

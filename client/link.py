@@ -190,10 +190,8 @@ class Link:
         # failure's time and the reconnect back-off reached, so a server that accepts
         # connections but fails (or refuses) every stream is retried ever more slowly and
         # still runs out of reconnect_timeout; one that worked, or lasted, starts afresh.
-        now = time.monotonic()
-        if self.down_since is None or self._healthy or now - self._up_since > 10.0:
-            self.down_since = now
-            self.retry_delay = RETRY_DELAY
+        if self.down_since is None or self._healthy or time.monotonic() - self._up_since > 10.0:
+            self.down_afresh()
         self.last_error = describe_error(exc)
         self._stop_stream()
         self.engine.on_link_down(self, exc)
@@ -206,6 +204,12 @@ class Link:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+
+    def down_afresh(self) -> None:
+        """Starts a new spell of downtime: reconnect_timeout and the back-off from now."""
+        self.state = "down"
+        self.down_since = time.monotonic()
+        self.retry_delay = RETRY_DELAY
 
     async def reset_channels(self) -> None:
         for channel in (self._control, self._data):

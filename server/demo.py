@@ -17,6 +17,8 @@ import tempfile
 import threading
 import time
 
+from remoteloader.server.config import ServerConfig
+
 CLASSES = ["diagonal", "horizontal", "slanted", "steep", "vertical", "wavy"]
 DONE_MARKER = ".remoteloader-demo-complete"
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -125,8 +127,9 @@ def _check(args: argparse.Namespace) -> None:
     for name, low in (("servers", 1), ("epochs", 1), ("batch_size", 1), ("workers", 1)):
         if getattr(args, name) < low:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected at least {low}")
-    if not 8 <= args.image_size <= 1024:
-        raise SystemExit(f"--image-size={args.image_size}: expected 8..1024 (the servers' default limits)")
+    low, high = ServerConfig.min_image_size, ServerConfig.max_image_size
+    if not low <= args.image_size <= high:
+        raise SystemExit(f"--image-size={args.image_size}: expected {low}..{high} (the servers' default limits)")
     if args.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", args.device):
         raise SystemExit(f"--device={args.device}: expected auto, cpu, cuda or cuda:N")
     _check_folder(args.prepare or (None if args.connect else args.data))
@@ -159,8 +162,8 @@ _signalled: list[int] = []
 
 def _interrupt(signum, _frame):
     # Unwinds the ExitStack: loaders, servers, temp dataset. Python swallows an exception
-    # raised while a finalizer runs (a batch's memory going back to its pool, say), so the
-    # signal is also remembered and raised again at the next batch.
+    # raised while a finalizer runs (any library's), so the signal is also remembered and
+    # raised again at the next batch.
     _signalled.append(signum)
     raise KeyboardInterrupt
 

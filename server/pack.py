@@ -63,7 +63,7 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     paths: list[pathlib.Path] = []
     tar = None
     written = 0
-    unreadable: list[str] = []
+    unreadable, first_unreadable = 0, []  # a count and the first five, named
     try:
         for index in order.tolist():
             key = source.key(index)
@@ -71,7 +71,9 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
             try:  # the header only (a full decode would cost ~1 ms per image): copied anyway
                 read_size(data, max_pixels=1 << 62)
             except DecodeError as exc:
-                unreadable.append(f"{key} ({exc})")
+                unreadable += 1
+                if len(first_unreadable) < 5:
+                    first_unreadable.append(f"{key} ({exc})")
             if tar is None or written >= shard_size:
                 if tar is not None:
                     tar.close()
@@ -93,9 +95,9 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     for path in paths:  # the sidecar indexes: servers start without scanning the tars
         TarShard(path, names)
     if unreadable:
-        print(f"remoteloader pack: warning: {len(unreadable)} file(s) have no readable image header; they are "
-              f"packed as they are and will fail when served: {'; '.join(unreadable[:5])}"
-              f"{' ...' if len(unreadable) > 5 else ''}", file=sys.stderr)
+        print(f"remoteloader pack: warning: {unreadable} file(s) have no readable image header; they are "
+              f"packed as they are and will fail when served: {'; '.join(first_unreadable)}"
+              f"{' ...' if unreadable > 5 else ''}", file=sys.stderr)
     return paths
 
 

@@ -322,6 +322,13 @@ def _tasks_on_the_io_loop() -> int:
     return asyncio.run_coroutine_threadsafe(count(), io_loop()[0]).result(10)
 
 
+def _tasks_on_the_io_loop_settle_at(tasks: int, seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while _tasks_on_the_io_loop() != tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _tasks_on_the_io_loop() == tasks
+
+
 def test_context_manager_closes_and_close_is_idempotent(data):
     tasks = _tasks_on_the_io_loop()
     with loader_for(data) as loader:
@@ -329,10 +336,7 @@ def test_context_manager_closes_and_close_is_idempotent(data):
         assert len(images) == BATCH
         assert _io_threads() == 1 and _tasks_on_the_io_loop() > tasks
     # Its streams, tasks and channels are gone; the process's I/O thread stays for the next.
-    deadline = time.monotonic() + 5
-    while _tasks_on_the_io_loop() != tasks and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _tasks_on_the_io_loop() == tasks and _io_threads() == 1
+    assert _tasks_on_the_io_loop_settle_at(tasks) and _io_threads() == 1
     loader.close()  # a second close is fine
     with pytest.raises(RuntimeError, match="closed"):
         iter(loader)
@@ -382,10 +386,7 @@ def test_a_loader_collected_on_the_io_thread_closes_without_stalling_it(data):
         took = asyncio.run_coroutine_threadsafe(collect_here(), io_loop()[0]).result(30)
         assert took < 3, f"closing a collected loader held the I/O thread for {took:.1f}s"
         assert len(list(keeper)) == data.total // BATCH  # the other loader is unharmed
-    deadline = time.monotonic() + 5
-    while _tasks_on_the_io_loop() != tasks and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _tasks_on_the_io_loop() == tasks, "the collected loader left tasks behind"
+    assert _tasks_on_the_io_loop_settle_at(tasks), "the collected loader left tasks behind"
 
 
 def test_a_loader_used_in_a_forked_child_is_a_clear_error_not_a_hang(data):
