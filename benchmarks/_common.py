@@ -14,6 +14,8 @@ import multiprocessing as mp
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 import time
 
@@ -182,6 +184,32 @@ def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int =
                     print(f"  {done}/{len(jobs)} ({time.perf_counter() - started:.0f}s)", file=sys.stderr, flush=True)
     manifest_path.write_text(json.dumps({**wanted, "count": count, "complete": True}))
     return root
+
+
+def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
+    """``remoteloader pack`` of the ImageFolder ``root`` (made by ensure_dataset), cached beside
+    it as ``<root>-packed`` and re-made when the ImageFolder changed. Packing is not timed."""
+    root = pathlib.Path(root).expanduser()
+    source = json.loads((root / MANIFEST).read_text())
+    packed = root.with_name(root.name + "-packed")
+    marker = packed / MANIFEST
+    if marker.exists() and json.loads(marker.read_text()) == source:
+        return packed
+    if packed.exists():
+        if not marker.exists():
+            raise SystemExit(f"{packed} exists and was not made by this benchmark (no {MANIFEST}); move it away")
+        shutil.rmtree(packed)
+    tmp = packed.with_name(f".{packed.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"packing {root} into {packed} (remoteloader pack, {workers} processes) ...", file=sys.stderr, flush=True)
+    try:
+        subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "pack", str(root), str(tmp),
+                        "--workers", str(workers), "--quiet"], check=True)
+        (tmp / MANIFEST).write_text(json.dumps(source))
+        os.replace(tmp, packed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return packed
 
 
 def list_samples(root: pathlib.Path) -> tuple[list[tuple[str, int]], list[str]]:

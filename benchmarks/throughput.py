@@ -8,7 +8,9 @@ resized crop to 224x224, scale 0.08-1, ratio 3/4-4/3, horizontal flip, uint8 RGB
 ``--output float``, float32 NCHW normalized with ImageNet's mean/std, as ToTensor +
 Normalize give it):
 
-  remote  RemoteLoader fed by one local ``remoteloader-server`` (--workers K, 127.0.0.1)
+  remote  RemoteLoader fed by one local ``remoteloader-server`` (--workers K, 127.0.0.1), reading
+          by default the tar shards ``remoteloader pack`` writes once from the same ImageFolder
+          (JPEGs rewritten losslessly: the same pixels; --remote-data folder: the files themselves)
   pil     torch DataLoader(num_workers=K): PIL open/convert, torchvision's RandomResizedCrop
           algorithm re-implemented on PIL, flip, pil_to_tensor, default collate
   opencv  torch DataLoader(num_workers=K): cv2.imread + cvtColor, albumentations
@@ -286,6 +288,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"server workers and DataLoader num_workers (default: the {cores} usable cores)")
     parser.add_argument("--data", type=pathlib.Path, default=_common.DEFAULT_DATA,
                         help=f"cached ImageFolder (default {_common.DEFAULT_DATA})")
+    parser.add_argument("--remote-data", choices=("packed", "folder"), default="packed",
+                        help="what the server reads: tar shards written once by `remoteloader pack` from --data "
+                             "(default; JPEGs rewritten losslessly, so it decodes only a crop's blocks), or the "
+                             "ImageFolder itself. The DataLoaders always read the ImageFolder's original files")
     parser.add_argument("--loaders", default=",".join(LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
     parser.add_argument("--output", choices=OUTPUTS, default="uint8",
@@ -360,11 +366,12 @@ def main(argv=None) -> int:
     try:
         if "remote" in args.loaders:
             started = time.perf_counter()
-            server = LocalServer(root, args=["--workers", str(args.workers), "--grace", "2", "--log-level", "INFO",
+            served = _common.ensure_packed(root, cores) if args.remote_data == "packed" else root
+            server = LocalServer(served, args=["--workers", str(args.workers), "--grace", "2", "--log-level", "INFO",
                                              *args.server_args],
                                  env={"NO_ALBUMENTATIONS_UPDATE": "1"}, log_path=pathlib.Path(log_dir) / "server.log")
             server.start(timeout=120)
-            print(f"server: {server.address} (pid {server.process.pid}, {args.workers} workers), ready in "
+            print(f"server: {server.address} (pid {server.process.pid}, {args.workers} workers, reading {served}), ready in "
                   f"{time.perf_counter() - started:.1f}s; log {server.log_path}", flush=True)
         server_pid = server.process.pid if server else None
         expect = args.batch_size

@@ -14,6 +14,15 @@
  * Raises ValueError with libjpeg's message, or with ": decode it whole" for what it does not
  * handle (progressive, CMYK/YCCK, lossless...): the caller decodes those some other way.
  * The GIL is released while decoding.
+ *
+ * A JPEG with a restart marker after every MCU (what transcode() writes) is first cut down to
+ * the region's MCUs: each MCU's entropy-coded bytes stand alone there (the DC predictions
+ * restart at each marker), so the rows above the region and the columns beside it are not
+ * even entropy-decoded. The cut is a smaller JPEG of the same blocks, so the pixels are the same.
+ *
+ * transcode(data) rewrites a JPEG losslessly (the same DCT coefficients, hence the same
+ * pixels) as baseline with optimized Huffman tables and a restart marker after every MCU,
+ * keeping its APPn and COM markers; it raises ValueError for what libjpeg cannot read cleanly.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,6 +55,114 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) { /* a warning: corrupt data that libjpeg would otherwise paper over */
         on_error(cinfo);
     }
+}
+
+/* Where a JPEG's blocks lie, for cutting out a region of MCUs (see the comment on top). */
+typedef struct {
+    size_t sof;      /* offset of the SOF segment's length field */
+    size_t entropy;  /* offset of the first entropy-coded byte (after SOS) */
+    unsigned width, height, mcu_w, mcu_h;
+} layout;
+
+static unsigned get16(const unsigned char *p) { return (unsigned)p[0] << 8 | p[1]; }
+
+/* Fills `lay` and returns 1 for a baseline Huffman JPEG with one scan of all its components
+ * and a restart marker after every MCU; 0 for anything else (decoded as it is). */
+static int read_layout(const unsigned char *data, size_t size, layout *lay) {
+    size_t i = 2;
+    int restart_every_mcu = 0, have_frame = 0;
+    unsigned components = 0, hmax = 1, vmax = 1;
+    if (size < 4 || data[0] != 0xFF || data[1] != 0xD8) return 0;
+    for (int steps = 0; steps < 512; steps++) {
+        if (i + 4 > size || data[i] != 0xFF) return 0;
+        unsigned marker = data[i + 1];
+        if (marker == 0xFF) { i++; continue; }              /* fill byte */
+        if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD8)) { i += 2; continue; }
+        size_t length = get16(data + i + 2);
+        if (length < 2 || i + 2 + length > size) return 0;
+        const unsigned char *seg = data + i + 4;
+        if (marker == 0xC0 || marker == 0xC1) {              /* baseline or extended Huffman */
+            if (have_frame || length < 8 || seg[0] != 8) return 0;
+            lay->sof = i + 2;
+            lay->height = get16(seg + 1);
+            lay->width = get16(seg + 3);
+            components = seg[5];
+            if (components < 1 || components > 4 || length != 8 + 3 * components || lay->height == 0 || lay->width == 0) return 0;
+            for (unsigned c = 0; c < components; c++) {
+                unsigned h = seg[6 + 3 * c + 1] >> 4, v = seg[6 + 3 * c + 1] & 15;
+                if (h < 1 || h > 4 || v < 1 || v > 4) return 0;
+                hmax = h > hmax ? h : hmax;
+                vmax = v > vmax ? v : vmax;
+            }
+            have_frame = 1;
+        } else if ((marker >= 0xC2 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC) ||
+                   marker == 0xD9) {
+            return 0;                                         /* progressive, lossless, arithmetic... */
+        } else if (marker == 0xDD) {                          /* DRI */
+            if (length != 4) return 0;
+            restart_every_mcu = get16(seg) == 1;
+        } else if (marker == 0xDA) {                          /* SOS: the one scan must hold every component */
+            if (!have_frame || !restart_every_mcu || length < 3 || seg[0] != components) return 0;
+            lay->entropy = i + 2 + length;
+            /* One component: an MCU is one block. Several: hmax x vmax blocks of 8 x 8 pixels. */
+            lay->mcu_w = components == 1 ? 8 : 8 * hmax;
+            lay->mcu_h = components == 1 ? 8 : 8 * vmax;
+            return 1;
+        }
+        i += 2 + length;
+    }
+    return 0;
+}
+
+/* Cuts the MCU columns [c0, c1) of rows [r0, r1) out of a JPEG read by read_layout() into a
+ * new JPEG at *cut (malloc'ed; *cut_size bytes): the header with the new size in its SOF,
+ * the MCUs' entropy-coded segments, renumbered restart markers between them, EOI.
+ * Returns 0 when the entropy-coded data does not hold the MCUs it should. */
+static int cut_mcus(const unsigned char *data, size_t size, const layout *lay, unsigned c0, unsigned c1,
+                    unsigned r0, unsigned r1, unsigned char **cut, size_t *cut_size) {
+    const unsigned cols = (lay->width + lay->mcu_w - 1) / lay->mcu_w;
+    const size_t first = (size_t)r0 * cols + c0, last = (size_t)(r1 - 1) * cols + c1; /* MCUs [first, last) */
+    const size_t wanted = (size_t)(r1 - r0) * (c1 - c0);
+    unsigned char *out = malloc(size + 2 * wanted + 2);
+    if (out == NULL) return 0;
+    memcpy(out, data, lay->entropy);
+    const unsigned w = c1 * lay->mcu_w < lay->width ? (c1 - c0) * lay->mcu_w : lay->width - c0 * lay->mcu_w;
+    const unsigned h = r1 * lay->mcu_h < lay->height ? (r1 - r0) * lay->mcu_h : lay->height - r0 * lay->mcu_h;
+    out[lay->sof + 3] = h >> 8, out[lay->sof + 4] = h & 255;
+    out[lay->sof + 5] = w >> 8, out[lay->sof + 6] = w & 255;
+    const size_t total = (size_t)((lay->height + lay->mcu_h - 1) / lay->mcu_h) * cols;
+    size_t n = lay->entropy, taken = 0, start = lay->entropy, mcu = 0;
+    const unsigned char *end = data + size;
+    for (; mcu < last; mcu++) {
+        /* MCU `mcu`'s segment runs from `start` to the next marker: a 0xFF not followed by
+         * 0x00 (a stuffed 0xFF byte) or by 0xFF (a fill byte before the marker). */
+        const unsigned char *q = data + start;
+        for (;;) {
+            q = memchr(q, 0xFF, (size_t)(end - q));
+            if (q == NULL || q + 1 >= end) break;
+            if (q[1] == 0x00) q += 2;
+            else if (q[1] == 0xFF) q += 1;
+            else break;
+        }
+        if (q == NULL || q + 1 >= end) break;
+        const int restart = q[1] >= 0xD0 && q[1] <= 0xD7;
+        if (restart ? q[1] != 0xD0 + mcu % 8 : mcu + 1 != total) break; /* not the MCUs we expect */
+        if (mcu >= first && mcu % cols >= c0 && mcu % cols < c1) {
+            if (taken > 0) out[n++] = 0xFF, out[n++] = (unsigned char)(0xD0 + (taken - 1) % 8);
+            memcpy(out + n, data + start, (size_t)(q - data) - start);
+            n += (size_t)(q - data) - start;
+            taken++;
+        }
+        start = (size_t)(q - data) + 2;
+    }
+    if (mcu < last || taken != wanted) {
+        free(out);
+        return 0;
+    }
+    out[n++] = 0xFF, out[n++] = 0xD9;
+    *cut = out;
+    *cut_size = n;
+    return 1;
 }
 
 /* Returns NULL on success, else a static message or err->message. */
@@ -139,6 +256,28 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     return NULL;
 }
 
+/* decode(), from the region's MCUs only when the JPEG has a restart marker after each MCU. */
+static const char *decode_cut(const unsigned char *data, size_t size, int denom, JDIMENSION x, JDIMENSION y,
+                              JDIMENSION w, JDIMENSION h, unsigned char *out, error_mgr *err) {
+    layout lay = {0};
+    unsigned char *cut = NULL;
+    size_t cut_size = 0;
+    if (w > 0 && h > 0 && read_layout(data, size, &lay)) {
+        /* In the image scaled by 1/denom, an MCU is mcu_w / denom x mcu_h / denom pixels. */
+        const unsigned sw = lay.mcu_w / denom, sh = lay.mcu_h / denom;
+        const unsigned out_w = (lay.width + denom - 1) / denom, out_h = (lay.height + denom - 1) / denom;
+        if (x < out_w && w <= out_w - x && y < out_h && h <= out_h - y) {
+            const unsigned c0 = x / sw, r0 = y / sh;
+            if (cut_mcus(data, size, &lay, c0, (x + w + sw - 1) / sw, r0, (y + h + sh - 1) / sh, &cut, &cut_size)) {
+                const char *problem = decode(cut, cut_size, denom, x - c0 * sw, y - r0 * sh, w, h, out, err);
+                free(cut);
+                return problem;
+            }
+        }
+    }
+    return decode(data, size, denom, x, y, w, h, out, err);
+}
+
 static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data, out;
     int denom;
@@ -158,8 +297,8 @@ static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "out must be a contiguous buffer of h * w * 3 bytes");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        problem = decode((const unsigned char *)data.buf, (size_t)data.len, denom, (JDIMENSION)x,
-                         (JDIMENSION)y, (JDIMENSION)w, (JDIMENSION)h, (unsigned char *)out.buf, &err);
+        problem = decode_cut((const unsigned char *)data.buf, (size_t)data.len, denom, (JDIMENSION)x,
+                             (JDIMENSION)y, (JDIMENSION)w, (JDIMENSION)h, (unsigned char *)out.buf, &err);
         Py_END_ALLOW_THREADS
         if (problem) {
             PyErr_SetString(PyExc_ValueError, problem);
@@ -172,10 +311,80 @@ static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+/* transcode(): see the comment on top. Returns NULL on success, else a message; *result is
+ * malloc'ed by libjpeg. */
+static const char *transcode_jpeg(const unsigned char *data, size_t size, unsigned char **result,
+                                  unsigned long *result_size, error_mgr *err) {
+    struct jpeg_decompress_struct src;
+    struct jpeg_compress_struct dst;
+    volatile int have_dst = 0;
+    src.err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    err->pub.emit_message = on_message;
+    err->message[0] = '\0';
+    if (setjmp(err->jump)) {
+        if (have_dst) jpeg_destroy_compress(&dst);
+        jpeg_destroy_decompress(&src);
+        free(*result);
+        *result = NULL;
+        return err->message;
+    }
+    jpeg_create_decompress(&src);
+    jpeg_mem_src(&src, data, (unsigned long)size);
+    jpeg_save_markers(&src, JPEG_COM, 0xFFFF);
+    for (int m = 0; m < 16; m++) jpeg_save_markers(&src, JPEG_APP0 + m, 0xFFFF);
+    jpeg_read_header(&src, TRUE);
+    jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
+    dst.err = src.err;
+    jpeg_create_compress(&dst);
+    have_dst = 1;
+    jpeg_mem_dest(&dst, result, result_size);
+    jpeg_copy_critical_parameters(&src, &dst); /* sequential, Huffman: the defaults */
+    dst.optimize_coding = TRUE;
+    dst.restart_interval = 1;
+    jpeg_write_coefficients(&dst, coefficients);
+    for (jpeg_saved_marker_ptr m = src.marker_list; m != NULL; m = m->next) {
+        /* libjpeg writes its own JFIF and Adobe markers (as jpegtran, do not repeat them). */
+        if (dst.write_JFIF_header && m->marker == JPEG_APP0 && m->data_length >= 5 && memcmp(m->data, "JFIF", 5) == 0) continue;
+        if (dst.write_Adobe_marker && m->marker == JPEG_APP0 + 14 && m->data_length >= 5 && memcmp(m->data, "Adobe", 5) == 0) continue;
+        jpeg_write_marker(&dst, m->marker, m->data, m->data_length);
+    }
+    jpeg_finish_compress(&dst);
+    jpeg_destroy_compress(&dst);
+    jpeg_finish_decompress(&src);
+    jpeg_destroy_decompress(&src);
+    return NULL;
+}
+
+static PyObject *transcode(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data)) {
+        return NULL;
+    }
+    error_mgr err;
+    unsigned char *result = NULL;
+    unsigned long result_size = 0;
+    const char *problem;
+    Py_BEGIN_ALLOW_THREADS
+    problem = transcode_jpeg((const unsigned char *)data.buf, (size_t)data.len, &result, &result_size, &err);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    if (problem) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)result, (Py_ssize_t)result_size);
+    free(result);
+    return bytes;
+}
+
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, denom, x, y, w, h, out): decode the region (x, y, w, h) of the JPEG "
      "scaled by 1/denom into out (h * w * 3 bytes, RGB)."},
+    {"transcode", transcode, METH_VARARGS,
+     "transcode(data) -> bytes: the same JPEG (same coefficients, same pixels) as baseline with "
+     "optimized Huffman tables and a restart marker after every MCU, which decode_region cuts at."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,10 +5,12 @@ files raise instead of yielding half-grey images; PNGs go through OpenCV.
 Everything returns RGB uint8 HWC.
 
 ``decode_crop`` can decode only a crop's rows and columns with the native region decoder
-(``_jpeg.c``, built at install time when a compiler and libjpeg-turbo's headers are there).
-It gives the same pixels as a whole decode, but it does not read the rows below the crop, so
-it cannot refuse damage there: the server uses it only for files that have decoded whole
-without error before (see service.LoaderService._render).
+(``_jpeg.c``, built at install time when a compiler and libjpeg-turbo's headers are there);
+in a JPEG with a restart marker after every MCU (as ``remoteloader pack`` writes them) only
+the crop's MCUs. It gives the same pixels as a whole decode, but it does not read what lies
+outside the crop (at least the rows below it), so it cannot refuse damage there: the server
+uses it only for files that have decoded whole without error before (see
+service.LoaderService._render).
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def region_decoder() -> str:
     if _jpeg is None:
         return "whole images (simplejpeg; the native region decoder was not built, see setup.py)"
     v = _jpeg.LIBJPEG_TURBO_VERSION_NUMBER
-    return (f"crop regions only, once a file has decoded whole without error (native, libjpeg-turbo "
+    return (f"crop regions only, once a file has decoded whole without error; only the crop's MCUs in "
+            f"JPEGs with a restart marker per MCU, as `remoteloader pack` writes them (native, libjpeg-turbo "
             f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000})")
 
 
@@ -164,7 +167,8 @@ def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, 
     at that scale.
 
     ``native=True`` uses the region decoder for baseline JPEGs: rows below the box are never
-    decoded, and rows above and columns beside it are only entropy-decoded. Damage in a file
+    decoded, and rows above and columns beside it are only entropy-decoded, or not at all
+    with a restart marker after every MCU (see ``_jpeg.c``). Damage in a file
     can then go unseen (see the module's docstring): pass it only for files known to decode.
     Whatever the region decoder refuses is decoded whole, which decides.
     """

@@ -213,7 +213,28 @@ def jpeg_variants() -> dict[str, tuple[bytes, int, int]]:
         out[name] = (data.tobytes(), 301, 413)
     ok, data = cv2.imencode(".jpg", image[..., 0], [cv2.IMWRITE_JPEG_QUALITY, 90])
     out["grey"] = (data.tobytes(), 301, 413)
+    ok, data = cv2.imencode(".jpg", image[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_RST_INTERVAL, 1])
+    out["restart-per-mcu"] = (data.tobytes(), 301, 413)  # another encoder's: cut as pack's are
+    if dec._jpeg is not None:  # as `remoteloader pack` rewrites them: cut to the crop's MCUs
+        for name in ("420", "422", "444", "411", "440", "progressive", "grey"):
+            out[f"{name} packed"] = (dec._jpeg.transcode(out[name][0]), 301, 413)
     return out
+
+
+def entropy_segments(data: bytes) -> tuple[int, list[tuple[int, int]]]:
+    """Where a single-scan JPEG's entropy-coded data starts, and its segments' (start, end)
+    offsets between restart markers."""
+    sos = data.index(b"\xff\xda")
+    start = sos + 2 + struct.unpack(">H", data[sos + 2:sos + 4])[0]
+    segments, i = [], start
+    while True:
+        j = data.index(b"\xff", i)
+        while data[j + 1] in (0x00, 0xFF):  # a stuffed 0xFF byte, or fill before a marker
+            j = data.index(b"\xff", j + 1 + (data[j + 1] == 0x00))
+        segments.append((i, j))
+        if not 0xD0 <= data[j + 1] <= 0xD7:
+            return start, segments
+        i = j + 2
 
 
 def random_boxes(rng: np.random.Generator, height: int, width: int, n: int):
@@ -238,6 +259,67 @@ def test_region_decoder_gives_the_pixels_of_a_whole_decode(monkeypatch):
                     whole = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w)
                 assert region.shape == whole.shape and region.dtype == np.uint8, (name, box, min_h)
                 assert np.array_equal(region, whole), f"{name}: box {box} at min {min_h}x{min_w}"
+
+
+@needs_region_decoder
+def test_packed_jpegs_keep_every_pixel_at_every_scale():
+    """_jpeg.transcode, what `remoteloader pack` writes: other bytes (baseline, one restart
+    marker per MCU), the same pixels, decoded whole at full size and at 1/2, 1/4, 1/8."""
+    variants = jpeg_variants()
+    for name in ("420", "422", "444", "411", "440", "progressive", "grey"):
+        original, packed = variants[name][0], variants[f"{name} packed"][0]
+        assert dec._frame_marker(packed) == 0xC0, name  # baseline, also from progressive
+        assert b"\xff\xdd\x00\x04\x00\x01" in packed[:packed.index(b"\xff\xda")], f"{name}: no DRI of 1 MCU"
+        _, segments = entropy_segments(packed)
+        mcu = (8, 8) if name in ("444", "grey") else {"420": (16, 16), "422": (16, 8), "411": (32, 8), "440": (8, 16)}.get(
+            name, (16, 16))
+        assert len(segments) == math.ceil(413 / mcu[0]) * math.ceil(301 / mcu[1]), name
+        for min_h, min_w in ((0, 0), (150, 200), (75, 1), (1, 1)):
+            whole = dec.decode(original, "jpeg", min_h, min_w, 301, 413)
+            assert np.array_equal(dec.decode(packed, "jpeg", min_h, min_w, 301, 413), whole), (name, min_h)
+    with pytest.raises(ValueError, match="(?i)corrupt|premature|not a jpeg"):
+        dec._jpeg.transcode(variants["420"][0][:5000])  # damage is refused (pack copies such files)
+    with pytest.raises(ValueError):
+        dec._jpeg.transcode(b"\x89PNG\r\n\x1a\n" + bytes(100))
+
+
+@needs_region_decoder
+def test_region_decoder_reads_only_the_crops_mcus_of_a_jpeg_with_a_restart_per_mcu():
+    """With a restart marker after every MCU, the rows above a crop and the columns beside it are
+    not even entropy-decoded (most of a decode's time): damage there cannot be seen, while a
+    whole decode, and the region decoder on the same file without the markers, refuse it."""
+    for name, mcu in (("420 packed", 16), ("444 packed", 8), ("grey packed", 8), ("restart-per-mcu", 16)):
+        data, h, w = jpeg_variants()[name]
+        start, segments = entropy_segments(data)
+        cols = math.ceil(w / mcu)
+        box = (3 * mcu + 5, 2 * mcu + 3, 7 * mcu + 1, 5 * mcu)  # MCU columns 3..6, rows 2..4
+        clean = np.empty((box[3] - box[1], box[2] - box[0], 3), np.uint8)
+        dec._jpeg.decode_region(data, 1, box[0], box[1], box[2] - box[0], box[3] - box[1], clean)
+        whole = dec.decode(data, "jpeg", 0, 0, h, w)
+        assert np.array_equal(clean, whole[box[1]:box[3], box[0]:box[2]]), name
+        # Empty the segments of the first MCU and of MCUs left and right of the crop on its rows.
+        damaged = bytearray(data)
+        for index in sorted((0, 2 * cols, 3 * cols + 2, 4 * cols + 9, 4 * cols + cols - 1), reverse=True):
+            begin, end = segments[index]
+            del damaged[begin:end]
+        damaged = bytes(damaged)
+        with pytest.raises(dec.DecodeError, match="(?i)corrupt|premature"):
+            dec.decode(damaged, "jpeg", 0, 0, h, w)
+        region = np.empty_like(clean)
+        dec._jpeg.decode_region(damaged, 1, box[0], box[1], box[2] - box[0], box[3] - box[1], region)
+        assert np.array_equal(region, clean), name
+        for denom in (2, 8):  # at reduced scales too: an MCU is mcu / denom pixels there
+            x, y = box[0] // denom, box[1] // denom
+            clean_small, small = (np.empty((mcu // denom, mcu // denom, 3), np.uint8) for _ in range(2))
+            dec._jpeg.decode_region(data, denom, x, y, mcu // denom, mcu // denom, clean_small)
+            dec._jpeg.decode_region(damaged, denom, x, y, mcu // denom, mcu // denom, small)
+            assert np.array_equal(small, clean_small), (name, denom)
+    # Not every MCU of a file with markers every 3 MCUs stands alone: it is read down to the crop.
+    data, h, w = jpeg_variants()["restarts"]
+    start, segments = entropy_segments(data)
+    begin, end = segments[0]
+    with pytest.raises(ValueError):
+        dec._jpeg.decode_region(data[:begin] + data[end:], 1, 100, 100, 16, 16, np.empty((16, 16, 3), np.uint8))
 
 
 def test_whole_decode_refuses_damage_the_region_decoder_cannot_see(decoder):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from remoteloader.client import RemoteLoader
+from remoteloader.server import decode as dec
 from remoteloader.server.catalog import CatalogError, TarShard, open_shards
 from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
 
@@ -69,6 +70,8 @@ def test_pack_writes_webdataset_shards_and_classes(packed):
     assert sorted(os.listdir(dst)) == sorted([p.name for p in shards] + indexes + ["classes.txt"])
     assert (dst / "classes.txt").read_text() == "".join(f"{c}\n" for c in CLASSES)
     assert f"wrote {len(shards)} shard(s)" in result.stdout
+    if dec._jpeg is not None:
+        assert f"{len(CLASSES) * PER_CLASS} of {len(CLASSES) * PER_CLASS} files rewritten losslessly" in result.stdout
     seen = {}
     for shard in shards:
         entries = members(shard)
@@ -79,7 +82,10 @@ def test_pack_writes_webdataset_shards_and_classes(packed):
             assert cls_name == image_name[:-len(".jpg")] + ".cls"
             assert image_name not in seen, f"{image_name} packed twice"
             seen[image_name] = shard.name
-            assert data == (src / image_name).read_bytes(), f"{image_name}: bytes re-encoded or changed"
+            original = (src / image_name).read_bytes()
+            # Rewritten losslessly, with a restart marker per MCU, when the native module is built.
+            assert data == (original if dec._jpeg is None else dec._jpeg.transcode(original)), image_name
+            assert np.array_equal(dec.decode(data, "jpeg"), dec.decode(original, "jpeg")), image_name
             assert int(label.decode()) == CLASSES.index(image_name.split("/")[0])
     assert sorted(seen) == sorted(str(p.relative_to(src)) for p in src.rglob("*.jpg"))
     # Classes are mixed across shards by default.
@@ -109,6 +115,36 @@ def test_pack_names_files_without_a_readable_header_and_still_packs_them(tmp_pat
     assert "ant/empty.jpg" in result.stderr and "bee/notes.jpg" in result.stderr
     packed_names = {name for name, _ in members(tmp_path / "dst" / "shard-00000.tar")}
     assert {"ant/empty.jpg", "bee/notes.jpg"} <= packed_names  # nothing dropped: served as failures
+
+
+@pytest.mark.skipif(dec._jpeg is None, reason="the native JPEG module was not built")
+def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
+    """Progressive JPEGs become baseline with the same pixels; a PNG, a damaged JPEG and an
+    unreadable file are copied byte for byte and named; --verbatim copies everything."""
+    import cv2
+
+    src = make_imagefolder(tmp_path / "src", CLASSES[:2], 3, size=(40, 56), seed=6)
+    image = make_image(0, 5, np.random.default_rng(2), 70, 90)
+    (src / "ant" / "prog.jpg").write_bytes(cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, 1])[1].tobytes())
+    (src / "ant" / "pic.png").write_bytes(cv2.imencode(".png", image)[1].tobytes())
+    good = (src / "bee" / "bee_00000.jpg").read_bytes()
+    (src / "bee" / "cut.jpg").write_bytes(good[:len(good) * 2 // 3])
+    (src / "bee" / "notes.jpg").write_bytes(b"not a jpeg at all")
+    originals = {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*.*")}
+    result = pack_cli(src, tmp_path / "dst", "--quiet", "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"wrote 1 shard(s)" in result.stdout and f"7 of {len(originals)} files rewritten losslessly" in result.stdout
+    assert "2 file(s) copied as they are" in result.stderr and "ant/pic.png (PNG)" in result.stderr, result.stderr
+    assert "bee/cut.jpg (libjpeg:" in result.stderr and "1 file(s) have no readable image header" in result.stderr
+    packed = dict(members(tmp_path / "dst" / "shard-00000.tar"))
+    for name in ("ant/pic.png", "bee/cut.jpg", "bee/notes.jpg"):
+        assert packed[name] == originals[name], name
+    for name in ("ant/prog.jpg", "bee/bee_00000.jpg"):
+        assert packed[name] != originals[name] and dec._frame_marker(packed[name]) == 0xC0, name
+        assert np.array_equal(dec.decode(packed[name], "jpeg"), dec.decode(originals[name], "jpeg")), name
+    verbatim = pack_cli(src, tmp_path / "verbatim", "--quiet", "--verbatim")
+    assert verbatim.returncode == 0 and "rewritten" not in verbatim.stdout and "copied" not in verbatim.stderr
+    assert {k: v for k, v in members(tmp_path / "verbatim" / "shard-00000.tar") if not k.endswith(".cls")} == originals
 
 
 def test_pack_refuses_a_destination_holding_shards(packed):
