@@ -133,7 +133,7 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     originals = {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*.*")}
     result = pack_cli(src, tmp_path / "dst", "--quiet", "--workers", "2")
     assert result.returncode == 0, result.stderr
-    assert f"wrote 1 shard(s)" in result.stdout and f"7 of {len(originals)} files rewritten losslessly" in result.stdout
+    assert "wrote 1 shard(s)" in result.stdout and f"7 of {len(originals)} files rewritten losslessly" in result.stdout
     assert "2 file(s) copied as they are" in result.stderr and "ant/pic.png (PNG)" in result.stderr, result.stderr
     assert "bee/cut.jpg (libjpeg:" in result.stderr and "1 file(s) have no readable image header" in result.stderr
     packed = dict(members(tmp_path / "dst" / "shard-00000.tar"))
