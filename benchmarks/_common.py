@@ -189,8 +189,11 @@ def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int =
 def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
     """``remoteloader pack`` of the ImageFolder ``root`` (made by ensure_dataset), cached beside
     it as ``<root>-packed`` and re-made when the ImageFolder changed. Packing is not timed."""
+    from remoteloader.server.decode import _jpeg
+
     root = pathlib.Path(root).expanduser()
-    source = json.loads((root / MANIFEST).read_text())
+    # Re-made too once the native module is built: without it, pack copies the files as they are.
+    source = {**json.loads((root / MANIFEST).read_text()), "rewritten": _jpeg is not None}
     packed = root.with_name(root.name + "-packed")
     marker = packed / MANIFEST
     if marker.exists() and json.loads(marker.read_text()) == source:

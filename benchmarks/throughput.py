@@ -365,8 +365,8 @@ def main(argv=None) -> int:
     ok = False
     try:
         if "remote" in args.loaders:
-            started = time.perf_counter()
             served = _common.ensure_packed(root, cores) if args.remote_data == "packed" else root
+            started = time.perf_counter()
             server = LocalServer(served, args=["--workers", str(args.workers), "--grace", "2", "--log-level", "INFO",
                                              *args.server_args],
                                  env={"NO_ALBUMENTATIONS_UPDATE": "1"}, log_path=pathlib.Path(log_dir) / "server.log")

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h>
 
 #if !defined(JCS_EXTENSIONS) || !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2001003
 /* 2.1.3 fixed jpeg_crop_scanline() with fast 4:2:0 upsampling writing past the output rows. */
@@ -87,7 +88,8 @@ static int read_layout(const unsigned char *data, size_t size, layout *lay) {
             lay->height = get16(seg + 1);
             lay->width = get16(seg + 3);
             components = seg[5];
-            if (components < 1 || components > 4 || length != 8 + 3 * components || lay->height == 0 || lay->width == 0) return 0;
+            /* Four components are CMYK or YCCK, which decode() leaves to a whole decode. */
+            if (components < 1 || components > 3 || length != 8 + 3 * components || lay->height == 0 || lay->width == 0) return 0;
             for (unsigned c = 0; c < components; c++) {
                 unsigned h = seg[6 + 3 * c + 1] >> 4, v = seg[6 + 3 * c + 1] & 15;
                 if (h < 1 || h > 4 || v < 1 || v > 4) return 0;
@@ -311,13 +313,45 @@ static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
-/* transcode(): see the comment on top. Returns NULL on success, else a message; *result is
- * malloc'ed by libjpeg. */
-static const char *transcode_jpeg(const unsigned char *data, size_t size, unsigned char **result,
-                                  unsigned long *result_size, error_mgr *err) {
+/* transcode()'s output: a buffer that doubles as libjpeg fills it, owned here (not by libjpeg,
+ * whose jpeg_mem_dest buffer cannot be freed safely after an error). */
+typedef struct {
+    struct jpeg_destination_mgr pub;
+    unsigned char *buffer;
+    size_t size, used;
+} growing_dest;
+
+static void dest_init(j_compress_ptr cinfo) {
+    growing_dest *dest = (growing_dest *)cinfo->dest;
+    dest->pub.next_output_byte = dest->buffer;
+    dest->pub.free_in_buffer = dest->size;
+}
+
+static boolean dest_grow(j_compress_ptr cinfo) { /* called with the whole buffer full */
+    growing_dest *dest = (growing_dest *)cinfo->dest;
+    unsigned char *bigger = dest->size <= ((size_t)-1) / 2 ? realloc(dest->buffer, dest->size * 2) : NULL;
+    if (bigger == NULL) {
+        ERREXIT1(cinfo, JERR_OUT_OF_MEMORY, 10);
+    }
+    dest->buffer = bigger;
+    dest->pub.next_output_byte = bigger + dest->size;
+    dest->pub.free_in_buffer = dest->size;
+    dest->size *= 2;
+    return TRUE;
+}
+
+static void dest_term(j_compress_ptr cinfo) {
+    growing_dest *dest = (growing_dest *)cinfo->dest;
+    dest->used = dest->size - dest->pub.free_in_buffer;
+}
+
+/* transcode(): see the comment on top. Returns NULL on success (the JPEG in dest->buffer,
+ * dest->used bytes), else a message. The caller frees dest->buffer either way. */
+static const char *transcode_jpeg(const unsigned char *data, size_t size, growing_dest *dest, error_mgr *err) {
     struct jpeg_decompress_struct src;
     struct jpeg_compress_struct dst;
     volatile int have_dst = 0;
+    const char *volatile problem = NULL;
     src.err = jpeg_std_error(&err->pub);
     err->pub.error_exit = on_error;
     err->pub.emit_message = on_message;
@@ -325,9 +359,7 @@ static const char *transcode_jpeg(const unsigned char *data, size_t size, unsign
     if (setjmp(err->jump)) {
         if (have_dst) jpeg_destroy_compress(&dst);
         jpeg_destroy_decompress(&src);
-        free(*result);
-        *result = NULL;
-        return err->message;
+        return problem ? problem : err->message;
     }
     jpeg_create_decompress(&src);
     jpeg_mem_src(&src, data, (unsigned long)size);
@@ -335,10 +367,19 @@ static const char *transcode_jpeg(const unsigned char *data, size_t size, unsign
     for (int m = 0; m < 16; m++) jpeg_save_markers(&src, JPEG_APP0 + m, 0xFFFF);
     jpeg_read_header(&src, TRUE);
     jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
+    /* The end of the image has been read: anything after it (an MPF second image, a motion
+     * photo's video) would be lost, and the markers pointing at it left dangling. */
+    if (src.src->bytes_in_buffer > 64) {
+        problem = "data after the end of the image (an MPF part or a motion photo?)";
+        longjmp(err->jump, 1);
+    }
     dst.err = src.err;
     jpeg_create_compress(&dst);
     have_dst = 1;
-    jpeg_mem_dest(&dst, result, result_size);
+    dest->pub.init_destination = dest_init;
+    dest->pub.empty_output_buffer = dest_grow;
+    dest->pub.term_destination = dest_term;
+    dst.dest = &dest->pub;
     jpeg_copy_critical_parameters(&src, &dst); /* sequential, Huffman: the defaults */
     dst.optimize_coding = TRUE;
     dst.restart_interval = 1;
@@ -362,20 +403,25 @@ static PyObject *transcode(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     error_mgr err;
-    unsigned char *result = NULL;
-    unsigned long result_size = 0;
+    growing_dest dest = {.size = (size_t)data.len + 4096, .used = 0};
+    dest.buffer = malloc(dest.size);
+    if (dest.buffer == NULL) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
     const char *problem;
     Py_BEGIN_ALLOW_THREADS
-    problem = transcode_jpeg((const unsigned char *)data.buf, (size_t)data.len, &result, &result_size, &err);
+    problem = transcode_jpeg((const unsigned char *)data.buf, (size_t)data.len, &dest, &err);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
+    PyObject *result = NULL;
     if (problem) {
         PyErr_SetString(PyExc_ValueError, problem);
-        return NULL;
+    } else {
+        result = PyBytes_FromStringAndSize((const char *)dest.buffer, (Py_ssize_t)dest.used);
     }
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)result, (Py_ssize_t)result_size);
-    free(result);
-    return bytes;
+    free(dest.buffer);
+    return result;
 }
 
 static PyMethodDef methods[] = {

@@ -8,26 +8,33 @@ one large file by offset is much faster than opening many small files on real di
 
 JPEGs are rewritten losslessly unless ``--verbatim``: the same DCT coefficients, so the same
 pixels, as baseline with optimized Huffman tables and a restart marker after every MCU
-(``_jpeg.transcode``, as ``jpegtran -optimize -restart 1B`` would). The server then decodes
-only the MCUs a random crop covers (``_jpeg.decode_region``): about a third less decoding
-per image for ImageNet-sized photos and RandomResizedCrop. Progressive JPEGs become
-baseline. What cannot be rewritten (PNGs, damaged or exotic JPEGs) is copied as it is.
+(``_jpeg.transcode``, as ``jpegtran -copy all -optimize -restart 1B`` would). The server then
+decodes only the MCUs a random crop covers (``_jpeg.decode_region``): for ImageNet-sized
+photos and RandomResizedCrop, a quarter less decoding per image than the region decoder on
+the original files. Whole decodes of rewritten files cost about 8% more. Progressive JPEGs
+become baseline. What cannot or need not be rewritten (PNGs, CMYK, damaged JPEGs) is copied
+as it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import io
 import multiprocessing
 import os
 import pathlib
 import re
+import signal
 import sys
 import tarfile
 
 import numpy as np
+import simplejpeg
 
-from remoteloader.server.catalog import CLASSES_FILE, ImageFolderShard, TarShard
+from remoteloader.server.catalog import CLASSES_FILE, INDEX_SUFFIX, ImageFolderShard, TarShard
+from remoteloader.server.config import default_workers
 from remoteloader.server.decode import DecodeError, _jpeg, read_size
 
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
@@ -59,37 +66,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+# What pack did with a file: rewrote it; copied it (a PNG, CMYK...: nothing to gain, or --verbatim);
+# copied it because libjpeg would not rewrite it (damaged, most likely: a warning); or copied a
+# file whose header is unreadable (it fails when served: a warning).
+OUTCOMES = ("rewritten", "copied", "not rewritten", "unreadable")
+
+
 def prepare(path: str, transcode: bool = True) -> tuple[bytes, str, str]:
-    """A file's bytes for the shard, what was done ("transcoded", "kept" or "unreadable"), and why."""
+    """A file's bytes for the shard, its outcome (one of OUTCOMES) and why."""
     data = pathlib.Path(path).read_bytes()
     try:  # the header only (a full decode would cost ~1 ms per image)
         fmt, height, width = read_size(data, max_pixels=1 << 62)
     except DecodeError as exc:
         return data, "unreadable", str(exc)
     if not transcode or _jpeg is None:
-        return data, "kept", "not asked" if not transcode else "the native JPEG module was not built"
+        return data, "copied", "not asked" if not transcode else "the native JPEG module was not built"
     if fmt != "jpeg":
-        return data, "kept", "PNG" if fmt == "png" else "lossless or unusual JPEG"
+        return data, "copied", "PNG" if fmt == "png" else "lossless or unusual JPEG"
+    if simplejpeg.decode_jpeg_header(data)[2] in ("CMYK", "YCCK"):
+        return data, "copied", "CMYK, always decoded whole"
     if height * width > TRANSCODE_MAX_PIXELS:
-        return data, "kept", f"{width}x{height} is over {TRANSCODE_MAX_PIXELS // 1_000_000} MP"
+        return data, "copied", f"{width}x{height} is over {TRANSCODE_MAX_PIXELS // 1_000_000} MP"
     try:
-        return _jpeg.transcode(data), "transcoded", ""
-    except ValueError as exc:  # damaged, 12-bit...: served (or refused) as it is
-        return data, "kept", f"libjpeg: {exc}"
+        return _jpeg.transcode(data), "rewritten", ""
+    except ValueError as exc:
+        return data, "not rewritten", f"libjpeg: {exc}"
 
 
-def _prepare_transcoding(path: str) -> tuple[bytes, str, str]:
-    return prepare(path, True)
+def _prepare_all(paths: list[str], transcode: bool) -> list[tuple[bytes, str, str]]:
+    return [prepare(path, transcode) for path in paths]
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+
+
+def _prepared(paths: list[str], transcode: bool, workers: int):
+    """prepare() of every path, in order: in worker processes when there is rewriting to do,
+    with at most a few batches of files in flight (bounded memory whatever the disk's speed)."""
+    batches = [paths[i:i + 8] for i in range(0, len(paths), 8)]
+    if not (transcode and _jpeg is not None and workers > 1):
+        for batch in batches:
+            yield from _prepare_all(batch, transcode)
+        return
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_ignore_interrupts) as pool:
+        pending = collections.deque()
+        try:
+            for batch in batches:
+                if len(pending) >= 2 * workers:
+                    yield from pending.popleft().result()
+                pending.append(pool.submit(_prepare_all, batch, transcode))
+            while pending:
+                yield from pending.popleft().result()
+        except concurrent.futures.process.BrokenProcessPool:
+            raise RuntimeError("a worker process died (out of memory?); try fewer --workers") from None
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = True, progress: bool = True,
          transcode: bool = True, workers: int | None = None) -> tuple[list[pathlib.Path], dict[str, int]]:
-    """Writes the shards; returns their paths and how many files were "transcoded", "kept" as
-    they are and "unreadable". ``transcode``: rewrite JPEGs losslessly (see above)."""
+    """Writes the shards; returns their paths and how many files had each of OUTCOMES.
+    ``transcode``: rewrite JPEGs losslessly (see above). If it fails or is interrupted, what
+    it wrote is removed."""
     if shard_size <= 0:
         raise ValueError(f"shard_size={shard_size}: expected a positive number of bytes")
-    if workers is None:
-        workers = len(os.sched_getaffinity(0))
+    workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers}: expected at least 1")
     source = ImageFolderShard(pathlib.Path(src))
@@ -97,30 +141,42 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     if out.exists() and any(out.iterdir()):
         # A server reads every .tar in a folder: packing next to other files would mix datasets.
         raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
+    made_folder = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    paths: list[pathlib.Path] = []
+    try:
+        counts = _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, workers, paths)
+    except BaseException:
+        for path in paths:
+            path.unlink(missing_ok=True)
+            path.with_name(path.name + INDEX_SUFFIX).unlink(missing_ok=True)
+        (out / CLASSES_FILE).unlink(missing_ok=True)
+        if made_folder:
+            out.rmdir()
+        raise
+    return paths, counts
+
+
+def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, seed: int, shuffle: bool,
+                  progress: bool, transcode: bool, workers: int, paths: list[pathlib.Path]) -> dict[str, int]:
     order = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
     (out / CLASSES_FILE).write_text("".join(f"{c}\n" for c in source.class_names))
+    counts = dict.fromkeys(OUTCOMES, 0)
+    named: dict[str, list[str]] = {outcome: [] for outcome in OUTCOMES}  # the first five of each
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(source), unit="img", desc=f"packing into {out}", file=sys.stderr)
-    paths: list[pathlib.Path] = []
     tar = None
     written = 0
-    counts = {"transcoded": 0, "kept": 0, "unreadable": 0}
-    first = {"kept": [], "unreadable": []}  # the first five of each, named
-    files = (source.locate(index).path for index in order.tolist())
-    rewriting = transcode and _jpeg is not None and workers > 1
-    pool = multiprocessing.get_context("spawn").Pool(workers) if rewriting else None
+    prepared = _prepared([source.locate(index).path for index in order.tolist()], transcode, workers)
     try:
-        results = (pool.imap(_prepare_transcoding, files, chunksize=8) if pool is not None
-                   else (prepare(path, transcode) for path in files))
-        for index, (data, done, why) in zip(order.tolist(), results):
+        for index, (data, outcome, why) in zip(order.tolist(), prepared):
             key = source.key(index)
-            counts[done] += 1
-            if done in first and len(first[done]) < 5 and why != "not asked":
-                first[done].append(f"{key} ({why})")
+            counts[outcome] += 1
+            if len(named[outcome]) < 5:
+                named[outcome].append(f"{key} ({why})")
             if tar is None or written >= shard_size:
                 if tar is not None:
                     tar.close()
@@ -134,8 +190,7 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
             if bar is not None:
                 bar.update(1)
     finally:
-        if pool is not None:
-            pool.terminate()
+        prepared.close()  # stops the worker processes, also on an error or Ctrl-C
         if tar is not None:
             tar.close()
         if bar is not None:
@@ -143,17 +198,24 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     names = list(source.class_names)
     for path in paths:  # the sidecar indexes: servers start without scanning the tars
         TarShard(path, names)
+
+    def listed(outcome: str) -> str:
+        return "; ".join(named[outcome]) + (" ..." if counts[outcome] > 5 else "")
+
     if counts["unreadable"]:
         print(f"remoteloader pack: warning: {counts['unreadable']} file(s) have no readable image header; they are "
-              f"packed as they are and will fail when served: {'; '.join(first['unreadable'])}"
-              f"{' ...' if counts['unreadable'] > 5 else ''}", file=sys.stderr)
+              f"packed as they are and will fail when served: {listed('unreadable')}", file=sys.stderr)
+    if counts["not rewritten"]:
+        print(f"remoteloader pack: warning: libjpeg would not rewrite {counts['not rewritten']} JPEG(s), most "
+              f"likely damaged (a server fails those when it decodes them whole); packed as they are: "
+              f"{listed('not rewritten')}", file=sys.stderr)
     if transcode and _jpeg is None:
         print("remoteloader pack: warning: files copied as they are: the native JPEG module was not built "
               "(see setup.py), so servers will decode each JPEG's rows down to the crop", file=sys.stderr)
-    elif transcode and counts["kept"]:
-        print(f"remoteloader pack: {counts['kept']} file(s) copied as they are, not rewritten: "
-              f"{'; '.join(first['kept'])}{' ...' if counts['kept'] > 5 else ''}", file=sys.stderr)
-    return paths, counts
+    elif transcode and counts["copied"]:
+        print(f"remoteloader pack: {counts['copied']} file(s) copied as they are, with nothing to gain from "
+              f"rewriting: {listed('copied')}", file=sys.stderr)
+    return counts
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -167,10 +229,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths, counts = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
                              progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
-    except (OSError, ValueError) as exc:  # CatalogError is a ValueError
+    except KeyboardInterrupt:
+        print(f"\nremoteloader pack: interrupted; removed the shards written to {args.dst}", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, RuntimeError) as exc:  # CatalogError is a ValueError
         print(f"remoteloader pack: error: {exc}", file=sys.stderr)
         return 2
     total = sum(p.stat().st_size for p in paths)
-    rewritten = f"; {counts['transcoded']} of {sum(counts.values())} files rewritten losslessly" if not args.verbatim else ""
+    rewritten = f"; {counts['rewritten']} of {sum(counts.values())} files rewritten losslessly" if not args.verbatim else ""
     print(f"wrote {len(paths)} shard(s), {total / 1e6:.1f} MB, to {args.dst}{rewritten}")
     return 0

@@ -283,6 +283,49 @@ def test_packed_jpegs_keep_every_pixel_at_every_scale():
         dec._jpeg.transcode(b"\x89PNG\r\n\x1a\n" + bytes(100))
 
 
+def dc_only_grey_jpeg(width: int, height: int, dcs: list[int], app: bytes = b"") -> bytes:
+    """A baseline grey JPEG whose 8x8 blocks hold only the DC values ``dcs`` (raster order),
+    which a decoder takes even beyond what an encoder may write (|DC| > 2047)."""
+    def segment(marker: int, payload: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+    out = b"\xff\xd8" + app + segment(0xDB, bytes(1) + bytes([1] * 64))
+    out += segment(0xC0, bytes([8]) + struct.pack(">HH", height, width) + bytes([1, 1, 0x11, 0]))
+    counts = [0] * 16
+    counts[3] = 12  # DC categories 0..11 as 4-bit codes
+    out += segment(0xC4, bytes([0x00]) + bytes(counts) + bytes(range(12)))
+    out += segment(0xC4, bytes([0x10, 1]) + bytes(15) + bytes([0]))  # AC: end-of-block is "0"
+    out += segment(0xDA, bytes([1, 1, 0x00, 0, 63, 0]))
+    bits, previous = "", 0
+    for dc in dcs:
+        diff, previous = dc - previous, dc
+        size = abs(diff).bit_length()
+        bits += f"{size:04b}" + (f"{diff if diff > 0 else diff + (1 << size) - 1:0{size}b}" if size else "") + "0"
+    bits += "1" * (-len(bits) % 8)
+    body = b"".join(bytes([b, 0]) if b == 0xFF else bytes([b]) for b in (int(bits[i:i + 8], 2) for i in range(0, len(bits), 8)))
+    return out + body + b"\xff\xd9"
+
+
+@needs_region_decoder
+def test_transcode_refuses_what_it_cannot_write_and_grows_its_output():
+    """A file libjpeg decodes but cannot re-encode (a DC value over 11 bits), with a large
+    APP1 before it, is refused with libjpeg's message (this once freed a buffer twice); an
+    output much larger than its input (here markers added to tiny blocks) comes back whole."""
+    odd = dc_only_grey_jpeg(16, 8, [2000, 4000], app=b"\xff\xe1" + struct.pack(">H", 8002) + b"Exif\0\0" + bytes(7994))
+    assert dec.decode(odd, "jpeg").shape == (8, 16, 3)  # a decoder takes it
+    for _ in range(3):
+        with pytest.raises(ValueError, match="DCT coefficient out of range"):
+            dec._jpeg.transcode(odd)
+    rng = np.random.default_rng(1)
+    grey = dc_only_grey_jpeg(1024, 1024, rng.integers(-900, 900, 128 * 128).tolist())
+    packed = dec._jpeg.transcode(grey)
+    assert len(packed) > 2 * len(grey)  # a restart marker per block: past the first buffer (input + 4 KB)
+    assert np.array_equal(dec.decode(packed, "jpeg"), dec.decode(grey, "jpeg"))
+    tail = encode_jpeg(make_image(0, 5, rng, 40, 48), 90)
+    with pytest.raises(ValueError, match="after the end of the image"):  # an MPF part would be lost
+        dec._jpeg.transcode(tail + encode_jpeg(make_image(1, 5, rng, 40, 48), 90))
+
+
 @needs_region_decoder
 def test_region_decoder_reads_only_the_crops_mcus_of_a_jpeg_with_a_restart_per_mcu():
     """With a restart marker after every MCU, the rows above a crop and the columns beside it are

@@ -134,8 +134,9 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     result = pack_cli(src, tmp_path / "dst", "--quiet", "--workers", "2")
     assert result.returncode == 0, result.stderr
     assert "wrote 1 shard(s)" in result.stdout and f"7 of {len(originals)} files rewritten losslessly" in result.stdout
-    assert "2 file(s) copied as they are" in result.stderr and "ant/pic.png (PNG)" in result.stderr, result.stderr
-    assert "bee/cut.jpg (libjpeg:" in result.stderr and "1 file(s) have no readable image header" in result.stderr
+    assert "1 file(s) copied as they are" in result.stderr and "ant/pic.png (PNG)" in result.stderr, result.stderr
+    assert "libjpeg would not rewrite 1 JPEG(s)" in result.stderr and "bee/cut.jpg (libjpeg:" in result.stderr
+    assert "1 file(s) have no readable image header" in result.stderr
     packed = dict(members(tmp_path / "dst" / "shard-00000.tar"))
     for name in ("ant/pic.png", "bee/cut.jpg", "bee/notes.jpg"):
         assert packed[name] == originals[name], name
@@ -145,6 +146,32 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     verbatim = pack_cli(src, tmp_path / "verbatim", "--quiet", "--verbatim")
     assert verbatim.returncode == 0 and "rewritten" not in verbatim.stdout and "copied" not in verbatim.stderr
     assert {k: v for k, v in members(tmp_path / "verbatim" / "shard-00000.tar") if not k.endswith(".cls")} == originals
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_pack_interrupted_removes_what_it_wrote(tmp_path, workers):
+    """Ctrl-C mid-way: exit 130, one line (no traceback from it or its worker processes), and
+    no half-written folder left behind that a second run would refuse as not empty."""
+    import signal
+    import time
+
+    src = make_imagefolder(tmp_path / "src", CLASSES, 60, size=(360, 480), seed=8)
+    dst = tmp_path / "dst"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+    process = subprocess.Popen([sys.executable, "-m", "remoteloader.server.cli", "pack", str(src), str(dst),
+                                "--quiet", "--shard-size", "1MB", "--workers", workers],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (dst / "shard-00001.tar").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the workers too
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, (process.returncode, out, err)
+    assert "interrupted; removed the shards" in err and "Traceback" not in err, err
+    assert not dst.exists(), sorted(os.listdir(dst))
+    again = pack_cli(src, dst, "--quiet", "--workers", workers)
+    assert again.returncode == 0, again.stderr
 
 
 def test_pack_refuses_a_destination_holding_shards(packed):
