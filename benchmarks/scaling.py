@@ -2,7 +2,8 @@
 
     python benchmarks/scaling.py [--workers 1 2 4 8 16] [--images 2000] [--epochs 3]
 
-One server over the ImageNet-like dataset of throughput.py, pipeline "train"; the client
+One server over the ImageNet-like dataset of throughput.py (by default its `remoteloader
+pack`ed shards, as throughput.py serves them; --remote-data folder: the files), pipeline "train"; the client
 asks for small outputs (64 px by default) so the wire and the client stay far from
 their limits and the figure is the server's decode + augment rate. Efficiency is
 rate(K) / (K x rate(1)). Worker counts above the CPUs of this machine are skipped.
@@ -20,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
 def main() -> int:
-    from _common import ensure_dataset
+    from _common import ensure_dataset, ensure_packed
 
     from remoteloader.client import RemoteLoader
     from remoteloader.server.local import LocalServer
@@ -32,9 +33,13 @@ def main() -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--data", default="~/.cache/remoteloader-bench/imagenet-like")
+    parser.add_argument("--remote-data", choices=("packed", "folder"), default="packed",
+                        help="serve the packed shards of --data (default) or its files")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     root = ensure_dataset(pathlib.Path(args.data).expanduser(), args.images, processes=cores)
+    if args.remote_data == "packed":
+        root = ensure_packed(root, cores)
     rows = []
     for workers in [w for w in args.workers if w <= cores]:
         with LocalServer(root, args=["--workers", str(workers), "--log-level", "WARNING"]) as server, \
@@ -49,7 +54,8 @@ def main() -> int:
                     rates.append(n / (time.perf_counter() - start))
         rows.append((workers, sorted(rates)[len(rates) // 2]))
     base = rows[0][1] / rows[0][0]
-    print(f"server throughput, pipeline train -> {args.image_size}px, {cores} CPUs, median of {args.epochs} epochs")
+    print(f"server throughput on {root}, pipeline train -> {args.image_size}px, {cores} CPUs, "
+          f"median of {args.epochs} epochs")
     print("| workers | images/s | efficiency vs linear |")
     print("| --- | --- | --- |")
     for workers, rate in rows:
