@@ -58,6 +58,15 @@ static void on_message(j_common_ptr cinfo, int level) {
     }
 }
 
+/* libjpeg's standard error manager, with every warning an error and the message kept in err. */
+static struct jpeg_error_mgr *strict_errors(error_mgr *err) {
+    jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    err->pub.emit_message = on_message;
+    err->message[0] = '\0';
+    return &err->pub;
+}
+
 /* Where a JPEG's blocks lie, for cutting out a region of MCUs (see the comment on top). */
 typedef struct {
     size_t sof;      /* offset of the SOF segment's length field */
@@ -176,10 +185,7 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     unsigned char *volatile row = NULL;
     const char *volatile problem = NULL;
 
-    cinfo.err = jpeg_std_error(&err->pub);
-    err->pub.error_exit = on_error;
-    err->pub.emit_message = on_message;
-    err->message[0] = '\0';
+    cinfo.err = strict_errors(err);
     if (setjmp(err->jump)) {
         free(row);
         jpeg_destroy_decompress(&cinfo);
@@ -352,10 +358,7 @@ static const char *transcode_jpeg(const unsigned char *data, size_t size, growin
     struct jpeg_compress_struct dst;
     volatile int have_dst = 0;
     const char *volatile problem = NULL;
-    src.err = jpeg_std_error(&err->pub);
-    err->pub.error_exit = on_error;
-    err->pub.emit_message = on_message;
-    err->message[0] = '\0';
+    src.err = strict_errors(err);
     if (setjmp(err->jump)) {
         if (have_dst) jpeg_destroy_compress(&dst);
         jpeg_destroy_decompress(&src);
