@@ -22,7 +22,9 @@
  *
  * transcode(data) rewrites a JPEG losslessly (the same DCT coefficients, hence the same
  * pixels) as baseline with optimized Huffman tables and a restart marker after every MCU,
- * keeping its APPn and COM markers; it raises ValueError for what libjpeg cannot read cleanly.
+ * keeping its APPn and COM markers; it raises ValueError for what libjpeg cannot read cleanly
+ * and returns None for a JPEG with data after its end (an MPF part, a motion photo's video),
+ * which a rewrite would drop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -351,6 +353,9 @@ static void dest_term(j_compress_ptr cinfo) {
     dest->used = dest->size - dest->pub.free_in_buffer;
 }
 
+/* transcode() keeps a JPEG with more than padding after its end as it is (it returns None). */
+static const char TRAILING_DATA[] = "data after the end of the image";
+
 /* transcode(): see the comment on top. Returns NULL on success (the JPEG in dest->buffer,
  * dest->used bytes), else a message. The caller frees dest->buffer either way. */
 static const char *transcode_jpeg(const unsigned char *data, size_t size, growing_dest *dest, error_mgr *err) {
@@ -373,7 +378,7 @@ static const char *transcode_jpeg(const unsigned char *data, size_t size, growin
     /* The end of the image has been read: anything after it (an MPF second image, a motion
      * photo's video) would be lost, and the markers pointing at it left dangling. */
     if (src.src->bytes_in_buffer > 64) {
-        problem = "data after the end of the image (an MPF part or a motion photo?)";
+        problem = TRAILING_DATA;
         longjmp(err->jump, 1);
     }
     dst.err = src.err;
@@ -418,7 +423,9 @@ static PyObject *transcode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     PyObject *result = NULL;
-    if (problem) {
+    if (problem == TRAILING_DATA) {
+        result = Py_NewRef(Py_None);
+    } else if (problem) {
         PyErr_SetString(PyExc_ValueError, problem);
     } else {
         result = PyBytes_FromStringAndSize((const char *)dest.buffer, (Py_ssize_t)dest.used);
@@ -432,8 +439,9 @@ static PyMethodDef methods[] = {
      "decode_region(data, denom, x, y, w, h, out): decode the region (x, y, w, h) of the JPEG "
      "scaled by 1/denom into out (h * w * 3 bytes, RGB)."},
     {"transcode", transcode, METH_VARARGS,
-     "transcode(data) -> bytes: the same JPEG (same coefficients, same pixels) as baseline with "
-     "optimized Huffman tables and a restart marker after every MCU, which decode_region cuts at."},
+     "transcode(data) -> bytes | None: the same JPEG (same coefficients, same pixels) as baseline with "
+     "optimized Huffman tables and a restart marker after every MCU, which decode_region cuts at; "
+     "None for a JPEG with data after its end (kept as it is)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import io
 import multiprocessing
 import os
@@ -29,6 +31,7 @@ import re
 import signal
 import sys
 import tarfile
+import threading
 
 import numpy as np
 import simplejpeg
@@ -66,71 +69,128 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-# What pack did with a file: rewrote it; copied it (a PNG, CMYK...: nothing to gain, or --verbatim);
-# copied it because libjpeg would not rewrite it (damaged, most likely: a warning); or copied a
-# file whose header is unreadable (it fails when served: a warning).
-OUTCOMES = ("rewritten", "copied", "not rewritten", "unreadable")
+# What pack did with a file: rewrote it; copied it (a PNG, CMYK, data after the image... or
+# --verbatim); copied it because libjpeg would not rewrite it (damaged, most likely: a warning);
+# copied a file whose header is unreadable (it fails when served: a warning); or left out a file
+# it could not read at all (a warning).
+OUTCOMES = ("rewritten", "copied", "not rewritten", "unreadable", "left out")
 
 
-def prepare(path: str, transcode: bool = True) -> tuple[bytes, str, str]:
-    """A file's bytes for the shard, its outcome (one of OUTCOMES) and why."""
-    data = pathlib.Path(path).read_bytes()
+@dataclasses.dataclass
+class PackReport:
+    paths: list[pathlib.Path]  # the shards written
+    counts: dict[str, int]  # files by outcome (OUTCOMES)
+    rewritten_before: int = 0  # bytes of the rewritten files, before and after
+    rewritten_after: int = 0
+
+
+def prepare(path: str, transcode: bool = True) -> tuple[bytes | None, str, str, int]:
+    """A file's bytes for the shard (None: leave it out), its outcome (one of OUTCOMES), why,
+    and its size as read."""
+    try:
+        data = pathlib.Path(path).read_bytes()
+    except OSError as exc:  # one unreadable file must not end a run of hours
+        return None, "left out", f"cannot read it: {exc.strerror or exc}", 0
     try:  # the header only (a full decode would cost ~1 ms per image)
         fmt, height, width = read_size(data, max_pixels=1 << 62)
     except DecodeError as exc:
-        return data, "unreadable", str(exc)
+        return data, "unreadable", str(exc), len(data)
     if not transcode or _jpeg is None:
-        return data, "copied", "not asked" if not transcode else "the native JPEG module was not built"
+        return data, "copied", "not asked" if not transcode else "the native JPEG module was not built", len(data)
     if fmt != "jpeg":
-        return data, "copied", "PNG" if fmt == "png" else "lossless or unusual JPEG"
+        return data, "copied", "PNG" if fmt == "png" else "lossless or unusual JPEG", len(data)
     if simplejpeg.decode_jpeg_header(data)[2] in ("CMYK", "YCCK"):
-        return data, "copied", "CMYK, always decoded whole"
+        return data, "copied", "CMYK, always decoded whole", len(data)
     if height * width > TRANSCODE_MAX_PIXELS:
-        return data, "copied", f"{width}x{height} is over {TRANSCODE_MAX_PIXELS // 1_000_000} MP"
+        return data, "copied", (f"{width}x{height}: rewriting one over {TRANSCODE_MAX_PIXELS // 1_000_000} MP "
+                                f"would take too much memory"), len(data)
     try:
-        return _jpeg.transcode(data), "rewritten", ""
+        rewritten = _jpeg.transcode(data)
     except ValueError as exc:
-        return data, "not rewritten", f"libjpeg: {exc}"
+        return data, "not rewritten", f"libjpeg: {exc}", len(data)
+    if rewritten is None:
+        return data, "copied", "data after the image (an MPF part or a motion photo?)", len(data)
+    return rewritten, "rewritten", "", len(data)
 
 
-def _prepare_all(paths: list[str], transcode: bool) -> list[tuple[bytes, str, str]]:
+def _prepare_all(paths: list[str], transcode: bool) -> list[tuple[bytes | None, str, str, int]]:
     return [prepare(path, transcode) for path in paths]
 
 
-def _ignore_interrupts() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+def _start_worker(parent: int) -> None:
+    """Worker processes ignore Ctrl-C and SIGTERM (they are born ignoring them: see _Preparer):
+    the main process stops them. They die with it even when it is killed."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before that
+            os._exit(1)
 
 
-def _prepared(paths: list[str], transcode: bool, workers: int):
+@contextlib.contextmanager
+def _signals_ignored():
+    """Clean-up that a second Ctrl-C (or a SIGTERM) must not cut short; also worker start-up,
+    since ignored signals stay ignored in the processes started meanwhile."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+class _Preparer:
     """prepare() of every path, in order: in worker processes when there is rewriting to do,
     with at most a few batches of files in flight (bounded memory whatever the disk's speed)."""
-    batches = [paths[i:i + 8] for i in range(0, len(paths), 8)]
-    if not (transcode and _jpeg is not None and workers > 1):
-        for batch in batches:
-            yield from _prepare_all(batch, transcode)
-        return
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_ignore_interrupts) as pool:
+
+    BATCH = 8
+
+    def __init__(self, transcode: bool, workers: int):
+        self.transcode = transcode
+        self.pool = None
+        if transcode and _jpeg is not None and workers > 1:
+            with _signals_ignored():
+                self.pool = concurrent.futures.ProcessPoolExecutor(
+                    workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                    initargs=(os.getpid(),))
+                # A spawn pool starts a process per task submitted while none is idle: all of them now.
+                for started in [self.pool.submit(os.getpid) for _ in range(workers)]:
+                    started.result()
+        self.in_flight = 2 * workers
+
+    def results(self, paths: list[str]):
+        batches = [paths[i:i + self.BATCH] for i in range(0, len(paths), self.BATCH)]
+        if self.pool is None:
+            for batch in batches:
+                yield from _prepare_all(batch, self.transcode)
+            return
         pending = collections.deque()
         try:
             for batch in batches:
-                if len(pending) >= 2 * workers:
+                if len(pending) >= self.in_flight:
                     yield from pending.popleft().result()
-                pending.append(pool.submit(_prepare_all, batch, transcode))
+                pending.append(self.pool.submit(_prepare_all, batch, self.transcode))
             while pending:
                 yield from pending.popleft().result()
         except concurrent.futures.process.BrokenProcessPool:
             raise RuntimeError("a worker process died (out of memory?); try fewer --workers") from None
-        finally:
-            for future in pending:
-                future.cancel()
+
+    def stop(self) -> None:
+        """Ends the worker processes once their current batch is done (killing one mid-way
+        could leave the executor waiting for the rest of its result for ever)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
 
 
 def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = True, progress: bool = True,
-         transcode: bool = True, workers: int | None = None) -> tuple[list[pathlib.Path], dict[str, int]]:
-    """Writes the shards; returns their paths and how many files had each of OUTCOMES.
-    ``transcode``: rewrite JPEGs losslessly (see above). If it fails or is interrupted, what
-    it wrote is removed."""
+         transcode: bool = True, workers: int | None = None) -> PackReport:
+    """Writes the shards. ``transcode``: rewrite JPEGs losslessly (see above). If it fails or
+    is interrupted, what it wrote is removed, folders it made included."""
     if shard_size <= 0:
         raise ValueError(f"shard_size={shard_size}: expected a positive number of bytes")
     workers = default_workers() if workers is None else workers
@@ -141,27 +201,33 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     if out.exists() and any(out.iterdir()):
         # A server reads every .tar in a folder: packing next to other files would mix datasets.
         raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
-    made_folder = not out.exists()
+    made = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
     out.mkdir(parents=True, exist_ok=True)
-    paths: list[pathlib.Path] = []
+    report = PackReport([], dict.fromkeys(OUTCOMES, 0))
+    preparer = None
     try:
-        counts = _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, workers, paths)
+        preparer = _Preparer(transcode, workers)
+        _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, preparer, report)
     except BaseException:
-        for path in paths:
-            path.unlink(missing_ok=True)
-            path.with_name(path.name + INDEX_SUFFIX).unlink(missing_ok=True)
-        (out / CLASSES_FILE).unlink(missing_ok=True)
-        if made_folder:
-            out.rmdir()
+        with _signals_ignored():
+            if preparer is not None:
+                preparer.stop()
+            for path in report.paths:
+                path.unlink(missing_ok=True)
+                path.with_name(path.name + INDEX_SUFFIX).unlink(missing_ok=True)
+            (out / CLASSES_FILE).unlink(missing_ok=True)
+            for folder in made:
+                folder.rmdir()
         raise
-    return paths, counts
+    preparer.stop()
+    return report
 
 
 def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, seed: int, shuffle: bool,
-                  progress: bool, transcode: bool, workers: int, paths: list[pathlib.Path]) -> dict[str, int]:
+                  progress: bool, transcode: bool, preparer: _Preparer, report: PackReport) -> None:
     order = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
     (out / CLASSES_FILE).write_text("".join(f"{c}\n" for c in source.class_names))
-    counts = dict.fromkeys(OUTCOMES, 0)
+    counts, paths = report.counts, report.paths
     named: dict[str, list[str]] = {outcome: [] for outcome in OUTCOMES}  # the first five of each
     bar = None
     if progress:
@@ -170,27 +236,32 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
         bar = tqdm(total=len(source), unit="img", desc=f"packing into {out}", file=sys.stderr)
     tar = None
     written = 0
-    prepared = _prepared([source.locate(index).path for index in order.tolist()], transcode, workers)
     try:
-        for index, (data, outcome, why) in zip(order.tolist(), prepared):
+        files = [source.locate(index).path for index in order.tolist()]
+        for index, (data, outcome, why, size) in zip(order.tolist(), preparer.results(files)):
             key = source.key(index)
             counts[outcome] += 1
             if len(named[outcome]) < 5:
                 named[outcome].append(f"{key} ({why})")
+            if bar is not None:
+                bar.update(1)
+            if data is None:
+                continue
+            if outcome == "rewritten":
+                report.rewritten_before += size
+                report.rewritten_after += len(data)
             if tar is None or written >= shard_size:
                 if tar is not None:
                     tar.close()
                 paths.append(out / f"shard-{len(paths):05d}.tar")
-                tar = tarfile.open(paths[-1], "w", format=tarfile.USTAR_FORMAT)
+                # PAX: names of any length (ustar stops at 100-255 bytes), read by any tar reader
+                tar = tarfile.open(paths[-1], "w", format=tarfile.PAX_FORMAT)
                 written = 0
             stem, _ = os.path.splitext(key)
             _add(tar, key, data)  # the ImageFolder key, so both layouts name samples alike
             _add(tar, f"{stem}.cls", str(int(source.labels[index])).encode())
             written += len(data) + 1536
-            if bar is not None:
-                bar.update(1)
     finally:
-        prepared.close()  # stops the worker processes, also on an error or Ctrl-C
         if tar is not None:
             tar.close()
         if bar is not None:
@@ -202,6 +273,9 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
     def listed(outcome: str) -> str:
         return "; ".join(named[outcome]) + (" ..." if counts[outcome] > 5 else "")
 
+    if counts["left out"]:
+        print(f"remoteloader pack: warning: {counts['left out']} file(s) could not be read and are left out: "
+              f"{listed('left out')}", file=sys.stderr)
     if counts["unreadable"]:
         print(f"remoteloader pack: warning: {counts['unreadable']} file(s) have no readable image header; they are "
               f"packed as they are and will fail when served: {listed('unreadable')}", file=sys.stderr)
@@ -213,9 +287,8 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
         print("remoteloader pack: warning: files copied as they are: the native JPEG module was not built "
               "(see setup.py), so servers will decode each JPEG's rows down to the crop", file=sys.stderr)
     elif transcode and counts["copied"]:
-        print(f"remoteloader pack: {counts['copied']} file(s) copied as they are, with nothing to gain from "
-              f"rewriting: {listed('copied')}", file=sys.stderr)
-    return counts
+        print(f"remoteloader pack: {counts['copied']} file(s) copied as they are, not rewritten: "
+              f"{listed('copied')}", file=sys.stderr)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -225,17 +298,34 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+class _Stopped(BaseException):
+    """SIGTERM, raised where pack is, so that it cleans up as for Ctrl-C."""
+
+
+def _stop(signum, _frame):
+    raise _Stopped()
+
+
 def run(args: argparse.Namespace) -> int:
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
-        paths, counts = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
-                             progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
-    except KeyboardInterrupt:
-        print(f"\nremoteloader pack: interrupted; removed the shards written to {args.dst}", file=sys.stderr)
-        return 130
+        report = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
+                      progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
+    except (KeyboardInterrupt, _Stopped) as exc:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing left to stop
+        stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
+        print(f"\nremoteloader pack: {stopped}; removed what it had written to {args.dst}", file=sys.stderr)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 143
     except (OSError, ValueError, RuntimeError) as exc:  # CatalogError is a ValueError
         print(f"remoteloader pack: error: {exc}", file=sys.stderr)
         return 2
-    total = sum(p.stat().st_size for p in paths)
-    rewritten = f"; {counts['rewritten']} of {sum(counts.values())} files rewritten losslessly" if not args.verbatim else ""
-    print(f"wrote {len(paths)} shard(s), {total / 1e6:.1f} MB, to {args.dst}{rewritten}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    total = sum(p.stat().st_size for p in report.paths)
+    rewritten = ""
+    if not args.verbatim:
+        growth = report.rewritten_after / report.rewritten_before - 1 if report.rewritten_before else 0.0
+        rewritten = (f"; {report.counts['rewritten']} of {sum(report.counts.values())} files rewritten "
+                     f"losslessly ({growth:+.1%} bytes)")
+    print(f"wrote {len(report.paths)} shard(s), {total / 1e6:.1f} MB, to {args.dst}{rewritten}")
     return 0

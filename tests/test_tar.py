@@ -130,15 +130,21 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     good = (src / "bee" / "bee_00000.jpg").read_bytes()
     (src / "bee" / "cut.jpg").write_bytes(good[:len(good) * 2 // 3])
     (src / "bee" / "notes.jpg").write_bytes(b"not a jpeg at all")
+    (src / "bee" / "motion.jpg").write_bytes(good + b"\0" * 10 + good)  # a second image after the first
+    long_name = "ant/" + "x" * 150 + ".jpg"  # over ustar's 100 bytes
+    (src / long_name).write_bytes(good)
     originals = {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*.*")}
     result = pack_cli(src, tmp_path / "dst", "--quiet", "--workers", "2")
     assert result.returncode == 0, result.stderr
-    assert "wrote 1 shard(s)" in result.stdout and f"7 of {len(originals)} files rewritten losslessly" in result.stdout
-    assert "1 file(s) copied as they are" in result.stderr and "ant/pic.png (PNG)" in result.stderr, result.stderr
+    assert "wrote 1 shard(s)" in result.stdout and f"8 of {len(originals)} files rewritten losslessly" in result.stdout
+    assert re.search(r"rewritten losslessly \([+-]\d+\.\d% bytes\)", result.stdout), result.stdout
+    assert "2 file(s) copied as they are" in result.stderr and "ant/pic.png (PNG)" in result.stderr, result.stderr
+    assert "bee/motion.jpg (data after the image" in result.stderr
     assert "libjpeg would not rewrite 1 JPEG(s)" in result.stderr and "bee/cut.jpg (libjpeg:" in result.stderr
     assert "1 file(s) have no readable image header" in result.stderr
     packed = dict(members(tmp_path / "dst" / "shard-00000.tar"))
-    for name in ("ant/pic.png", "bee/cut.jpg", "bee/notes.jpg"):
+    assert long_name in packed and long_name[:-4] + ".cls" in packed
+    for name in ("ant/pic.png", "bee/cut.jpg", "bee/notes.jpg", "bee/motion.jpg"):
         assert packed[name] == originals[name], name
     for name in ("ant/prog.jpg", "bee/bee_00000.jpg"):
         assert packed[name] != originals[name] and dec._frame_marker(packed[name]) == 0xC0, name
@@ -148,30 +154,79 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     assert {k: v for k, v in members(tmp_path / "verbatim" / "shard-00000.tar") if not k.endswith(".cls")} == originals
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_pack_interrupted_removes_what_it_wrote(tmp_path, workers):
-    """Ctrl-C mid-way: exit 130, one line (no traceback from it or its worker processes), and
-    no half-written folder left behind that a second run would refuse as not empty."""
+def live_processes_in_group(group: int) -> list[int]:
+    """Processes of a process group that are not zombies (dead, waiting to be reaped)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        try:
+            state, _ppid, pgrp = pathlib.Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            live.append(int(entry))
+    return live
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """Enough photo-sized JPEGs that packing them takes a while (about a second)."""
+    return make_imagefolder(tmp_path_factory.mktemp("photos") / "src", CLASSES, 60, size=(360, 480), seed=8)
+
+
+@pytest.mark.parametrize("workers, signals, code", [("1", ["SIGINT"], 130), ("2", ["SIGINT"], 130),
+                                                    ("2", ["SIGINT", "SIGINT"], 130), ("2", ["SIGTERM"], 143)])
+def test_pack_stopped_removes_what_it_wrote(photos, tmp_path, workers, signals, code):
+    """Ctrl-C (once, or twice in quick succession) or SIGTERM mid-way: the exit code of that
+    signal, one line (no traceback from it or its worker processes), no process left behind,
+    and no half-written folder (nor the parent it made) that a second run would refuse."""
     import signal
     import time
 
-    src = make_imagefolder(tmp_path / "src", CLASSES, 60, size=(360, 480), seed=8)
-    dst = tmp_path / "dst"
+    dst = tmp_path / "new" / "dst"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    process = subprocess.Popen([sys.executable, "-m", "remoteloader.server.cli", "pack", str(src), str(dst),
+    process = subprocess.Popen([sys.executable, "-m", "remoteloader.server.cli", "pack", str(photos), str(dst),
                                 "--quiet", "--shard-size", "1MB", "--workers", workers],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     deadline = time.monotonic() + 60
     while not (dst / "shard-00001.tar").exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the workers too
+    for name in signals:  # to the process group, as a terminal's Ctrl-C: to the workers too
+        os.killpg(process.pid, getattr(signal, name))
+        time.sleep(0.02)
     out, err = process.communicate(timeout=60)
-    assert process.returncode == 130, (process.returncode, out, err)
-    assert "interrupted; removed the shards" in err and "Traceback" not in err, err
-    assert not dst.exists(), sorted(os.listdir(dst))
-    again = pack_cli(src, dst, "--quiet", "--workers", workers)
+    assert process.returncode == code, (process.returncode, out, err)
+    assert "removed what it had written" in err and "Traceback" not in err, err
+    assert not (tmp_path / "new").exists(), sorted(os.listdir(tmp_path / "new"))
+    while live_processes_in_group(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live_processes_in_group(process.pid)  # its workers are gone too
+    again = pack_cli(photos, dst, "--quiet", "--workers", workers)
     assert again.returncode == 0, again.stderr
+
+
+def test_pack_leaves_out_a_file_it_cannot_read_and_names_it(tmp_path, monkeypatch, capsys):
+    """One unreadable file (a permission, a disk error) is left out with a warning; it does
+    not end a run of hours."""
+    from remoteloader.server import pack as pack_module
+
+    src = make_imagefolder(tmp_path / "src", CLASSES[:2], 3, size=(24, 32), seed=9)
+    broken = str(src / "bee" / "bee_00001.jpg")
+    read_bytes = pathlib.Path.read_bytes
+
+    def failing(path):
+        if str(path) == broken:
+            raise PermissionError(13, "Permission denied", broken)
+        return read_bytes(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", failing)
+    report = pack_module.pack(str(src), str(tmp_path / "dst"), 1 << 20, progress=False, workers=1)
+    assert report.counts["left out"] == 1 and sum(report.counts.values()) == 6
+    assert "1 file(s) could not be read and are left out: bee/bee_00001.jpg (cannot read it: Permission denied)" \
+        in capsys.readouterr().err
+    names = {name for name, _ in members(report.paths[0])}
+    assert "bee/bee_00000.jpg" in names and "bee/bee_00001.jpg" not in names and "bee/bee_00001.cls" not in names
+    assert len(TarShard(report.paths[0], CLASSES[:2])) == 5
 
 
 def test_pack_refuses_a_destination_holding_shards(packed):
