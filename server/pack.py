@@ -196,6 +196,9 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers}: expected at least 1")
+    if pathlib.Path(src).is_dir() and any(pathlib.Path(src).glob("*.tar")):
+        raise ValueError(f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>); "
+                         f"servers read tar shards as they are")
     source = ImageFolderShard(pathlib.Path(src))
     out = pathlib.Path(dst)
     if out.exists() and any(out.iterdir()):

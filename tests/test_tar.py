@@ -229,6 +229,13 @@ def test_pack_leaves_out_a_file_it_cannot_read_and_names_it(tmp_path, monkeypatc
     assert len(TarShard(report.paths[0], CLASSES[:2])) == 5
 
 
+def test_pack_refuses_tar_shards_as_its_source(packed, tmp_path):
+    _, dst, _ = packed
+    result = pack_cli(dst, tmp_path / "again", "--quiet")
+    assert result.returncode == 2 and "pack reads an ImageFolder" in result.stderr, result.stderr
+    assert not (tmp_path / "again").exists()
+
+
 def test_pack_refuses_a_destination_holding_shards(packed):
     src, dst, _ = packed
     before = {p.name: p.read_bytes() for p in dst.iterdir()}
