@@ -154,6 +154,15 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     assert {k: v for k, v in members(tmp_path / "verbatim" / "shard-00000.tar") if not k.endswith(".cls")} == originals
 
 
+def default_signals() -> None:
+    """As in a terminal: a test run in the background (CI) inherits SIGINT ignored, and pack,
+    as any program, keeps ignoring what it was started ignoring."""
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def live_processes_in_group(group: int) -> list[int]:
     """Processes of a process group that are not zombies (dead, waiting to be reaped)."""
     live = []
@@ -187,7 +196,7 @@ def test_pack_stopped_removes_what_it_wrote(photos, tmp_path, workers, signals, 
     process = subprocess.Popen([sys.executable, "-m", "remoteloader.server.cli", "pack", str(photos), str(dst),
                                 "--quiet", "--shard-size", "1MB", "--workers", workers],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=default_signals)
     deadline = time.monotonic() + 60
     while not (dst / "shard-00001.tar").exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
