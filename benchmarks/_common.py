@@ -186,6 +186,18 @@ def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int =
     return root
 
 
+def add_remote_data_argument(parser) -> None:
+    parser.add_argument("--remote-data", choices=("packed", "folder"), default="packed",
+                        help="what the server reads: tar shards written once by `remoteloader pack` from --data "
+                             "(default; JPEGs rewritten losslessly, so it decodes only a crop's blocks), or the "
+                             "ImageFolder itself. DataLoaders, where there are any, read the ImageFolder's files")
+
+
+def served_data(root: pathlib.Path, remote_data: str, workers: int) -> pathlib.Path:
+    """What the server reads for --remote-data: the packed shards of ``root``, or ``root``."""
+    return ensure_packed(root, workers) if remote_data == "packed" else root
+
+
 def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
     """``remoteloader pack`` of the ImageFolder ``root`` (made by ensure_dataset), cached beside
     it as ``<root>-packed`` and re-made when the ImageFolder changed. Packing is not timed."""

@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
 def main() -> int:
-    from _common import ensure_dataset, ensure_packed
+    from _common import add_remote_data_argument, ensure_dataset, served_data
 
     from remoteloader.client import RemoteLoader
     from remoteloader.server.local import LocalServer
@@ -33,13 +33,11 @@ def main() -> int:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--data", default="~/.cache/remoteloader-bench/imagenet-like")
-    parser.add_argument("--remote-data", choices=("packed", "folder"), default="packed",
-                        help="serve the packed shards of --data (default) or its files")
+    add_remote_data_argument(parser)
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
-    root = ensure_dataset(pathlib.Path(args.data).expanduser(), args.images, processes=cores)
-    if args.remote_data == "packed":
-        root = ensure_packed(root, cores)
+    root = served_data(ensure_dataset(pathlib.Path(args.data).expanduser(), args.images, processes=cores),
+                       args.remote_data, cores)
     rows = []
     for workers in [w for w in args.workers if w <= cores]:
         with LocalServer(root, args=["--workers", str(workers), "--log-level", "WARNING"]) as server, \

@@ -288,10 +288,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"server workers and DataLoader num_workers (default: the {cores} usable cores)")
     parser.add_argument("--data", type=pathlib.Path, default=_common.DEFAULT_DATA,
                         help=f"cached ImageFolder (default {_common.DEFAULT_DATA})")
-    parser.add_argument("--remote-data", choices=("packed", "folder"), default="packed",
-                        help="what the server reads: tar shards written once by `remoteloader pack` from --data "
-                             "(default; JPEGs rewritten losslessly, so it decodes only a crop's blocks), or the "
-                             "ImageFolder itself. The DataLoaders always read the ImageFolder's original files")
+    _common.add_remote_data_argument(parser)
     parser.add_argument("--loaders", default=",".join(LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
     parser.add_argument("--output", choices=OUTPUTS, default="uint8",
@@ -365,7 +362,7 @@ def main(argv=None) -> int:
     ok = False
     try:
         if "remote" in args.loaders:
-            served = _common.ensure_packed(root, cores) if args.remote_data == "packed" else root
+            served = _common.served_data(root, args.remote_data, cores)
             started = time.perf_counter()
             server = LocalServer(served, args=["--workers", str(args.workers), "--grace", "2", "--log-level", "INFO",
                                              *args.server_args],

@@ -283,6 +283,20 @@ def test_packed_jpegs_keep_every_pixel_at_every_scale():
         dec._jpeg.transcode(b"\x89PNG\r\n\x1a\n" + bytes(100))
 
 
+def coded_difference(diff: int) -> str:
+    """A difference (DC or lossless prediction) as the hand-made JPEGs here code it: its size
+    category as a fixed 4-bit code, then its bits (one's complement when negative)."""
+    size = abs(diff).bit_length()
+    return f"{size:04b}" + (f"{diff if diff > 0 else diff + (1 << size) - 1:0{size}b}" if size else "")
+
+
+def entropy_coded(bits: str) -> bytes:
+    """A scan's entropy-coded bytes: the bits padded with ones to a byte, 0xFF stuffed with 0x00."""
+    bits += "1" * (-len(bits) % 8)
+    return b"".join(bytes([b, 0]) if b == 0xFF else bytes([b]) for b in (int(bits[i:i + 8], 2)
+                                                                          for i in range(0, len(bits), 8)))
+
+
 def dc_only_grey_jpeg(width: int, height: int, dcs: list[int], app: bytes = b"") -> bytes:
     """A baseline grey JPEG whose 8x8 blocks hold only the DC values ``dcs`` (raster order),
     which a decoder takes even beyond what an encoder may write (|DC| > 2047)."""
@@ -298,12 +312,9 @@ def dc_only_grey_jpeg(width: int, height: int, dcs: list[int], app: bytes = b"")
     out += segment(0xDA, bytes([1, 1, 0x00, 0, 63, 0]))
     bits, previous = "", 0
     for dc in dcs:
-        diff, previous = dc - previous, dc
-        size = abs(diff).bit_length()
-        bits += f"{size:04b}" + (f"{diff if diff > 0 else diff + (1 << size) - 1:0{size}b}" if size else "") + "0"
-    bits += "1" * (-len(bits) % 8)
-    body = b"".join(bytes([b, 0]) if b == 0xFF else bytes([b]) for b in (int(bits[i:i + 8], 2) for i in range(0, len(bits), 8)))
-    return out + body + b"\xff\xd9"
+        bits += coded_difference(dc - previous) + "0"  # then the end of the block
+        previous = dc
+    return out + entropy_coded(bits) + b"\xff\xd9"
 
 
 @needs_region_decoder
@@ -413,16 +424,8 @@ def lossless_jpeg(image: np.ndarray) -> bytes:
         for x in range(w):
             for c in range(3):
                 above_or_left = 128 if x == y == 0 else pixels[y, x - 1, c] if y == 0 or x > 0 else pixels[y - 1, x, c]
-                diff = int(pixels[y, x, c] - above_or_left)
-                size = abs(diff).bit_length()
-                bits += [int(b) for b in f"{size:04b}"]
-                if size:
-                    bits += [int(b) for b in f"{diff if diff > 0 else diff + (1 << size) - 1:0{size}b}"]
-    bits += [1] * (-len(bits) % 8)
-    for i in range(0, len(bits), 8):
-        byte = int("".join(map(str, bits[i:i + 8])), 2)
-        out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])
-    return bytes(out + b"\xff\xd9")
+                bits.append(coded_difference(int(pixels[y, x, c] - above_or_left)))
+    return bytes(out + entropy_coded("".join(bits)) + b"\xff\xd9")
 
 
 def test_lossless_jpeg_is_decoded_at_full_size_and_exactly():

@@ -31,10 +31,15 @@ SIZE = 16
 SHARDS = 3
 
 
-def pack_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def pack_command(*args) -> tuple[list[str], dict[str, str]]:
+    """The real CLI's command line and an environment without REMOTELOADER_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    return subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "pack", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return [sys.executable, "-m", "remoteloader.server.cli", "pack", *map(str, args)], env
+
+
+def pack_cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    command, env = pack_command(*args)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def shard_size_for(src: pathlib.Path, shards: int) -> int:
@@ -192,10 +197,8 @@ def test_pack_stopped_removes_what_it_wrote(photos, tmp_path, workers, signals, 
     import time
 
     dst = tmp_path / "new" / "dst"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    process = subprocess.Popen([sys.executable, "-m", "remoteloader.server.cli", "pack", str(photos), str(dst),
-                                "--quiet", "--shard-size", "1MB", "--workers", workers],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    command, env = pack_command(photos, dst, "--quiet", "--shard-size", "1MB", "--workers", workers)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True, preexec_fn=default_signals)
     deadline = time.monotonic() + 60
     while not (dst / "shard-00001.tar").exists() and process.poll() is None and time.monotonic() < deadline:
