@@ -282,8 +282,8 @@ class ProcessReceiver:
         self._setup_hw = (setup.height, setup.width)
         self.slots = SharedSlots(slots, slot_bytes)
         parent, child = socket.socketpair()
+        self._socket = parent  # kept to wake the reader with shutdown() before its fd is closed
         self._conn = Connection(os.dup(parent.fileno()))
-        parent.close()
         # The parent's import path goes after the child's own, never ahead of the stdlib: the
         # child finds remoteloader as the parent did (also when it came from PYTHONPATH or a
         # folder added at run time) and a training script's folder cannot shadow a module.
@@ -364,9 +364,11 @@ class ProcessReceiver:
         return self._dead is None
 
     def close(self) -> None:
-        if self.process.poll() is None and sys.is_finalizing():
-            self.process.kill()  # no thread answers replies any more; the child has nothing to keep
-        elif self.process.poll() is None:
+        if sys.is_finalizing():  # no thread runs any more; the process's exit closes the fds
+            if self.process.poll() is None:
+                self.process.kill()
+            return
+        if self.process.poll() is None:
             try:
                 self._request("close", timeout=15)
             except Exception:
@@ -378,7 +380,20 @@ class ProcessReceiver:
                 self.process.wait()
         with self._queues_lock:
             self._queues = {}
-        self._conn.close()
+        # The link's fd is closed only once the reader has stopped reading it: closed under a
+        # blocked read, its number would be reused by the next file or socket this process
+        # opens (another loader's link), which the old reader would then read from.
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # the reader's read returns EOF
+        except OSError:
+            pass
+        self._reader.join(timeout=15)
+        if self._reader.is_alive():
+            log.warning("the RemoteLoader's receiver thread did not stop; its socket is left open")
+            return
+        with self._send_lock:  # nor under a send
+            self._conn.close()
+        self._socket.close()
         if self.slots.fd >= 0:
             os.close(self.slots.fd)
             self.slots.fd = -1
@@ -450,7 +465,12 @@ class ProcessReceiver:
         except BaseException as exc:  # a bug here must not leave requests waiting forever
             reason = f"the RemoteLoader's receiver link failed: {type(exc).__name__}: {exc}"
             self.process.kill()
-        code = self.process.wait()
+        try:  # the child closes its end only by exiting; a link that ended under a live child broke
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+            reason = reason or "the RemoteLoader's receiver link broke; its process was stopped"
         self._dead = reason or f"the RemoteLoader's receiver process exited (code {code})"
         for future in list(self._replies.values()):
             future.set_exception(LoaderError(self._dead))

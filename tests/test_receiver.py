@@ -9,13 +9,16 @@ outlives the training process.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
@@ -146,6 +149,60 @@ def test_close_ends_the_receiver_process(shards):
     assert child.poll() is None
     loader.close()
     assert child.poll() is not None
+
+
+def bounded(function, seconds: float):
+    """function()'s result (or error), or a test failure if it has not returned within ``seconds``."""
+    outcome = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"no result within {seconds:g}s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_a_closed_loaders_late_reader_never_reads_the_next_loaders_link(shards, monkeypatch):
+    """Each socket read of the receiver thread is delayed, as on a busy machine where it is
+    descheduled just before reading: close() must not close (and free for reuse) the fd
+    that read is about to use, or the next loader's link may get that number and lose
+    its messages to the old reader (seen in CI as a next loader hanging in discovery)."""
+    cluster, first = shards
+    original = Connection._recv
+    if "read" not in inspect.signature(original).parameters:
+        pytest.skip("multiprocessing.connection reads differently in this Python")
+
+    def late_read(fd, n):
+        if threading.current_thread().name == "remoteloader-receiver":
+            time.sleep(0.3)
+        return os.read(fd, n)
+
+    monkeypatch.setattr(Connection, "_recv", lambda self, size, read=None: original(self, size, late_read))
+    for _ in range(3):
+        with bounded(lambda: make(cluster, first, indices=(0,), receiver="process"), 30) as loader:
+            assert len(bounded(lambda: list(loader), 30)) == 18 // BATCH
+
+
+def test_a_link_that_breaks_under_a_live_receiver_process_is_an_error_not_a_hang(shards):
+    cluster, first = shards
+    with make(cluster, first, receiver="process") as loader:
+        it = iter(loader)
+        next(it)
+        loader._io._socket.shutdown(socket.SHUT_RD)  # nothing reaches this process; the child lives on
+        started = time.monotonic()
+        with pytest.raises(LoaderError, match="link broke"):
+            bounded(lambda: [b for b in it], 30)
+        assert time.monotonic() - started < 15
+        assert loader._io.process.poll() is not None, "the unreachable child is stopped"
 
 
 def test_the_receiver_process_dies_with_the_training_process(shards, tmp_path):
