@@ -369,7 +369,7 @@ class CudaDelivery:
     def close(self, final: bool = False) -> None:
         """Stops the transfer thread; ``final``: the loader is closing, unpin the slots too."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():  # (a finalizer there)
             self._thread.join(timeout=5)
             if not self._thread.is_alive():
                 self._thread = None

@@ -353,7 +353,7 @@ class Engine:
             self._watchdog.cancel()
         for task in list(self._reconnecting.values()):
             task.cancel()
-        for link in self.links.values():
+        for link in list(self.links.values()):  # discovery may add or drop links meanwhile
             await link.close()
 
 

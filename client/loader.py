@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import queue
+import threading
 import time
 import warnings
 import weakref
@@ -102,6 +103,7 @@ class RemoteLoader:
                  max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0,
                  progress_timeout: float = 60.0, tls: str | TLSConfig | None = None, token: str | None = None,
                  receiver: str | None = None):
+        self._close_lock = threading.Lock()
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
         self.batch_size = batch_size
@@ -379,9 +381,10 @@ class RemoteLoader:
 
     def close(self) -> None:
         """Stops the receiver (thread or process) and closes the connections (idempotent)."""
-        if self._closed or getattr(self, "_pid", os.getpid()) != os.getpid():
-            return
-        self._closed = True
+        with self._close_lock:  # two threads (a timer and the with-block's exit) close it once
+            if self._closed or getattr(self, "_pid", os.getpid()) != os.getpid():
+                return
+            self._closed = True
         if getattr(self, "_delivery", None) is not None:
             self._delivery.close(final=True)
         if getattr(self, "_io", None) is not None:

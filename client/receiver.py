@@ -280,6 +280,7 @@ class ProcessReceiver:
     def __init__(self, address, setup: loader_pb2.Setup, slots: int, slot_bytes: int, engine_options: dict,
                  link_options: dict):
         self._setup_hw = (setup.height, setup.width)
+        self._pid = os.getpid()
         self.slots = SharedSlots(slots, slot_bytes)
         parent, child = socket.socketpair()
         self._socket = parent  # kept to wake the reader with shutdown() before its fd is closed
@@ -364,7 +365,11 @@ class ProcessReceiver:
         return self._dead is None
 
     def close(self) -> None:
-        if sys.is_finalizing():  # no thread runs any more; the process's exit closes the fds
+        if os.getpid() != self._pid:  # a forked copy: the child and the link are the parent's
+            return
+        if sys.is_finalizing() or threading.current_thread() is self._reader:
+            # At exit no thread runs any more; on the reader itself (a finalizer that ran
+            # there) nothing would answer: stop the child; its end of the link wakes the reader.
             if self.process.poll() is None:
                 self.process.kill()
             return
@@ -394,14 +399,19 @@ class ProcessReceiver:
         with self._send_lock:  # nor under a send
             self._conn.close()
         self._socket.close()
-        if self.slots.fd >= 0:
-            os.close(self.slots.fd)
-            self.slots.fd = -1
+        fd, self.slots.fd = self.slots.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     # ---- messages ---------------------------------------------------------------------------
     def _request(self, *message, timeout: float | None = None):
+        if os.getpid() != self._pid:  # its reader thread did not survive fork; the parent's reads the link
+            raise RuntimeError(f"this RemoteLoader was made in process {self._pid}; after a fork its receiver "
+                               f"process still serves that one only: use the loader in the process that made it")
         if self._dead is not None:
             raise LoaderError(self._dead)
+        if threading.current_thread() is self._reader:  # a finalizer that ran there: nothing would answer
+            raise RuntimeError("RemoteLoader: a call on its own receiver thread would wait forever")
         request_id = next(self._ids)
         future: Future = Future()
         self._replies[request_id] = future
@@ -414,7 +424,7 @@ class ProcessReceiver:
         return future.result(timeout)
 
     def _post(self, message) -> None:
-        if self._dead is None:
+        if self._dead is None and os.getpid() == self._pid:
             try:
                 self._send(message)
             except OSError:

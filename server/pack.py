@@ -306,24 +306,33 @@ class _Stopped(BaseException):
 
 
 def _stop(signum, _frame):
-    raise _Stopped()
+    """The first Ctrl-C or SIGTERM stops pack; both are ignored from then on, so that none
+    can cut its clean-up short (not even one that comes before the clean-up begins)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else _Stopped()
 
 
 def run(args: argparse.Namespace) -> int:
-    previous = signal.signal(signal.SIGTERM, _stop)
+    # A signal its parent made it ignore (a background job's SIGINT) stays ignored.
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(s) is not signal.SIG_IGN}
+    stopped = False
     try:
         report = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
                       progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
     except (KeyboardInterrupt, _Stopped) as exc:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing left to stop
-        stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
-        print(f"\nremoteloader pack: {stopped}; removed what it had written to {args.dst}", file=sys.stderr)
+        stopped = True  # the signals stay ignored: there is nothing left to stop
+        how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
+        print(f"\nremoteloader pack: {how}; removed what it had written to {args.dst}", file=sys.stderr)
         return 130 if isinstance(exc, KeyboardInterrupt) else 143
     except (OSError, ValueError, RuntimeError) as exc:  # CatalogError is a ValueError
         print(f"remoteloader pack: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not stopped:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     total = sum(p.stat().st_size for p in report.paths)
     rewritten = ""
     if not args.verbatim:

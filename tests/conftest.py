@@ -426,6 +426,33 @@ def pixels_by_id(batches) -> dict:
     return out
 
 
+def outcome_in_fork(function, seconds: float = 20.0) -> str:
+    """What ``function()`` did in a forked child: "returned", or its error's text; fails the
+    test if the child has not finished within ``seconds`` (a hang)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave at once (no exit hooks of the parent's)
+        try:
+            function()
+            outcome = b"returned"
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}".encode()[:500]
+        os.write(write, outcome)
+        os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + seconds
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the forked child hung (over {seconds:g}s)")
+            time.sleep(0.05)
+        return os.read(read, 1000).decode()
+    finally:
+        os.close(read)
+
+
 def _run_bounded(loader, seconds: float = 60.0, on_batch=None) -> list[tuple]:
     """Iterates one epoch of ``loader``; fails the test (closing the loader) if it takes over ``seconds``.
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import pixels_by_id
+from conftest import outcome_in_fork, pixels_by_id
 from remoteloader.client import LoaderError, RemoteLoader
 from remoteloader.client import receiver as receiver_module
 from remoteloader.server.synthetic import make_imagefolder
@@ -314,6 +314,18 @@ def test_a_copy_of_the_loader_in_another_process_closes_nothing(shards):
         assert loader._io.alive(), "the parent's I/O thread must be left alone"
         loader._pid = os.getpid()
         assert sum(len(b[1]) for b in loader) > 0  # still the parent's working loader
+
+
+def test_a_loader_used_in_a_forked_child_is_a_clear_error_and_the_parents_link_is_untouched(shards):
+    """A forked child (a DataLoader worker holding the loader) must not talk on the link:
+    its replies would go to the parent's reader, and nothing would answer the child."""
+    cluster, first = shards
+    with make(cluster, first, receiver="process") as loader:
+        expected = len(list(loader))
+        outcome = outcome_in_fork(lambda: next(iter(loader)))
+        assert outcome.startswith("RuntimeError") and "fork" in outcome, outcome
+        assert loader._io.alive()
+        assert len(list(loader)) == expected  # the parent's loader still works
 
 
 def test_a_module_in_the_script_folder_cannot_shadow_the_receivers_imports(shards, tmp_path):

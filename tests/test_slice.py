@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import pixels_by_id
+from conftest import outcome_in_fork, pixels_by_id
 from remoteloader.client import RemoteLoader
 from remoteloader.server.synthetic import make_imagefolder
 
@@ -391,32 +391,9 @@ def test_a_loader_collected_on_the_io_thread_closes_without_stalling_it(data):
 
 def test_a_loader_used_in_a_forked_child_is_a_clear_error_not_a_hang(data):
     # e.g. a DataLoader worker holding the RemoteLoader: its connections live in the parent.
-    import os
-
     with loader_for(data) as loader:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report what iterating did, then leave at once
-            try:
-                next(iter(loader))
-                outcome = b"iterated"
-            except RuntimeError as exc:
-                outcome = str(exc).encode()[:500]
-            except BaseException as exc:
-                outcome = repr(exc).encode()[:500]
-            os.write(write, outcome)
-            os._exit(0)
-        os.close(write)
-        deadline = time.monotonic() + 20
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("a forked child iterating its parent's loader hung")
-            time.sleep(0.05)
-        outcome = os.read(read, 1000).decode()
-        os.close(read)
-        assert "fork" in outcome, outcome
+        outcome = outcome_in_fork(lambda: next(iter(loader)))
+        assert outcome.startswith("RuntimeError") and "fork" in outcome, outcome
         assert len(next(iter(loader))[0]) == BATCH  # the parent's loader still works
 
 
