@@ -9,6 +9,7 @@ that mount the same files report the same id.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
@@ -97,10 +98,12 @@ class ImageFolderShard(Shard):
         digest = hashlib.sha256()
         # The class list is part of the identity: an extra (even empty) class folder shifts labels.
         digest.update(("\0".join(classes) + "\n").encode("utf-8", "surrogateescape"))
-        skipped = []
+        skipped, other = [], collections.Counter()
         for label, cls in enumerate(classes):
-            entries = sorted((e.name, e.stat().st_size) for e in os.scandir(root / cls)
-                             if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS))
+            files = [e for e in os.scandir(root / cls) if e.is_file() and not e.name.startswith(".")]
+            entries = sorted((e.name, e.stat().st_size) for e in files if e.name.lower().endswith(IMAGE_EXTENSIONS))
+            other.update(os.path.splitext(e.name)[1].lower() or "(none)" for e in files
+                         if not e.name.lower().endswith(IMAGE_EXTENSIONS))
             for name, size in entries:
                 key = f"{cls}/{name}"
                 if not _utf8(key):  # keys travel as protobuf strings, which must be UTF-8
@@ -110,6 +113,9 @@ class ImageFolderShard(Shard):
                 digest.update(f"{key}\0{size}\n".encode())
         if skipped:
             log.warning("%s: skipped %d file(s) whose names are not UTF-8, e.g. %r", root, len(skipped), skipped[0])
+        if other:  # e.g. .webp or .bmp images, which would otherwise be missing without a word
+            log.warning("%s: left out %d file(s) that are not %s images: %s", root, sum(other.values()),
+                        "/".join(IMAGE_EXTENSIONS), ", ".join(f"{n} {ext}" for ext, n in other.most_common(5)))
         if not len(table):
             raise CatalogError(f"{root} holds no images: expected an ImageFolder tree "
                                f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}, "
