@@ -329,8 +329,9 @@ class RemoteLoader:
             try:
                 return out.get(timeout=1.0)
             except queue.Empty:
-                if self._closed or not self._io.alive():
-                    raise LoaderError("the RemoteLoader was closed or its receiver stopped") from None
+                if self._closed or not self._io.alive():  # (why it stopped, when the receiver knows)
+                    raise LoaderError(getattr(self._io, "_dead", None)
+                                      or "the RemoteLoader was closed or its receiver stopped") from None
                 if self._io.token != token:
                     raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
                                        "which starts the epoch anew") from None
@@ -381,8 +382,10 @@ class RemoteLoader:
 
     def close(self) -> None:
         """Stops the receiver (thread or process) and closes the connections (idempotent)."""
+        if getattr(self, "_pid", os.getpid()) != os.getpid():  # a forked copy (whose lock may be a held one)
+            return
         with self._close_lock:  # two threads (a timer and the with-block's exit) close it once
-            if self._closed or getattr(self, "_pid", os.getpid()) != os.getpid():
+            if self._closed:
                 return
             self._closed = True
         if getattr(self, "_delivery", None) is not None:

@@ -303,6 +303,7 @@ class ProcessReceiver:
         self._queues_lock = threading.Lock()  # a batch is either put where cancel drains it, or freed
         self._current: int | None = None
         self._dead: str | None = None
+        self._close_when_read = False
         self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
         self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
         self._reader.start()
@@ -369,7 +370,8 @@ class ProcessReceiver:
             return
         if sys.is_finalizing() or threading.current_thread() is self._reader:
             # At exit no thread runs any more; on the reader itself (a finalizer that ran
-            # there) nothing would answer: stop the child; its end of the link wakes the reader.
+            # there) nothing would answer: stop the child; the reader reads EOF and closes.
+            self._close_when_read = True
             if self.process.poll() is None:
                 self.process.kill()
             return
@@ -396,7 +398,10 @@ class ProcessReceiver:
         if self._reader.is_alive():
             log.warning("the RemoteLoader's receiver thread did not stop; its socket is left open")
             return
-        with self._send_lock:  # nor under a send
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        with self._send_lock:  # never under a send
             self._conn.close()
         self._socket.close()
         fd, self.slots.fd = self.slots.fd, -1
@@ -488,6 +493,8 @@ class ProcessReceiver:
         with self._queues_lock:
             for out in self._queues.values():
                 out.put(LoaderError(self._dead))
+        if self._close_when_read:  # close() ran on this thread, which alone reads the link
+            self._close_fds()
 
 
 class _Child:

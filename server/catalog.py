@@ -100,10 +100,10 @@ class ImageFolderShard(Shard):
         digest.update(("\0".join(classes) + "\n").encode("utf-8", "surrogateescape"))
         skipped, other = [], collections.Counter()
         for label, cls in enumerate(classes):
-            files = [e for e in os.scandir(root / cls) if e.is_file() and not e.name.startswith(".")]
+            files = [e for e in os.scandir(root / cls) if e.is_file()]
             entries = sorted((e.name, e.stat().st_size) for e in files if e.name.lower().endswith(IMAGE_EXTENSIONS))
-            other.update(os.path.splitext(e.name)[1].lower() or "(none)" for e in files
-                         if not e.name.lower().endswith(IMAGE_EXTENSIONS))
+            other.update(repr(os.path.splitext(e.name)[1].lower() or "") for e in files  # dotfiles: .DS_Store
+                         if not e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith("."))
             for name, size in entries:
                 key = f"{cls}/{name}"
                 if not _utf8(key):  # keys travel as protobuf strings, which must be UTF-8

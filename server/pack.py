@@ -242,6 +242,7 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
     try:
         files = [source.locate(index).path for index in order.tolist()]
         for index, (data, outcome, why, size) in zip(order.tolist(), preparer.results(files)):
+            _raise_stop()
             key = source.key(index)
             counts[outcome] += 1
             if len(named[outcome]) < 5:
@@ -305,16 +306,27 @@ class _Stopped(BaseException):
     """SIGTERM, raised where pack is, so that it cleans up as for Ctrl-C."""
 
 
+_stopped_by: list[int] = []  # the signal that stopped run(), if one did
+
+
 def _stop(signum, _frame):
     """The first Ctrl-C or SIGTERM stops pack; both are ignored from then on, so that none
-    can cut its clean-up short (not even one that comes before the clean-up begins)."""
+    can cut its clean-up short (not even one that comes before the clean-up begins).
+    Should the exception land in a finalizer, which swallows it, the shard loop raises it."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
-    raise KeyboardInterrupt() if signum == signal.SIGINT else _Stopped()
+    _stopped_by.append(signum)
+    _raise_stop()
+
+
+def _raise_stop() -> None:
+    if _stopped_by:
+        raise KeyboardInterrupt() if _stopped_by[0] == signal.SIGINT else _Stopped()
 
 
 def run(args: argparse.Namespace) -> int:
     # A signal its parent made it ignore (a background job's SIGINT) stays ignored.
+    _stopped_by.clear()
     previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)
                 if signal.getsignal(s) is not signal.SIG_IGN}
     stopped = False

@@ -195,14 +195,34 @@ def test_a_closed_loaders_late_reader_never_reads_the_next_loaders_link(shards, 
 def test_a_link_that_breaks_under_a_live_receiver_process_is_an_error_not_a_hang(shards):
     cluster, first = shards
     with make(cluster, first, receiver="process") as loader:
-        it = iter(loader)
-        next(it)
         loader._io._socket.shutdown(socket.SHUT_RD)  # nothing reaches this process; the child lives on
         started = time.monotonic()
         with pytest.raises(LoaderError, match="link broke"):
-            bounded(lambda: [b for b in it], 30)
+            bounded(lambda: next(iter(loader)), 30)
         assert time.monotonic() - started < 15
         assert loader._io.process.poll() is not None, "the unreachable child is stopped"
+
+
+def test_a_close_that_runs_on_the_receiver_thread_still_frees_everything(shards, monkeypatch):
+    """A dropped loader in a reference cycle is collected (and closed) on whichever thread
+    collects: often its own receiver thread, which must not wait on itself, nor keep the
+    shared memory (hundreds of MB) open for the life of the process."""
+    cluster, first = shards
+    loader = make(cluster, first, indices=(0,), receiver="process")
+    io = loader._io
+
+    class ClosingOnTheReader(receiver_module.Future):
+        def set_result(self, value):
+            super().set_result(value)
+            if threading.current_thread() is io._reader:
+                loader.close()
+
+    monkeypatch.setattr(receiver_module, "Future", ClosingOnTheReader)
+    started = time.monotonic()
+    bounded(loader.stats, 30)  # its reply's set_result closes the loader on the reader thread
+    io._reader.join(10)
+    assert not io._reader.is_alive() and time.monotonic() - started < 10
+    assert io.process.poll() is not None and io.slots.fd == -1 and io._socket.fileno() == -1
 
 
 def test_the_receiver_process_dies_with_the_training_process(shards, tmp_path):

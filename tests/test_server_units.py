@@ -74,7 +74,7 @@ def test_files_an_image_folder_cannot_serve_are_counted_in_a_warning(tmp_path, c
     shard = open_shards([str(tmp_path)])[0]
     assert sorted(shard.key(i) for i in range(len(shard))) == ["cat/1.jpg", "cat/2.JPEG", "dog/5.png"]
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warned) == 1 and "left out 3 file(s)" in warned[0] and "2 .webp, 1 (none)" in warned[0], warned
+    assert len(warned) == 1 and "left out 3 file(s)" in warned[0] and "2 '.webp', 1 ''" in warned[0], warned
 
 def test_a_bad_environment_variable_is_a_usage_error(tmp_path):
     env = {**os.environ, "REMOTELOADER_WORKERS": "abc"}
