@@ -18,9 +18,10 @@ import numpy as np
 from remoteloader.protos import codec
 from remoteloader.server.catalog import SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig
-from remoteloader.server.decode import region_decoder
+from remoteloader.server.decode import JPEG_MAGIC, DecodeError, region_decoder, restart_interval
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import SERVICE, LoaderService
+from remoteloader.server.worker import read_sample
 from remoteloader.server.workers import Arena, SampleCache, WorkerPool
 
 log = logging.getLogger("remoteloader.server")
@@ -98,6 +99,26 @@ async def create_server(config: ServerConfig) -> LoaderServer:
         raise
 
 
+def sample_layout(shards, count: int = 16) -> tuple[int, int]:
+    """(JPEGs, JPEGs with a restart marker per MCU) among ``count`` samples spread over the shards."""
+    total = sum(len(s) for s in shards)
+    jpegs = packed = 0
+    for position in sorted({total * k // count for k in range(count)} if total else ()):
+        for shard in shards:  # position -> (shard, index)
+            if position < len(shard):
+                break
+            position -= len(shard)
+        location = shard.locate(position)
+        try:
+            data, _ = read_sample(location.path, location.offset, location.length)
+        except (OSError, DecodeError):
+            continue  # the workers will say what is wrong with it
+        if data[:3] == JPEG_MAGIC:
+            jpegs += 1
+            packed += restart_interval(data) == 1
+    return jpegs, packed
+
+
 async def _serve_on(config, shards, pool, arena, cache, token, credentials, started) -> LoaderServer:
     service = LoaderService(config, shards, pool, arena, cache)
     limit = config.max_message_bytes
@@ -128,6 +149,11 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
              len(shards), samples, config.workers, time.perf_counter() - started)
     if not config.synthetic:
         log.info("JPEG crops: %s", region_decoder() if config.region_decode else "whole images (--region-decode off)")
+        jpegs, packed = sample_layout(shards)
+        if jpegs and config.region_decode and region_decoder().startswith("crop"):
+            log.info("%d of %d sampled JPEGs have a restart marker per MCU%s", packed, jpegs,
+                     "" if packed == jpegs else ": `remoteloader pack` would cut the decode CPU of the others "
+                     "by about a quarter (measured on ImageNet-sized photos)")
     if config.metrics_port:
         bound = service.metrics.serve(config.metrics_port, config.host)
         log.info("Prometheus metrics on http://%s:%d/metrics", config.host, bound)

@@ -431,6 +431,13 @@ def test_tar_server_serves_what_the_imagefolder_server_serves(servers, run_bound
         assert np.array_equal(tars[key][0], image), f"{key}: eval pixels differ between tar and folder"
 
 
+@pytest.mark.skipif(dec._jpeg is None, reason="the native JPEG module was not built")
+def test_the_server_says_how_many_of_its_jpegs_are_packed(servers, module_cluster):
+    logs = {s.address: s.process.stderr() for s in module_cluster.servers if s.port}
+    assert re.search(r"0 of 16 sampled JPEGs have a restart marker per MCU: `remoteloader pack`", logs[servers[0]])
+    assert re.search(r"16 of 16 sampled JPEGs have a restart marker per MCU$", logs[servers[1]], re.M)
+
+
 def test_two_servers_on_one_tar_folder_are_replicas(servers, run_bounded):
     with RemoteLoader([servers[1], servers[2]], batch_size=8, image_size=SIZE, connect_timeout=20) as loader:
         assert loader.num_samples == len(CLASSES) * PER_CLASS  # not twice
