@@ -329,9 +329,9 @@ class RemoteLoader:
             try:
                 return out.get(timeout=1.0)
             except queue.Empty:
-                if self._closed or not self._io.alive():  # (why it stopped, when the receiver knows)
-                    raise LoaderError(getattr(self._io, "_dead", None)
-                                      or "the RemoteLoader was closed or its receiver stopped") from None
+                if self._closed or not self._io.alive():
+                    why = self._io.failure() or "the RemoteLoader was closed or its receiver stopped"
+                    raise LoaderError(why) from None
                 if self._io.token != token:
                     raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
                                        "which starts the epoch anew") from None

@@ -162,6 +162,9 @@ class Receiver:
     def alive(self) -> bool:
         return not self._closed and self._thread.is_alive()
 
+    def failure(self) -> str | None:
+        return None  # it stops only when closed
+
     def close(self) -> None:
         """Ends this loader's streams, tasks and channels; the shared loop runs on."""
         if self._closed or sys.is_finalizing() or os.getpid() != self._pid:  # at exit the loop is frozen
@@ -364,6 +367,10 @@ class ProcessReceiver:
 
     def alive(self) -> bool:
         return self._dead is None
+
+    def failure(self) -> str | None:
+        """Why the receiver stopped, if it did."""
+        return self._dead
 
     def close(self) -> None:
         if os.getpid() != self._pid:  # a forked copy: the child and the link are the parent's

@@ -329,12 +329,10 @@ def run(args: argparse.Namespace) -> int:
     _stopped_by.clear()
     previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)
                 if signal.getsignal(s) is not signal.SIG_IGN}
-    stopped = False
     try:
         report = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
                       progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
     except (KeyboardInterrupt, _Stopped) as exc:
-        stopped = True  # the signals stay ignored: there is nothing left to stop
         how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
         print(f"\nremoteloader pack: {how}; removed what it had written to {args.dst}", file=sys.stderr)
         return 130 if isinstance(exc, KeyboardInterrupt) else 143
@@ -342,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"remoteloader pack: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if not stopped:
+        if not _stopped_by:  # after a stop the signals stay ignored: there is nothing left to stop
             for s, handler in previous.items():
                 signal.signal(s, handler)
     total = sum(p.stat().st_size for p in report.paths)

@@ -65,7 +65,6 @@ def test_class_names_are_part_of_the_shard_id(tmp_path):
     assert open_shards([str(tmp_path / "one")])[0].id != open_shards([str(tmp_path / "two")])[0].id
 
 
-
 def test_files_an_image_folder_cannot_serve_are_counted_in_a_warning(tmp_path, caplog):
     for cls, names in (("cat", ["1.jpg", "2.JPEG", "3.webp", "4.webp", "notes"]), ("dog", ["5.png", ".DS_Store"])):
         (tmp_path / cls).mkdir()
@@ -75,6 +74,7 @@ def test_files_an_image_folder_cannot_serve_are_counted_in_a_warning(tmp_path, c
     assert sorted(shard.key(i) for i in range(len(shard))) == ["cat/1.jpg", "cat/2.JPEG", "dog/5.png"]
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "left out 3 file(s)" in warned[0] and "2 '.webp', 1 ''" in warned[0], warned
+
 
 def test_a_bad_environment_variable_is_a_usage_error(tmp_path):
     env = {**os.environ, "REMOTELOADER_WORKERS": "abc"}
