@@ -434,10 +434,24 @@ static PyObject *transcode(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+static PyObject *cuts(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer data;
+    layout lay;
+    if (!PyArg_ParseTuple(args, "y*", &data)) {
+        return NULL;
+    }
+    int yes = read_layout((const unsigned char *)data.buf, (size_t)data.len, &lay);
+    PyBuffer_Release(&data);
+    return PyBool_FromLong(yes);
+}
+
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, denom, x, y, w, h, out): decode the region (x, y, w, h) of the JPEG "
      "scaled by 1/denom into out (h * w * 3 bytes, RGB)."},
+    {"cuts", cuts, METH_VARARGS,
+     "cuts(data) -> bool: whether decode_region decodes only a region's MCUs of this JPEG (baseline, "
+     "one scan of all its components, a restart marker after every MCU, as transcode() writes it)."},
     {"transcode", transcode, METH_VARARGS,
      "transcode(data) -> bytes | None: the same JPEG (same coefficients, same pixels) as baseline with "
      "optimized Huffman tables and a restart marker after every MCU, which decode_region cuts at; "

@@ -18,7 +18,7 @@ import numpy as np
 from remoteloader.protos import codec
 from remoteloader.server.catalog import SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig
-from remoteloader.server.decode import JPEG_MAGIC, DecodeError, region_decoder, restart_interval
+from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import SERVICE, LoaderService
 from remoteloader.server.worker import read_sample
@@ -100,7 +100,8 @@ async def create_server(config: ServerConfig) -> LoaderServer:
 
 
 def sample_layout(shards, count: int = 16) -> tuple[int, int]:
-    """(JPEGs, JPEGs with a restart marker per MCU) among ``count`` samples spread over the shards."""
+    """(JPEGs, JPEGs whose crops decode only their own MCUs) among ``count`` samples spread over
+    the shards (needs the native region decoder)."""
     total = sum(len(s) for s in shards)
     jpegs = packed = 0
     for position in sorted({total * k // count for k in range(count)} if total else ()):
@@ -115,7 +116,7 @@ def sample_layout(shards, count: int = 16) -> tuple[int, int]:
             continue  # the workers will say what is wrong with it
         if data[:3] == JPEG_MAGIC:
             jpegs += 1
-            packed += restart_interval(data) == 1
+            packed += _jpeg.cuts(data)
     return jpegs, packed
 
 
@@ -149,8 +150,8 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
              len(shards), samples, config.workers, time.perf_counter() - started)
     if not config.synthetic:
         log.info("JPEG crops: %s", region_decoder() if config.region_decode else "whole images (--region-decode off)")
-        jpegs, packed = sample_layout(shards)
-        if jpegs and config.region_decode and region_decoder().startswith("crop"):
+        jpegs, packed = sample_layout(shards) if config.region_decode and _jpeg is not None else (0, 0)
+        if jpegs:
             log.info("%d of %d sampled JPEGs have a restart marker per MCU%s", packed, jpegs,
                      "" if packed == jpegs else ": `remoteloader pack` would cut the decode CPU of the others "
                      "by about a quarter (measured on ImageNet-sized photos)")

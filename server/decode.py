@@ -75,48 +75,28 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, height, width
 
 
-def _markers(data: bytes, max_steps: int = 256):
-    """Yields (marker, offset) of a JPEG's markers after SOI, up to its first scan (SOS) or EOI.
+def _frame_marker(data: bytes, max_steps: int = 256) -> int | None:
+    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...), or None.
 
-    Stops early after ``max_steps`` markers and fill bytes (a real file has a dozen before
-    its scan): a crafted file cannot make this slow.
+    None also when it is not among the first ``max_steps`` markers and fill bytes (a real
+    file has a dozen): a crafted file cannot make this slow.
     """
     i, n = 2, len(data)
     for _ in range(max_steps):
         if i + 4 > n or data[i] != 0xFF:
-            return
+            return None
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
-            continue
-        yield marker, i
-        if marker in (0xD9, 0xDA):  # EOI, or the scan: no more header
-            return
-        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
+        elif marker in (0xD9, 0xDA):  # EOI or a scan before any frame
+            return None
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
             i += 2
         else:  # as libjpeg: a length under 2 skips just the length field
             i += 2 + max(int.from_bytes(data[i + 2:i + 4], "big"), 2)
-
-
-def _frame_marker(data: bytes) -> int | None:
-    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...), or None
-    when no frame comes before the first scan (or within the first markers)."""
-    for marker, _ in _markers(data):
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return marker
     return None
-
-
-def restart_interval(data: bytes) -> int:
-    """MCUs per restart interval in the JPEG's first scan (1 in the files `remoteloader pack`
-    writes: crops then decode only their own MCUs); 0 when it has no restart markers."""
-    interval = 0
-    for marker, i in _markers(data):
-        if marker == 0xDD and i + 6 <= len(data):  # DRI: the last one before the scan counts
-            interval = int.from_bytes(data[i + 4:i + 6], "big")
-        elif marker == 0xDA:
-            return interval
-    return 0
 
 
 def dct_factor(height: int, width: int, min_height: int, min_width: int) -> int:

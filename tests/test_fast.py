@@ -270,6 +270,7 @@ def test_packed_jpegs_keep_every_pixel_at_every_scale():
         original, packed = variants[name][0], variants[f"{name} packed"][0]
         assert dec._frame_marker(packed) == 0xC0, name  # baseline, also from progressive
         assert b"\xff\xdd\x00\x04\x00\x01" in packed[:packed.index(b"\xff\xda")], f"{name}: no DRI of 1 MCU"
+        assert dec._jpeg.cuts(packed) and not dec._jpeg.cuts(original), name  # what the server's log counts
         _, segments = entropy_segments(packed)
         mcu = (8, 8) if name in ("444", "grey") else {"420": (16, 16), "422": (16, 8), "411": (32, 8), "440": (8, 16)}.get(
             name, (16, 16))
