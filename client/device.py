@@ -75,9 +75,10 @@ def normalize_host(images: np.ndarray, out: torch.Tensor, normalize) -> torch.Te
     if not (images.flags.c_contiguous and out.is_contiguous() and out.shape == images.shape):
         raise ValueError(f"normalize_host: expected contiguous {images.shape} input and output, got "
                          f"{out.shape} {'' if out.is_contiguous() else 'non-'}contiguous output")
-    scale, shift = _host_affine(tuple(normalize[0]), tuple(normalize[1]))
+    dtype = np.float64 if out.dtype == torch.float64 else np.float32
+    scale, shift = _host_affine(tuple(normalize[0]), tuple(normalize[1]), dtype)
     src = images.reshape(-1)
-    if out.dtype == torch.float32:
+    if out.dtype in (torch.float32, torch.float64):
         dst, scratch = out.numpy().reshape(-1), None
     else:  # bfloat16/float16: computed in float32, then cast piece by piece (small: one thread)
         dst, scratch = out.view(-1), np.empty(HOST_CHUNK, np.float32)
@@ -85,7 +86,7 @@ def normalize_host(images: np.ndarray, out: torch.Tensor, normalize) -> torch.Te
         piece = src[start:start + HOST_CHUNK]
         n = piece.size
         target = dst[start:start + n] if scratch is None else scratch[:n]
-        np.multiply(piece, scale[:n], out=target, dtype=np.float32)
+        np.multiply(piece, scale[:n], out=target, dtype=target.dtype)
         np.add(target, shift[:n], out=target)
         if scratch is not None:
             dst[start:start + n].copy_(torch.from_numpy(target))
@@ -93,9 +94,10 @@ def normalize_host(images: np.ndarray, out: torch.Tensor, normalize) -> torch.Te
 
 
 @functools.lru_cache(maxsize=16)
-def _host_affine(mean: tuple, std: tuple) -> tuple[np.ndarray, np.ndarray]:
-    scale, shift = _affine(mean, std, torch.device("cpu"))
-    return (np.tile(scale.numpy(), HOST_CHUNK // 3), np.tile(shift.numpy(), HOST_CHUNK // 3))
+def _host_affine(mean: tuple, std: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
+    scale = np.array([1.0 / (255.0 * s) for s in std], dtype)
+    shift = np.array([-m / s for m, s in zip(mean, std)], dtype)
+    return np.tile(scale, HOST_CHUNK // 3), np.tile(shift, HOST_CHUNK // 3)
 
 
 @functools.lru_cache(maxsize=16)

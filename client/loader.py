@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import hashlib
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ log = logging.getLogger("remoteloader.client")
 
 ON_ERROR = ("raise", "warn", "skip")
 RECEIVERS = ("thread", "process")
+UINT64 = 1 << 64  # seeds and epochs travel as uint64
 _OPEN: "weakref.WeakSet[RemoteLoader]" = weakref.WeakSet()  # closed at exit, while threads still run
 _KEY_BLOCK = 1024
 
@@ -104,13 +106,11 @@ class RemoteLoader:
                  progress_timeout: float = 60.0, tls: str | TLSConfig | None = None, token: str | None = None,
                  receiver: str | None = None):
         self._close_lock = threading.Lock()
-        if not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size={batch_size!r}: expected a positive int")
-        self.batch_size = batch_size
+        self.batch_size = _int("batch_size", batch_size, 1)
         self.image_size = _size(image_size)
         self._setup = _setup(pipeline, self.image_size)
         self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self.seed = _int("seed", seed, 0, UINT64)
         self.drop_last = bool(drop_last)
         self.sampler = sampler
         self.rank, self.world_size = _rank_world(rank, world_size)
@@ -124,13 +124,11 @@ class RemoteLoader:
         if not callable(on_error) and on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {', '.join(ON_ERROR)} or a callable")
         self.on_error = on_error
-        for name, value in (("prefetch", prefetch), ("max_inflight", max_inflight)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r}: expected a positive int")
+        prefetch, max_inflight = _int("prefetch", prefetch, 1), _int("max_inflight", max_inflight, 1)
         self.prefetch = prefetch
         for name, value in (("connect_timeout", connect_timeout), ("reconnect_timeout", reconnect_timeout),
                             ("progress_timeout", progress_timeout)):
-            if not value >= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name}={value!r}: expected seconds >= 0")
         if progress_timeout == 0:
             raise ValueError("progress_timeout=0: expected seconds > 0")
@@ -139,8 +137,11 @@ class RemoteLoader:
         self._position = 0  # first batch of the current epoch not yet delivered
         self._done: set[int] = set()  # later batches already delivered (ordered=False)
         self._token: int | None = None  # the current iteration's epoch token
-        self._resume: tuple[int, int, frozenset] | None = None
+        # A loaded position: (epoch, first batch, later batches delivered, that epoch's plan)
+        self._resume: tuple[int, int, frozenset, list[np.ndarray]] | None = None
+        self._playing: tuple[int, str | None, list[np.ndarray]] | None = None  # (epoch, plan digest, plan)
         self._closed = False
+        self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
         self._stats = {"batches": 0, "images": 0, "bytes": 0, "wait_s": 0.0, "start": None, "busy_s": 0.0}
         self._keys: dict[tuple[str, int], list[str]] = {}
 
@@ -181,10 +182,12 @@ class RemoteLoader:
         except BaseException:
             self.close()
             raise
-        if self.drop_last and len(self) == 0 and self.num_samples:
+        n = self._epoch_samples()
+        if self.drop_last and n and n < self.batch_size * self.world_size:
             warnings.warn(f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
-                          f"of the {self.num_samples} samples for each of {self.world_size} rank(s): every epoch "
-                          f"is empty (pass drop_last=False or a smaller batch_size)", stacklevel=2)
+                          f"of the {n} samples {'the sampler gives' if self.sampler is not None else 'it serves'} "
+                          f"for each of {self.world_size} rank(s): every epoch is empty (pass drop_last=False or "
+                          f"a smaller batch_size)", stacklevel=2)
 
     # ---- the public surface ------------------------------------------------------------
     @property
@@ -201,14 +204,21 @@ class RemoteLoader:
         return list(self._servers)
 
     def __len__(self) -> int:
-        n = len(self.sampler) if self.sampler is not None and hasattr(self.sampler, "__len__") else self.num_samples
+        n = self._epoch_samples()
+        if n is None:
+            raise TypeError("len(RemoteLoader) is unknown: its sampler has no __len__ (as DataLoader, len() "
+                            "needs one)")
         return plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last)
+
+    def _epoch_samples(self) -> int | None:
+        """Samples an epoch plays before splitting into ranks (None: a sampler without __len__)."""
+        if self.sampler is None:
+            return self.num_samples
+        return len(self.sampler) if hasattr(self.sampler, "__len__") else None
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration plays (each iteration otherwise advances by one)."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch={epoch!r}: expected an int >= 0")
-        self._epoch = epoch
+        self._epoch = _int("epoch", epoch, 0, UINT64)
         self._epoch_set = True
         if self._resume is not None and self._resume[0] != epoch:
             self._resume = None  # a loaded position applies to its own epoch only
@@ -237,35 +247,65 @@ class RemoteLoader:
         """A small JSON-serializable position: resume with load_state_dict in a fresh loader.
 
         ``position`` is the first plan batch not yet delivered; with ``ordered=False``,
-        ``delivered_after`` lists the later batches that already were.
+        ``delivered_after`` lists the later batches that already were. ``plan`` is a digest
+        of the epoch's batches: a loader whose plan differs (shuffle, drop_last, sampler...)
+        refuses the state rather than play other batches.
         """
         return {"version": 1, "seed": self.seed, "epoch": self._epoch, "position": self._position,
                 "delivered_after": sorted(self._done), "num_samples": self.num_samples,
-                "batch_size": self.batch_size, "world_size": self.world_size, "rank": self.rank}
+                "batch_size": self.batch_size, "world_size": self.world_size, "rank": self.rank,
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "plan": self._plan_digest(self._epoch)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues at the saved position: the rest of that epoch is bitwise the same."""
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict expects the dict state_dict() returned, got {type(state).__name__}")
         state = json.loads(json.dumps(state))
         missing = [k for k in ("version", "epoch", "position") if k not in state]
         if missing or state.get("version") != 1:
             raise ValueError(f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
                              f"version {state.get('version')!r}")
-        for key in ("seed", "num_samples", "batch_size", "world_size", "rank"):
-            mine = self.seed if key == "seed" else getattr(self, key) if key != "num_samples" else self.num_samples
+        for key in ("seed", "num_samples", "batch_size", "world_size", "rank", "shuffle", "drop_last"):
+            if key not in state and key in ("shuffle", "drop_last"):
+                continue  # not in states saved before they were recorded
+            mine = self.num_samples if key == "num_samples" else getattr(self, key)
             if state.get(key) != mine:
                 raise ValueError(f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
                                  f"a resumed epoch is only identical with the same {key}")
-        self._epoch = int(state["epoch"])
-        self._position = int(state["position"])
-        self._done = {int(seq) for seq in state.get("delivered_after", ())}
-        self._resume = (self._epoch, self._position, frozenset(self._done))
+        epoch = _int("state_dict epoch", state["epoch"], 0, UINT64)
+        position = _int("state_dict position", state["position"], 0)
+        done = state.get("delivered_after", [])
+        if not isinstance(done, list):
+            raise ValueError(f"state_dict delivered_after={done!r}: expected a list of batch numbers")
+        done = {_int("state_dict delivered_after", seq, position + 1) for seq in done}
+        batches = self.plan(epoch)
+        if state.get("plan") is not None and state["plan"] != _digest(batches):
+            raise ValueError(f"state_dict was saved from another plan of epoch {epoch} than this loader's: a "
+                             f"different sampler, or one whose order is not a function of the epoch (set_epoch); "
+                             f"resuming would play other batches")
+        if position > len(batches) or (done and max(done) >= len(batches)):
+            raise ValueError(f"state_dict position={position} delivered_after={sorted(done)}: epoch {epoch} has "
+                             f"{len(batches)} batches here")
+        self._epoch, self._position, self._done = epoch, position, done
+        self._resume = (epoch, position, frozenset(done), batches)
         self._epoch_set = True
+
+    def _plan_digest(self, epoch: int) -> str | None:
+        """The digest of ``epoch``'s plan: the one last played, or, before it is, a fresh one
+        (None with a sampler, which is not asked for a pass here: it may be random)."""
+        if self._playing is None or self._playing[0] != epoch:
+            if self.sampler is not None:
+                return None
+            self._playing = (epoch, None, self.plan(epoch))
+        if self._playing[1] is None:
+            self._playing = (epoch, _digest(self._playing[2]), self._playing[2])
+        return self._playing[1]
 
     def stats(self) -> dict:
         """Throughput, the time the loop waited for data, and per-server counters."""
         s = self._stats
         elapsed = (time.perf_counter() - s["start"]) if s["start"] else 0.0
-        per_server = self._io.server_stats()
+        per_server = self._final_servers if self._closed else self._io.server_stats()
         return {"batches": s["batches"], "images": s["images"], "bytes": s["bytes"], "elapsed_s": elapsed,
                 "images_per_s": s["images"] / elapsed if elapsed else 0.0,
                 "bytes_per_s": s["bytes"] / elapsed if elapsed else 0.0,
@@ -276,12 +316,13 @@ class RemoteLoader:
         if self._closed:
             raise RuntimeError("RemoteLoader is closed")
         epoch = self._epoch
-        start, done = 0, frozenset()
-        if self._resume is not None and self._resume[0] == epoch:
-            start, done = self._resume[1], self._resume[2]
-        self._resume = None
         self.catalog = self._discover()
-        batches = self.plan(epoch)
+        if self._resume is not None and self._resume[0] == epoch:
+            _, start, done, batches = self._resume  # the plan the state was checked against
+        else:
+            start, done, batches = 0, frozenset(), self.plan(epoch)
+        self._resume = None
+        self._playing = (epoch, None, batches)  # its digest is computed when state_dict() asks
         token, out = self._io.start_epoch(epoch, batches, start, done, self.catalog)
         self._token = token
         self._position, self._done = start, set(done)
@@ -329,9 +370,10 @@ class RemoteLoader:
             try:
                 return out.get(timeout=1.0)
             except queue.Empty:
-                if self._closed or not self._io.alive():
-                    why = self._io.failure() or "the RemoteLoader was closed or its receiver stopped"
-                    raise LoaderError(why) from None
+                if self._closed:
+                    raise LoaderError("the RemoteLoader was closed (close() or its with-block ended)") from None
+                if not self._io.alive():
+                    raise LoaderError(self._io.failure() or "the RemoteLoader's receiver stopped") from None
                 if self._io.token != token:
                     raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
                                        "which starts the epoch anew") from None
@@ -359,6 +401,10 @@ class RemoteLoader:
                 keep_on = keep.to(images.device)
                 images, labels, ids = images[keep_on], labels[keep_on], ids[keep]
                 if len(ids) == 0:
+                    warnings.warn(f"batch {delivered.seq}: none of its {len(keep)} samples could be served, so it "
+                                  f"is left out and this rank yields fewer batches than len(loader); under DDP the "
+                                  f"ranks then disagree (on_error='raise' or a callable keeps every batch)",
+                                  stacklevel=4)
                     return None
         self._stats["batches"] += 1
         self._stats["images"] += len(ids)
@@ -391,6 +437,10 @@ class RemoteLoader:
         if getattr(self, "_delivery", None) is not None:
             self._delivery.close(final=True)
         if getattr(self, "_io", None) is not None:
+            try:  # for stats() after close, as after a with-block
+                self._final_servers = self._io.server_stats(timeout=2.0)
+            except (LoaderError, RuntimeError, concurrent.futures.TimeoutError):
+                pass  # its receiver is gone, stuck, or this is its own thread
             self._io.close()
 
     def __enter__(self) -> "RemoteLoader":
@@ -468,13 +518,32 @@ def _close_open_loaders() -> None:
             pass
 
 
+def _int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high) (numpy ints too; not bools, floats or strings)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r}: expected an int")
+    value = int(value)
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in {low}..{high - 1}"
+        raise ValueError(f"{name}={value!r}: expected an int {bound}")
+    return value
+
+
+def _digest(batches: list[np.ndarray]) -> str:
+    """A fingerprint of a plan: its batches' sample ids and boundaries."""
+    h = hashlib.blake2b(digest_size=8)
+    for batch in batches:
+        h.update(len(batch).to_bytes(8, "little"))
+        h.update(np.ascontiguousarray(batch, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
 def _size(image_size) -> tuple[int, int]:
-    if isinstance(image_size, int):
-        image_size = (image_size, image_size)
-    size = tuple(image_size)
-    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
-        raise ValueError(f"image_size={image_size!r}: expected a positive int or (height, width)")
-    return size
+    size = (image_size, image_size) if isinstance(image_size, (int, np.integer)) else image_size
+    if not isinstance(size, Sequence) or len(size) != 2 or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 < v <= 65535 for v in size):
+        raise ValueError(f"image_size={image_size!r}: expected an int or (height, width), 1..65535 each")
+    return int(size[0]), int(size[1])
 
 
 def _setup(pipeline, size: tuple[int, int]) -> loader_pb2.Setup:
@@ -503,11 +572,8 @@ def _rank_world(rank, world_size) -> tuple[int, int]:
             world_size = dist.get_world_size() if world_size is None else world_size
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
-    if not isinstance(world_size, int) or world_size <= 0:
-        raise ValueError(f"world_size={world_size!r}: expected a positive int")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r}: expected 0..{world_size - 1} for world_size={world_size}")
-    return rank, world_size
+    world_size = _int("world_size", world_size, 1)
+    return _int("rank", rank, 0, world_size), world_size
 
 
 def _device(device) -> torch.device:

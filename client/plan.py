@@ -28,7 +28,7 @@ def epoch_order(num_samples: int, *, shuffle: bool, seed: int, epoch: int,
         return ids
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed & (2**63 - 1), epoch, 0x52454D4F])))
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x52454D4F])))
     return rng.permutation(num_samples).astype(np.int64)
 
 

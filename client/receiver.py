@@ -129,7 +129,7 @@ class Receiver:
             raise LoaderError(f"no server holding shard {shard_id} is reachable to look up keys")
         return self._call(live[0].get_keys(shard_id, start, count), timeout=30)
 
-    def server_stats(self) -> dict[str, dict]:
+    def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
         return {a: {"orders": l.orders_sent, "samples": l.samples_received, "bytes": l.bytes_received,
                     "failures": l.failures, "reconnects": l.reconnects, "state": l.state}
                 for a, l in self.links.items()}
@@ -322,8 +322,8 @@ class ProcessReceiver:
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
         return self._request("get_keys", owners, shard_id, start, count)
 
-    def server_stats(self) -> dict[str, dict]:
-        return self._request("server_stats")
+    def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
+        return self._request("server_stats", timeout=timeout)
 
     def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset,
                     catalog: Catalog) -> tuple[int, queue.Queue]:

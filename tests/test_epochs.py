@@ -226,6 +226,41 @@ def test_load_state_dict_refuses_a_different_seed_or_batch_size(servers, change)
             other.load_state_dict({"foo": 1})  # e.g. the model's by mistake
 
 
+def test_load_state_dict_refuses_positions_outside_the_epoch_and_garbage(servers):
+    with make_loader(servers.three) as loader:
+        loader.set_epoch(1)
+        state = json.loads(json.dumps(loader.state_dict()))
+        n = len(loader)
+        for bad in ({"position": n + 1}, {"position": -1}, {"position": "2"}, {"position": 2.5}, {"position": True},
+                    {"epoch": -3}, {"epoch": "x"}, {"epoch": 2**64}, {"delivered_after": [n]},
+                    {"delivered_after": [0]}, {"delivered_after": 3}):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                loader.load_state_dict({**state, **bad})
+            assert loader.state_dict() == state, f"a refused state ({bad}) changed the loader"
+        for bad in (None, [state], "state"):
+            with pytest.raises(TypeError, match="expects the dict"):
+                loader.load_state_dict(bad)
+        loader.load_state_dict({**state, "position": n})  # the end of the epoch: nothing left of it
+        assert servers.epoch(loader) == []
+        assert loader.state_dict()["epoch"] == 2
+
+
+@pytest.mark.parametrize("change", [{"shuffle": False}, {"drop_last": True}])
+def test_load_state_dict_refuses_a_state_of_another_plan(servers, change):
+    with make_loader(servers.three, shuffle=True) as loader:
+        loader.set_epoch(1)
+        for k, _batch in enumerate(loader):
+            if k == 1:
+                state = json.loads(json.dumps(loader.state_dict()))
+                break
+    with make_loader(servers.three, **{"shuffle": True, **change}) as other:
+        with pytest.raises(ValueError, match=next(iter(change))):
+            other.load_state_dict(state)
+        older = {k: v for k, v in state.items() if k not in ("shuffle", "drop_last")}  # as saved before 0.1's last
+        with pytest.raises(ValueError, match="another plan"):
+            other.load_state_dict(older)
+
+
 def test_a_batch_larger_than_every_epoch_warns(servers):
     with pytest.warns(UserWarning, match="every epoch is empty"):
         loader = make_loader(servers.three, batch_size=TOTAL + 1, drop_last=True)
@@ -319,6 +354,9 @@ class Recording:
     def __len__(self) -> int:
         return len(self.sampler)
 
+    def __getattr__(self, name: str):  # set_epoch, where the sampler has it
+        return getattr(self.sampler, name)
+
 
 class EpochWeighted:
     """Weighted draws with replacement that are a function of the epoch (set_epoch)."""
@@ -363,3 +401,33 @@ def test_weighted_sampler_with_replacement_is_followed_exactly(servers):
         loader.set_epoch(3)
         got = flat(servers.epoch(loader))
     assert got == epoch_aware.draw(3)[:18 - 18 % BATCH], "set_epoch was not passed to the sampler"
+
+
+def test_resume_with_a_sampler_checks_that_it_gives_the_same_plan(servers):
+    weights = torch.ones(TOTAL, dtype=torch.double)
+    sampler = Recording(EpochWeighted(weights, 21, seed=2))
+    with make_loader(servers.three, sampler=sampler) as loader:
+        loader.set_epoch(2)
+        before = loader.state_dict()
+        assert before["plan"] is None and not sampler.passes, "state_dict() asked the sampler for a pass"
+        whole = ids_of(servers.epoch(loader))
+        loader.set_epoch(2)
+        for k, _batch in enumerate(loader):
+            if k == 1:
+                state = json.loads(json.dumps(loader.state_dict()))
+                break
+    assert state["plan"] is not None and state["position"] == 2
+    with make_loader(servers.two, sampler=EpochWeighted(weights, 21, seed=2)) as same:
+        same.load_state_dict(state)
+        assert ids_of(servers.epoch(same)) == whole[2:]
+    with make_loader(servers.three, sampler=EpochWeighted(weights, 21, seed=3)) as other:
+        with pytest.raises(ValueError, match="another plan"):
+            other.load_state_dict(state)
+
+
+def test_seeds_span_uint64_without_aliasing():
+    from remoteloader.client import plan as plan_module
+
+    orders = {seed: plan_module.epoch_order(64, shuffle=True, seed=seed, epoch=0).tolist()
+              for seed in (5, 2**63 + 5, 2**64 - 1)}
+    assert len({tuple(o) for o in orders.values()}) == 3, "two seeds gave the same order"

@@ -67,6 +67,8 @@ def test_same_batches_labels_keys_and_failures_as_the_thread_receiver(shards):
             stats[mode] = loader.stats()
             keys[mode] = [loader.sample_key(i) for i in range(loader.num_samples)]
             failures[mode] = sorted((f.sample_id, f.key) for f in seen)
+        after = loader.stats()  # closed: e.g. a summary printed after the with-block
+        assert after["servers"] == stats[mode]["servers"] and after["images"] == stats[mode]["images"], mode
     for a, b in zip(results["thread"], results["process"]):
         assert len(a) == len(b) == 37 // BATCH
         for (ia, la, da), (ib, lb, db) in zip(a, b):

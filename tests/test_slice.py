@@ -303,6 +303,15 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(data):
     ({"dtype": torch.uint8}, "dtype"),
     ({"normalize": ((123.7, 116.3, 103.5), (58.4, 57.1, 57.4))}, "0..1 scale"),
     ({"dtype": torch.float8_e4m3fn, "normalize": ((0.5,) * 3, (0.5,) * 3)}, "dtype"),
+    ({"batch_size": True}, "batch_size"),
+    ({"image_size": True}, "image_size"),
+    ({"image_size": 64.0}, "image_size"),
+    ({"image_size": 10**12}, "image_size"),
+    ({"seed": -1}, "seed"),  # seeds travel as uint64
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"prefetch": 2.0}, "prefetch"),
+    ({"connect_timeout": None}, "connect_timeout"),
 ])
 def test_invalid_arguments_raise_value_error_naming_them(data, kwargs, name):
     with pytest.raises(ValueError, match=name):
