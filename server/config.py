@@ -64,8 +64,10 @@ class ServerConfig:
         max_streams: Open order streams the server accepts in all (default 64).
         max_streams_per_client: Open order streams per client address (default 16: a train and
             an eval loader on each of 8 GPU ranks of one host).
-        stall_timeout: Seconds a stream may leave a finished chunk unread before it is ended
-            with DEADLINE_EXCEEDED and its slots are freed (default 120).
+        stall_timeout: Seconds a stream may leave a finished chunk unread, or a new stream
+            go without its Setup, before it is ended with DEADLINE_EXCEEDED and its slots are
+            freed (default 120). While other streams wait for a free slot, a stream that
+            holds slots is ended after 10 s of leaving a chunk unread (service.CONTENDED_STALL).
     Operations:
         metrics_port: Serve Prometheus metrics on this port (default 0: off).
         grace: Seconds in-flight work may take to finish after SIGTERM.
@@ -245,7 +247,8 @@ _FIELD_HELP = {
     "token_file": "file holding the bearer token clients must send",
     "max_streams": "open order streams accepted in all",
     "max_streams_per_client": "open order streams accepted per client address",
-    "stall_timeout": "seconds a client may leave a chunk unread before its stream is ended",
+    "stall_timeout": "seconds a client may leave a chunk unread (or a new stream its Setup) before the stream "
+                     "is ended; 10 s while other streams wait for its slots",
     "metrics_port": "serve Prometheus metrics on this port (0: off)",
     "grace": "seconds in-flight work may take to finish after SIGTERM",
     "log_level": "logging level",

@@ -29,7 +29,8 @@ from remoteloader.server import decode as dec  # noqa: E402
 PRESETS = ("train", "eval")
 CUSTOM = "custom"
 EVAL_CROP_FRACTION = 0.875
-MAX_PIPELINE_JSON = 64 * 1024
+MAX_PIPELINE_JSON = 64 * 1024  # bytes of UTF-8
+MAX_TRANSFORMS = 100  # in a custom pipeline, nested composes included
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,18 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     if not allow_custom:
         raise PipelineError("this server does not accept custom albumentations pipelines "
                             f"(start it with --allow-custom-pipelines); it offers {', '.join(PRESETS)}")
-    if len(spec.albumentations_json) > MAX_PIPELINE_JSON:
-        raise PipelineError(f"albumentations_json is {len(spec.albumentations_json)} bytes, "
-                            f"over the limit of {MAX_PIPELINE_JSON}")
+    size = len(spec.albumentations_json.encode("utf-8", "surrogatepass"))
+    if size > MAX_PIPELINE_JSON:
+        raise PipelineError(f"albumentations_json is {size} bytes, over the limit of {MAX_PIPELINE_JSON}")
     try:
         document = json.loads(spec.albumentations_json)
+        numbers = list(_numbers(document))
     except ValueError as exc:
         raise PipelineError(f"albumentations_json is not JSON: {exc}") from None
+    except RecursionError:
+        raise PipelineError("albumentations_json is nested too deeply") from None
     limit = 4 * max(spec.height, spec.width, 256)
-    for path, value in _numbers(document):
+    for path, value in numbers:
         if abs(value) > limit and path.rsplit(".", 1)[-1] not in ("seed",):
             raise PipelineError(f"albumentations_json: {path}={value} is over this server's limit of {limit} for "
                                 f"any size-like parameter (4 x the output size, at least 1024)")
@@ -87,6 +91,9 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
         raise PipelineError(f"cannot rebuild the albumentations pipeline: {type(exc).__name__}: {exc}") from None
     if not isinstance(compose, A.Compose):
         compose = A.Compose([compose])
+    count = sum(1 for _ in _walk(compose))
+    if count > MAX_TRANSFORMS:
+        raise PipelineError(f"the pipeline has {count} transforms and composes, over the limit of {MAX_TRANSFORMS}")
     if compose.p < 1:
         raise PipelineError(f"the pipeline's outer Compose has p={compose.p}: it would pass some images through "
                             f"untransformed, at their own size; use p=1 there and put the probability on "

@@ -26,6 +26,11 @@ SERVICE = "remoteloader.v1.Loader"
 MAX_KEYS_PER_CALL = 10_000
 TASK_SAMPLES = 8  # fewest samples per worker task
 MAX_TASK_SAMPLES = 32  # most: a task message (paths included) stays well under the 64 KiB a pipe holds
+# A stream whose client leaves a chunk unread this long while other streams wait for a
+# slot is ended (its client reconnects and re-sends its orders): a client that does not
+# read, or reads a chunk a minute, cannot keep the slots it took. A reading client's
+# writes wait milliseconds; stall_timeout bounds the uncontended case.
+CONTENDED_STALL = 10.0
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -70,6 +75,8 @@ class LoaderService:
         self._pipelines: dict[PipelineSpec, Pipeline] = {}
         self._draining = asyncio.Event()
         self._slot_freed = asyncio.Condition()
+        self._slot_waiters = 0  # streams waiting in _take_slot
+        self._custom_check = asyncio.Lock()
         self.metrics = Metrics()
         self._streams_by_client: dict[str, int] = {}
 
@@ -111,7 +118,7 @@ class LoaderService:
         end = min(request.start + request.count, len(shard))
         return loader_pb2.GetKeysResponse(keys=[shard.key(i) for i in range(request.start, end)])
 
-    def _pipeline(self, setup: loader_pb2.Setup) -> Pipeline:
+    async def _pipeline(self, setup: loader_pb2.Setup) -> Pipeline:
         c = self.config
         for name, value in (("height", setup.height), ("width", setup.width)):
             if not c.min_image_size <= value <= c.max_image_size:
@@ -120,11 +127,22 @@ class LoaderService:
         spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
         pipeline = self._pipelines.get(spec)
         if pipeline is None:
-            pipeline = Pipeline(spec, c.allow_custom_pipelines, c.max_pixels)
-            pipeline.check_output()
+            if spec.name in PRESETS:
+                pipeline = self._check_pipeline(spec)
+            else:
+                # A client's pipeline may take seconds to build and try (a huge blur kernel):
+                # off the event loop, one at a time, so it delays only other custom Setups.
+                async with self._custom_check:
+                    pipeline = self._pipelines.get(spec) or await asyncio.get_running_loop().run_in_executor(
+                        None, self._check_pipeline, spec)
             if len(self._pipelines) > 64:
                 self._pipelines.clear()
             self._pipelines[spec] = pipeline
+        return pipeline
+
+    def _check_pipeline(self, spec: PipelineSpec) -> Pipeline:
+        pipeline = Pipeline(spec, self.config.allow_custom_pipelines, self.config.max_pixels)
+        pipeline.check_output()
         return pipeline
 
     @property
@@ -152,13 +170,20 @@ class LoaderService:
             self.metrics.active_streams.set(self.active_streams)
 
     async def _stream(self, context, peer: str):
-        first = await context.read()
+        c = self.config
+        try:  # a stream that sends nothing would hold its place among max_streams
+            first = await asyncio.wait_for(context.read(), c.stall_timeout)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no Setup within stall_timeout={c.stall_timeout:g}s of opening the stream")
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}")
         if first is grpc.aio.EOF:
             return
         if first.WhichOneof("kind") != "setup":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a stream must be a Setup")
         try:
-            pipeline = self._pipeline(first.setup)
+            pipeline = await self._pipeline(first.setup)
         except PipelineError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         spec = pipeline.spec
@@ -174,11 +199,9 @@ class LoaderService:
                 if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], grpc.StatusCode):
                     await context.abort(*item)
                 await self._write_chunk(context, spec, item, state)
-        except _Stalled:
-            log.warning("stream from %s left a chunk unread for %gs (stall_timeout); ending it", peer,
-                        self.config.stall_timeout)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"the client read nothing for stall_timeout={self.config.stall_timeout:g}s")
+        except _Stalled as stalled:
+            log.warning("stream from %s: %s; ending it", peer, stalled)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the client {stalled}")
         finally:
             reader.cancel()
             # Slots still being written by a worker go back only when the worker is done.
@@ -240,16 +263,21 @@ class LoaderService:
     async def _take_slot(self, state: dict) -> int:
         """A slot for this stream, within its fair share of all slots.
 
-        A client that sends orders and never reads would otherwise hold every slot and
-        starve the others: a stream may hold at most slots / open streams, and never the
-        last two slots, so a stream that opens later can always start (at least 2 each).
+        A stream may hold at most slots / open streams (at least 2, and never the last two
+        while it is alone), so a stream that opens later gets its share as the others
+        write theirs out. A client that does not read writes nothing out: while another
+        stream waits here for a free slot, _send ends it after CONTENDED_STALL.
         """
         count = self.arena.count
         while state["slots"] >= max(2, min(count - 2, count // max(1, self.active_streams))):
             async with self._slot_freed:
                 await self._slot_freed.wait()
         state["slots"] += 1
-        return await self.arena.acquire()
+        self._slot_waiters += 1  # while none is free, streams that hold slots and do not read are ended
+        try:
+            return await self.arena.acquire()
+        finally:
+            self._slot_waiters -= 1
 
     def _give_slot(self, slot: int, state: dict) -> None:
         state["slots"] -= 1
@@ -332,11 +360,7 @@ class LoaderService:
                                                key=item.shard.key(int(indices[pos])), reason=reason)
                         for pos, reason in errors])
             nbytes = item.count * spec.height * spec.width * 3
-            try:
-                await asyncio.wait_for(context.write(OutChunk(header, self.arena.view(item.slot, nbytes))),
-                                       self.config.stall_timeout)
-            except asyncio.TimeoutError:
-                raise _Stalled() from None
+            await self._send(context, OutChunk(header, self.arena.view(item.slot, nbytes)))
             m = self.metrics
             m.images.inc(item.count)
             m.bytes.inc(nbytes)
@@ -352,6 +376,24 @@ class LoaderService:
             state["inflight"] -= 1
             self.metrics.orders.inc()
             self.metrics.order_latency.observe(time.monotonic() - item.received)
+
+
+    async def _send(self, context, chunk: OutChunk) -> None:
+        """Writes a chunk, or raises _Stalled when the client leaves it unread for
+        stall_timeout, or for CONTENDED_STALL while other streams wait for a slot."""
+        write = asyncio.ensure_future(context.write(chunk))
+        started = time.monotonic()
+        while not (await asyncio.wait({write}, timeout=1.0))[0]:
+            waited = time.monotonic() - started
+            if waited >= self.config.stall_timeout:
+                why = f"read nothing for stall_timeout={self.config.stall_timeout:g}s"
+            elif waited >= CONTENDED_STALL and self._slot_waiters:
+                why = f"read nothing for {waited:.0f}s while other streams waited for the chunk slots it holds"
+            else:
+                continue
+            write.cancel()
+            raise _Stalled(why)
+        write.result()
 
 
 def _merge(parts: list[asyncio.Future], firsts: list[int]) -> asyncio.Future:

@@ -10,6 +10,7 @@ worker dies the pool knows exactly which tasks to fail, and starts a new worker.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import mmap
 import multiprocessing as mp
@@ -105,6 +106,9 @@ class Arena(SharedFile):
 
 
 _MAX_SPECS = 64  # pipeline specs a worker remembers before it is told to forget them
+# A task pipe holds at most AHEAD tasks and, for each, a pipeline spec (under 64 KiB of JSON,
+# pipelines.MAX_PIPELINE_JSON): far less than this, so a write to it never blocks the loop.
+_TASK_PIPE_BYTES = 1 << 20
 _RESERVED = -3  # cache index values <= this: reserved at offset (_RESERVED - value), not filled
 
 
@@ -150,8 +154,8 @@ class WorkerPool:
 
     Tasks wait in one queue and go to a worker only while it holds fewer than
     ``AHEAD`` of them: every worker stays busy, a slow worker gets less, and the task pipe
-    never fills (so writing to it never blocks the event loop). Results come back on a
-    second pipe that the loop watches.
+    (enlarged to _TASK_PIPE_BYTES) never fills, so writing to it never blocks the event
+    loop. Results come back on a second pipe that the loop watches.
 
     Args:
         arena: The shared slots the workers write into.
@@ -190,6 +194,10 @@ class WorkerPool:
         from remoteloader.server import worker as worker_module
 
         task_read, task_write = self._ctx.Pipe(duplex=False)
+        try:
+            fcntl.fcntl(task_write.fileno(), fcntl.F_SETPIPE_SZ, _TASK_PIPE_BYTES)
+        except OSError as exc:  # over /proc/sys/fs/pipe-max-size: 64 KiB holds typical tasks and specs
+            log.warning("cannot enlarge a worker's task pipe to %d bytes (%s)", _TASK_PIPE_BYTES, exc)
         result_read, result_write = self._ctx.Pipe(duplex=False)
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)
         process = self._ctx.Process(target=worker_module.main, args=(task_read, result_write, *fds, *self._settings),
@@ -225,7 +233,7 @@ class WorkerPool:
             task_id, message, future, count = self._queue.popleft()
             worker.pending[task_id] = (future, count)
             try:
-                # The pipeline spec (up to 64 KiB of JSON) goes to each worker once; tasks name it.
+                # The pipeline spec (under 64 KiB of JSON) goes to each worker once; tasks name it.
                 spec = message[3]
                 if spec not in worker.specs and len(worker.specs) >= _MAX_SPECS:
                     worker.tasks.send(("forget",))

@@ -172,6 +172,18 @@ def test_callable_receives_sample_failures_and_batches_are_kept(data, pipeline):
         assert all(got[i].any() for i in got if i not in bad_ids)
 
 
+@pytest.mark.parametrize("on_error", ["skip", "warn"])
+def test_a_batch_of_only_failed_samples_is_left_out_with_a_warning(data, on_error):
+    # len(loader) promises one batch per sample here; three batches hold nothing servable.
+    with loader_for(data, on_error=on_error, batch_size=1) as loader, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yielded = len(data._run_bounded(loader, 60))
+        assert yielded == len(loader) - len(BAD)
+    left_out = [w for w in caught if "left out" in str(w.message)]
+    assert len(left_out) == len(BAD), [str(w.message) for w in caught]
+    assert all("fewer batches than len(loader)" in str(w.message) and "DDP" in str(w.message) for w in left_out)
+
+
 def test_labels_of_good_samples_survive_skipping(data):
     with loader_for(data, on_error="skip", batch_size=3) as loader:
         for _images, labels, ids in loader:
@@ -191,6 +203,17 @@ def open_stream(address: str, requests: list, timeout: float = 20):
         method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
                                        response_deserializer=codec.decode_chunk)
         return list(method(iter(requests), timeout=timeout))
+
+
+@pytest.mark.parametrize("first", [b"\xff\xff\xff", b"\x0a\x04\x0a\x02\xff\xfe"], ids=["not protobuf", "bad UTF-8"])
+def test_a_malformed_first_message_is_invalid_argument(data, first):
+    with grpc.insecure_channel(data.address) as channel:
+        method = channel.stream_stream(STREAM, request_serializer=lambda raw: raw,
+                                       response_deserializer=codec.decode_chunk)
+        with pytest.raises(grpc.RpcError) as info:
+            list(method(iter([first]), timeout=20))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "malformed StreamRequest" in info.value.details()
 
 
 def test_stream_refuses_an_unknown_pipeline_listing_the_offer(data):

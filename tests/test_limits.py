@@ -323,6 +323,35 @@ def test_a_client_that_never_reads_cannot_starve_the_others(servers):
             hog.close()
 
 
+def test_streams_that_never_read_are_ended_when_others_wait_for_their_slots(servers):
+    """Two streams take every slot between them and never read: a third client must be
+    served, and they ended, after CONTENDED_STALL (10 s), well before stall_timeout (120 s)."""
+    with grpc.insecure_channel(servers.address(METERED)) as channel:
+        shard_id = _shard_id(channel)
+        hogs = [OpenStream(channel, timeout=120) for _ in range(2)]
+        try:
+            for hog in hogs:
+                hog.send(_setup("eval", 512))  # 768 KiB per sample: a few samples fill a slot
+                for k in range(1, 17):
+                    hog.send(_order(k, shard_id, [i % GOOD for i in range(64)]))
+            time.sleep(2)  # let them take what they can
+            started = time.monotonic()
+            with RemoteLoader(servers.address(METERED), batch_size=4, image_size=SIZE, pipeline="eval",
+                              shuffle=False, drop_last=False, return_ids=True, on_error="skip") as loader:
+                ids = _bounded_epoch(loader, 50)
+            assert sorted(ids) == sorted(set(ids)) and len(ids) == GOOD
+            assert time.monotonic() - started < 40
+            for hog in hogs:
+                with pytest.raises(grpc.RpcError) as info:
+                    for _ in hog.call:
+                        pass
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+                assert "waited for the chunk slots it holds" in info.value.details()
+        finally:
+            for hog in hogs:
+                hog.close()
+
+
 def test_a_stream_that_stops_reading_is_ended_after_stall_timeout(cluster, tmp_path):
     data = make_imagefolder(tmp_path / "stall", ["a"], 8, size=(48, 64), seed=5)
     index = cluster.add(data, "--stall-timeout", "2")
@@ -341,6 +370,18 @@ def test_a_stream_that_stops_reading_is_ended_after_stall_timeout(cluster, tmp_p
             assert "stall_timeout=2" in info.value.details()
         finally:
             hog.close()
+        # A stream that never sends its Setup does not keep its place among max_streams.
+        silent = OpenStream(channel, timeout=60)
+        try:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in silent.call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "no Setup within stall_timeout=2s" in info.value.details()
+            assert time.monotonic() - started < 20
+        finally:
+            silent.close()
 
 
 # ---- metrics --------------------------------------------------------------------------------

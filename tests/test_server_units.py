@@ -96,3 +96,35 @@ def test_custom_pipelines_with_absurd_sizes_are_refused_before_they_run(transfor
                                                         "transforms": transforms}}
     with pytest.raises(PipelineError, match="over this server's limit"):
         Pipeline(PipelineSpec("custom", 64, 64, json.dumps(document)), allow_custom=True)
+
+
+def _custom(document):
+    """A custom pipeline from its A.to_dict document (or its JSON text), as a server builds it."""
+    from remoteloader.server.pipelines import Pipeline, PipelineSpec
+
+    text = document if isinstance(document, str) else json.dumps(document)
+    return Pipeline(PipelineSpec("custom", 64, 64, text), allow_custom=True)
+
+
+def _compose(transforms) -> dict:
+    return {"__version__": "2.0.8", "transform": {"__class_fullname__": "Compose", "p": 1.0,
+                                                    "transforms": transforms}}
+
+
+def test_custom_pipelines_too_large_or_too_deep_are_refused_as_the_clients_error():
+    from remoteloader.server.pipelines import MAX_PIPELINE_JSON, MAX_TRANSFORMS, PipelineError
+
+    resize = {"__class_fullname__": "Resize", "height": 64, "width": 64, "p": 1.0}
+    # Under the limit in characters, over it in bytes: the limit is what travels and is stored.
+    wide = _compose([{**resize, "note": "\U0001F600" * (MAX_PIPELINE_JSON // 3)}])
+    assert len(json.dumps(wide, ensure_ascii=False)) < MAX_PIPELINE_JSON
+    with pytest.raises(PipelineError, match="bytes, over the limit"):
+        _custom(json.dumps(wide, ensure_ascii=False))
+    with pytest.raises(PipelineError, match="nested too deeply"):
+        _custom("[" * 30_000 + "]" * 30_000)
+    nested = resize
+    for _ in range(MAX_TRANSFORMS):
+        nested = {"__class_fullname__": "Sequential", "p": 1.0, "transforms": [nested]}
+    with pytest.raises(PipelineError, match=f"over the limit of {MAX_TRANSFORMS}"):
+        _custom(_compose([nested]))
+    _custom(_compose([resize]))  # and a plain one is fine
