@@ -20,7 +20,8 @@ class Metrics:
         self.order_latency = Histogram("remoteloader_order_duration", "Time from receiving an order to sending "
                                        "its last chunk", unit="seconds", registry=r,
                                        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.queue_depth = Gauge("remoteloader_queue_depth", "Chunks waiting for or in decode workers", registry=r)
+        self.queue_depth = Gauge("remoteloader_queue_depth", "Decode tasks waiting for or in the workers (read "
+                                 "when scraped)", registry=r)
         self.active_streams = Gauge("remoteloader_active_streams", "Open order streams", registry=r)
         self.refused = Counter("remoteloader_refused_streams", "Streams refused over a limit", registry=r)
 

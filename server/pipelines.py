@@ -181,12 +181,13 @@ class Pipeline:
             try:
                 out = self.compose(image=image)["image"]
             except Exception as exc:  # the pipeline cannot handle some image sizes
-                raise PipelineError(f"the pipeline fails on a {shape[1]}x{shape[0]} image ({type(exc).__name__}: "
+                raise PipelineError(f"the pipeline fails on an image of {shape[0]}x{shape[1]} (height x width) "
+                                    f"({type(exc).__name__}: "
                                     f"{exc}); it must accept any image size, e.g. start with a Resize or "
                                     f"RandomResizedCrop") from None
             if out.shape != (self.spec.height, self.spec.width, 3) or out.dtype != np.uint8:
                 raise PipelineError(
-                    f"the pipeline turns a {shape[1]}x{shape[0]} image into shape {out.shape} "
+                    f"the pipeline turns an image of {shape[0]}x{shape[1]} (height x width) into shape {out.shape} "
                     f"{out.dtype}; it must output uint8 of the requested size "
                     f"{self.spec.height}x{self.spec.width}x3 for every input (end it with a "
                     f"Resize or a crop of that size)")

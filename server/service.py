@@ -78,6 +78,8 @@ class LoaderService:
         self._slot_waiters = 0  # streams waiting in _take_slot
         self._custom_check = asyncio.Lock()
         self.metrics = Metrics()
+        if pool is not None:
+            self.metrics.queue_depth.set_function(lambda: pool.outstanding)
         self._streams_by_client: dict[str, int] = {}
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -366,7 +368,6 @@ class LoaderService:
             m.bytes.inc(nbytes)
             if errors:
                 m.decode_errors.inc(len(errors))
-            m.queue_depth.set(self.pool.outstanding if self.pool is not None else 0)
         finally:
             if item.future.done():
                 self._give_slot(item.slot, state)

@@ -420,6 +420,15 @@ def test_metrics_count_exactly_what_an_epoch_served(servers):
         time.sleep(0.1)
     assert servers.metrics()["remoteloader_active_streams"] == 0, "the closed loader's stream is still counted"
 
+    # A loader closed after one batch leaves work behind; once it is done, the queue reads empty.
+    with RemoteLoader(servers.address(METERED), batch_size=1, image_size=SIZE, pipeline="eval", drop_last=False,
+                      on_error="skip", connect_timeout=10) as loader:
+        next(iter(loader))
+    deadline = time.monotonic() + 10
+    while servers.metrics()["remoteloader_queue_depth"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert servers.metrics()["remoteloader_queue_depth"] == 0, "an idle server reports queued work"
+
 
 # ---- SIGTERM --------------------------------------------------------------------------------
 def test_sigterm_drains_health_goes_not_serving_and_exits_0(servers):
