@@ -17,7 +17,7 @@ import numpy as np
 
 from remoteloader.protos import codec
 from remoteloader.server.catalog import SyntheticShard, open_shards
-from remoteloader.server.config import ServerConfig
+from remoteloader.server.config import ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import SERVICE, LoaderService
@@ -52,7 +52,7 @@ class LoaderServer:
 
     @property
     def target(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return f"{bracketed(self.config.host)}:{self.port}"
 
     async def stop(self, grace: float | None = None) -> None:
         """Drains: health NOT_SERVING, no new orders, in-flight work finishes; idempotent."""
@@ -136,13 +136,24 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.host}:{config.port}"
+    address = f"{bracketed(config.host)}:{config.port}"
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         hint = " (or the TLS certificate and key are not a valid PEM pair)" if credentials else ""
-        raise OSError(f"cannot bind {config.host}:{config.port}{hint}: {exc}") from None
+        raise OSError(f"cannot bind {address}{hint}: {exc}") from None
     await server.start()
+    metrics_port = 0
+    if config.metrics_port:
+        # Before health says SERVING. On failure the gRPC server is stopped here: left to the
+        # garbage collector, it would be shut down on an event loop already closed (a traceback),
+        # and one never started keeps its port bound.
+        try:
+            metrics_port = service.metrics.serve(config.metrics_port, config.host.strip("[]"))
+        except OSError as exc:
+            await server.stop(None)
+            raise OSError(f"cannot bind the metrics port {config.metrics_port} on {config.host}: "
+                          f"{exc.strerror or exc} (choose another --metrics-port, or 0 for none)") from None
     for name in (SERVICE, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     samples = sum(len(s) for s in shards)
@@ -155,9 +166,8 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
             log.info("%d of %d sampled JPEGs have a restart marker per MCU%s", packed, jpegs,
                      "" if packed == jpegs else ": `remoteloader pack` would cut the decode CPU of the others "
                      "by about a quarter (measured on ImageNet-sized photos)")
-    if config.metrics_port:
-        bound = service.metrics.serve(config.metrics_port, config.host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", config.host, bound)
+    if metrics_port:
+        log.info("Prometheus metrics on http://%s:%d/metrics", bracketed(config.host), metrics_port)
     warning = auth_warning(config)
     if warning:
         log.warning(warning)
@@ -193,7 +203,7 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the readiness line: a SIGTERM right after it drains
         loop.add_signal_handler(sig, stop.set)
     # The readiness line, whatever the log level: tools and tests wait for it.
-    print(f"remoteloader-server listening on {config.host}:{server.port}", file=sys.stderr, flush=True)
+    print(f"remoteloader-server listening on {server.target}", file=sys.stderr, flush=True)
     serving = asyncio.ensure_future(server.grpc_server.wait_for_termination())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

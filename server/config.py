@@ -25,6 +25,12 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def bracketed(host: str) -> str:
+    """``host`` as written before ``:port``: an IPv6 literal in brackets (``[::1]:50051``), so
+    that gRPC and clients read the port after the last colon and not inside the address."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """A loader server's settings.

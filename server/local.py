@@ -19,6 +19,8 @@ import threading
 import time
 from collections import deque
 
+from remoteloader.server.config import bracketed
+
 
 _READY = re.compile(r"listening on (\S+):(\d+)")
 
@@ -62,7 +64,7 @@ class LocalServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{bracketed(self.host)}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "LocalServer":
         env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}

@@ -42,3 +42,45 @@ def test_stop_drains_and_leaves_no_process_of_its_group(tmp_path, monkeypatch):
     assert group_members(pgid) == []
     assert "listening on" in log.read_text() and "listening on" in server.log_tail()
     assert server.stop() == 0  # idempotent
+
+
+def test_a_busy_metrics_port_is_a_one_line_error_and_stops_everything(tmp_path):
+    """A busy --metrics-port ends start-up with one line naming it and exit 2: the gRPC server
+    is stopped (left to the garbage collector, it printed a traceback from a closed event loop)
+    and no decode worker is left running."""
+    import signal
+    import socket
+    import subprocess
+
+    root = make_imagefolder(tmp_path / "data", ["a", "b"], 2, size=(32, 32), seed=0)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        command = LocalServer(root, args=["--workers", "1", "--metrics-port", str(port)]).command
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                   start_new_session=True)
+        try:
+            _, err = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    assert process.returncode == 2, err
+    assert f"cannot bind the metrics port {port} on 127.0.0.1: Address already in use" in err, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "listening on" not in err, err
+    deadline = time.monotonic() + 5
+    while group_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_members(process.pid) == [], "decode workers outlived the server"
+
+
+@pytest.mark.parametrize("host, written", [("::1", "[::1]"), ("[::1]", "[::1]"), ("fd00::5", "[fd00::5]"),
+                                           ("127.0.0.1", "127.0.0.1"), ("loaders.local", "loaders.local")])
+def test_ipv6_hosts_are_bracketed_before_the_port(host, written):
+    # (No server on ::1 here: network tests stay on 127.0.0.1.) gRPC reads the port after
+    # the last colon: --host ::1 bound "::1:50051" as [::0.1.0.0]:443 before.
+    from remoteloader.server.config import bracketed
+
+    assert bracketed(host) == written
