@@ -77,12 +77,17 @@ def run(args: argparse.Namespace) -> int:
             addresses = args.connect
         print(f"loader servers: {addresses}; training on {device}")
 
-        train = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size, image_size=args.image_size,
-                                                 pipeline="train", seed=args.seed, normalize=(MEAN, STD),
-                                                 device=device))
-        evaluate = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
-                                                    image_size=args.image_size, pipeline="eval", shuffle=False,
-                                                    drop_last=False, normalize=(MEAN, STD), device=device))
+        try:
+            train = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
+                                                     image_size=args.image_size, pipeline="train", seed=args.seed,
+                                                     normalize=(MEAN, STD), device=device))
+            evaluate = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
+                                                        image_size=args.image_size, pipeline="eval", shuffle=False,
+                                                        drop_last=False, normalize=(MEAN, STD), device=device))
+        except (OSError, ValueError) as exc:  # ConnectionError, a bad address, a server that refuses the setup
+            if not args.connect:
+                raise  # the demo's own servers: a bug, with its traceback
+            raise SystemExit(f"--connect={args.connect}: {exc}") from None
         model = _model(len(train.class_names)).to(device).to(memory_format=torch.channels_last)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
         loss_fn = torch.nn.CrossEntropyLoss()

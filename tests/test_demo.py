@@ -117,3 +117,52 @@ def test_prepare_with_connect_still_refuses_a_foreign_folder(tmp_path):
     with pytest.raises(SystemExit, match="did not write"):
         main(["demo", "--prepare", str(tmp_path), "--connect", "127.0.0.1:1"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:{free}", "did not answer within 1s"),  # nothing listening
+    ("no-port-here", "expected host:port"),
+])
+def test_connect_to_no_server_is_a_one_line_error(monkeypatch, free_port, address, message):
+    import functools
+
+    from remoteloader.client import loader
+    from remoteloader.server.cli import main
+
+    # The loader's default connect_timeout (10 s) is what a user waits; the message is the same.
+    monkeypatch.setattr(loader, "RemoteLoader", functools.partial(loader.RemoteLoader, connect_timeout=1))
+    address = address.format(free=free_port())
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--connect", address])
+    assert isinstance(info.value.code, str) and "\n" not in info.value.code, info.value.code
+    assert info.value.code.startswith(f"--connect={address}: ") and message in info.value.code, info.value.code
+
+
+# A client-only install (`pip install remoteloader`, no `server` extra): its modules fail to import.
+CLIENT_ONLY = "import sys\nfor name in ('simplejpeg', 'cv2', 'albumentations'):\n    sys.modules[name] = None\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, prog", [
+    (["pack", "src", "dst"], "remoteloader pack"),
+    (["pack", "--help"], "remoteloader pack"),
+    (["serve", "--data", "src"], "remoteloader serve"),
+    (["demo", "--data", "new", "--images-per-class", "8", "--batch-size", "8"], "remoteloader demo"),
+])
+def test_a_server_subcommand_without_the_server_extra_says_how_to_install_it(tmp_path, argv, prog):
+    code = CLIENT_ONLY + f"from remoteloader.server.cli import main\nsys.exit(main({argv!r}))\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"{prog} needs the server extra: pip install 'remoteloader[server]'"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert os.listdir(tmp_path) == []  # the demo wrote no dataset
+
+
+@pytest.mark.timeout(60)
+def test_probe_needs_only_the_client(free_port):
+    code = CLIENT_ONLY + (f"from remoteloader.server.cli import main\n"
+                          f"sys.exit(main(['probe', '127.0.0.1:{free_port()}', '--timeout', '1']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 1 and "UNAVAILABLE" in result.stderr, result.stderr  # it ran: nothing listens
+    assert "Traceback" not in result.stderr and "server extra" not in result.stderr
