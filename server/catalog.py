@@ -89,21 +89,26 @@ class Shard:
 
 
 class ImageFolderShard(Shard):
-    """``root/<class>/<file>``; labels index the sorted class folder names."""
+    """``root/<class>/<file>``; labels index the sorted class folder names.
 
-    def __init__(self, root: pathlib.Path):
+    ``tars_too``: the caller would also have read ``.tar`` shards in ``root`` (a server does;
+    ``pack`` does not), which the error for a folder without images then says.
+    """
+
+    def __init__(self, root: pathlib.Path, tars_too: bool = True):
         self.root = str(root)
         classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
         table = KeyTable()
         digest = hashlib.sha256()
         # The class list is part of the identity: an extra (even empty) class folder shifts labels.
         digest.update(("\0".join(classes) + "\n").encode("utf-8", "surrogateescape"))
-        skipped, other = [], collections.Counter()
+        skipped, other, empty = [], collections.Counter(), []
         for label, cls in enumerate(classes):
             files = [e for e in os.scandir(root / cls) if e.is_file()]
             entries = sorted((e.name, e.stat().st_size) for e in files if e.name.lower().endswith(IMAGE_EXTENSIONS))
             other.update(repr(os.path.splitext(e.name)[1].lower() or "") for e in files  # dotfiles: .DS_Store
                          if not e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith("."))
+            before = len(table)
             for name, size in entries:
                 key = f"{cls}/{name}"
                 if not _utf8(key):  # keys travel as protobuf strings, which must be UTF-8
@@ -111,6 +116,8 @@ class ImageFolderShard(Shard):
                     continue
                 table.add(key, label, 0, size)
                 digest.update(f"{key}\0{size}\n".encode())
+            if len(table) == before:
+                empty.append(cls)
         if skipped:
             log.warning("%s: skipped %d file(s) whose names are not UTF-8, e.g. %r", root, len(skipped), skipped[0])
         if other:  # e.g. .webp or .bmp images, which would otherwise be missing without a word
@@ -118,8 +125,12 @@ class ImageFolderShard(Shard):
                         "/".join(IMAGE_EXTENSIONS), ", ".join(f"{n} {ext}" for ext, n in other.most_common(5)))
         if not len(table):
             raise CatalogError(f"{root} holds no images: expected an ImageFolder tree "
-                               f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}, "
-                               f"or WebDataset .tar shards")
+                               f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}"
+                               f"{', or WebDataset .tar shards' if tars_too else ''}")
+        if empty:  # kept as classes: dropping one would shift the labels of every class after it
+            log.warning("%s: %d class folder(s) hold no %s images: %s; each is still a class (labels follow the "
+                        "sorted folder names), with no samples; remove the folder if it is not one", root, len(empty),
+                        "/".join(IMAGE_EXTENSIONS), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
         super().__init__(root.name, table, classes, "if-" + digest.hexdigest()[:24])
 
     def locate(self, index: int) -> Location:
@@ -141,9 +152,19 @@ class TarShard(Shard):
             table, index_digest = cached
             super().__init__(path.name, table, class_names, _tar_id(index_digest, table.labels, class_names))
             self.index_digest = index_digest
-            return
-        self._scan(path, class_names)
-        save_index(path, self)
+        else:
+            self._scan(path, class_names)
+            save_index(path, self)
+        unlabelled = int(np.count_nonzero(self.labels < 0))
+        if unlabelled:  # a tar made by hand: without this, every sample is served as class -1 without a word
+            log.warning("%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
+                        "and are served with label -1: labels come from <key>.cls members holding the class index "
+                        "as decimal text, class names from %s (one per line) beside the shards, as `remoteloader "
+                        "pack` writes them", path, unlabelled, len(self), CLASSES_FILE)
+        top = int(self.labels.max()) if len(self) else -1
+        if top >= len(class_names):  # no classes.txt, or a short one: class_names[label] fails in training code
+            log.warning("%s: labels go up to %d but %s beside it names %d class(es); clients get no name for the "
+                        "others (class_names[label] fails)", path, top, CLASSES_FILE, len(class_names))
 
     def _scan(self, path: pathlib.Path, class_names: list[str]) -> None:
         table = KeyTable()

@@ -196,10 +196,18 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers}: expected at least 1")
+    source_dir, out_dir = pathlib.Path(src).resolve(), pathlib.Path(dst).resolve()
+    if out_dir == source_dir or source_dir in out_dir.parents:
+        # Its folder would become a class of the source, and the source changes while it is read.
+        where = "the source" if out_dir == source_dir else "inside the source"
+        raise ValueError(f"the output folder {dst} is {where} {src}; choose one outside it")
+    if out_dir in source_dir.parents:
+        raise ValueError(f"the source {src} is inside the output folder {dst}; choose a new or empty folder "
+                         f"outside the source")
     if pathlib.Path(src).is_dir() and any(pathlib.Path(src).glob("*.tar")):
         raise ValueError(f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>); "
                          f"servers read tar shards as they are")
-    source = ImageFolderShard(pathlib.Path(src))
+    source = ImageFolderShard(pathlib.Path(src), tars_too=False)
     out = pathlib.Path(dst)
     if out.exists() and any(out.iterdir()):
         # A server reads every .tar in a folder: packing next to other files would mix datasets.

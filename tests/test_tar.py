@@ -8,6 +8,7 @@ One module-wide set of servers on 127.0.0.1 (tests only read from them):
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pathlib
 import re
@@ -270,6 +271,52 @@ def test_pack_refuses_a_non_empty_destination(packed, tmp_path):
     assert sorted(os.listdir(out)) == ["other-dataset.tar"] and other.read_bytes() == before
 
 
+def test_pack_refuses_an_output_folder_inside_its_source_and_the_reverse(tmp_path):
+    """Shards written inside the source would become one of its classes (and a source inside
+    the output would be mixed into it); refused before anything is written."""
+    from remoteloader.server import pack as pack_module
+
+    src = make_imagefolder(tmp_path / "outer" / "src", CLASSES[:2], 2, size=(24, 32), seed=10)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for dst, message in ((src / "shards", "inside the source"), (src / "ant" / "x", "inside the source"),
+                         (src, "is the source"), (tmp_path / "outer", "inside the output folder")):
+        with pytest.raises(ValueError, match=message):
+            pack_module.pack(str(src), str(dst), 1 << 20, progress=False, workers=1)
+    result = pack_cli(src, f"{src}/../src/shards", "--quiet")  # the CLI: one line, whatever the spelling
+    assert result.returncode == 2 and "inside the source" in result.stderr, result.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_an_empty_class_folder_stays_a_class_and_is_named_in_one_warning(tmp_path, caplog):
+    """Dropping it would shift the labels of the classes after it; keeping it silently adds a
+    class the model has no sample of."""
+    from remoteloader.server.catalog import ImageFolderShard
+
+    src = make_imagefolder(tmp_path / "src", CLASSES, 2, size=(24, 32), seed=11)
+    (src / "bat").mkdir()
+    (src / "cow").mkdir()
+    (src / "cow" / "notes.txt").write_text("no images here")
+    caplog.set_level(logging.WARNING, logger="remoteloader.server.catalog")
+    shard = ImageFolderShard(src)
+    assert shard.class_names == ["ant", "bat", "bee", "cat", "cow"]
+    assert {shard.key(i).split("/")[0]: int(shard.labels[i]) for i in range(len(shard))} == \
+        {"ant": 0, "bee": 2, "cat": 3}
+    empty = [r.getMessage() for r in caplog.records if "hold no" in r.getMessage()]
+    assert len(empty) == 1 and "2 class folder(s)" in empty[0] and "bat, cow" in empty[0], empty
+
+
+def test_pack_says_what_it_reads_when_the_source_holds_no_images(tmp_path):
+    """pack refuses tar shards as its source, so its message offers only the ImageFolder layout;
+    a server's still offers both."""
+    (tmp_path / "src" / "ant").mkdir(parents=True)
+    result = pack_cli(tmp_path / "src", tmp_path / "dst", "--quiet")
+    assert result.returncode == 2 and "holds no images" in result.stderr and "DIR/<class>/<image>" in result.stderr
+    assert ".tar" not in result.stderr, result.stderr
+    assert not (tmp_path / "dst").exists()
+    with pytest.raises(CatalogError, match="or WebDataset .tar shards"):
+        open_shards([str(tmp_path / "src")])
+
+
 def test_a_sidecar_index_matches_a_scan_and_a_stale_one_is_ignored(packed, tmp_path):
     from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, load_index
 
@@ -360,6 +407,29 @@ def test_tar_without_images_is_an_error(tmp_path):
     write_tar(folder / "nothing.tar", [])
     with pytest.raises(CatalogError, match="no images"):
         open_shards([str(folder)])
+
+
+def test_a_tar_without_cls_members_warns_once_per_start_naming_it(tmp_path, jpegs, packed, caplog):
+    """A tar made by hand with images only is served with every label -1: said at start-up,
+    with where labels and class names come from; pack's shards say nothing."""
+    path = write_tar(tmp_path / "mine.tar", [("x/a.jpg", jpegs["a"]), ("x/b.jpg", jpegs["b"]),
+                                             ("x/c.jpg", jpegs["c"]), ("x/c.cls", b"1")])
+    caplog.set_level(logging.WARNING, logger="remoteloader.server.catalog")
+    for _ in ("scanned", "from the sidecar"):
+        caplog.clear()
+        shard = TarShard(path, [])
+        assert shard.labels.tolist() == [-1, -1, 1]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 2, warnings  # no label, and no name for label 1 (no classes.txt)
+        assert "mine.tar" in warnings[0] and "2 of 3 samples have no label" in warnings[0]
+        assert "<key>.cls" in warnings[0] and "classes.txt" in warnings[0]
+        assert "labels go up to 1 but classes.txt beside it names 0 class(es)" in warnings[1]
+    caplog.clear()
+    TarShard(path, ["p", "q"])  # named: only the missing labels are said
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1, caplog.text
+    caplog.clear()
+    open_shards([str(packed[1])])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_server_refuses_a_tar_folder_without_images(tmp_path):
