@@ -302,7 +302,11 @@ class RemoteLoader:
         return self._playing[1]
 
     def stats(self) -> dict:
-        """Throughput, the time the loop waited for data, and per-server counters."""
+        """Throughput, the time the loop waited for data, and per-server counters.
+
+        Rates and the wait fraction are averages since the first batch was asked for (time
+        the loader sat idle between epochs included); the servers' counters are those at
+        close() once it is closed."""
         s = self._stats
         elapsed = (time.perf_counter() - s["start"]) if s["start"] else 0.0
         per_server = self._final_servers if self._closed else self._io.server_stats()
