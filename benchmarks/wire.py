@@ -4,19 +4,32 @@ Servers run in transport benchmark mode (``--synthetic N``): they hold N samples
 pixels are generated once and never decoded, so the figures are gRPC + framing + the
 client's copy into the batch, nothing else. Everything runs on 127.0.0.1.
 
+The ``grpcio`` row is the floor under the client's figures: the same servers' streams read
+with grpcio alone (orders of one batch, ``prefetch`` in flight per server, each chunk's
+pixels copied once into a batch buffer), with no remoteloader client: no plan, no
+reassembly, no queue to the training loop. What the ``thread`` row costs above it is
+remoteloader's; the rest is grpcio's receive path and the kernel's.
+
     python benchmarks/wire.py [--servers 1 3] [--epochs 4] [--image-size 224] [--batch-size 256]
     python benchmarks/wire.py --servers 1 --chunk-bytes 1048576 2097152 4194304 8388608   # message size sweep
+    python benchmarks/wire.py --receiver grpcio thread   # RemoteLoader against grpcio alone
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import resource
 import time
 
+import grpc
+import numpy as np
+
 from remoteloader.client import RemoteLoader
+from remoteloader.client.link import channel_options
+from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.local import LocalServer
 
@@ -35,20 +48,87 @@ def self_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+class BareGrpc:
+    """Reads the servers' streams with grpcio alone: the floor under RemoteLoader's figures."""
+
+    STREAM = "/remoteloader.v1.Loader/Stream"
+
+    def __init__(self, addresses: list[str], args):
+        codec.tune_malloc()  # as RemoteLoader does: without it each message costs page faults
+        self.args = args
+        self.loop = asyncio.new_event_loop()
+        self.streams = self.loop.run_until_complete(self._gather(self._open(a) for a in addresses))
+        self.batch = np.empty(args.batch_size * args.image_size ** 2 * 3, np.uint8)
+
+    async def _open(self, address: str):
+        sample_bytes = self.args.image_size ** 2 * 3
+        channel = grpc.aio.insecure_channel(address, options=channel_options(64 << 20))
+        describe = await loader_pb2_grpc.LoaderStub(channel).Describe(loader_pb2.DescribeRequest(), timeout=30,
+                                                                     wait_for_ready=True)
+        (shard,) = describe.shards
+        call = channel.stream_stream(self.STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                     response_deserializer=codec.decode_chunk)()
+        size = self.args.image_size
+        await call.write(loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline="train", height=size, width=size)))
+        return channel, call, shard, sample_bytes
+
+    def epoch(self, epoch: int) -> int:
+        """Reads every sample of every server once; returns the number of images."""
+        return sum(self.loop.run_until_complete(self._gather(self._epoch(s, epoch) for s in self.streams)))
+
+    @staticmethod
+    async def _gather(coroutines) -> list:
+        return await asyncio.gather(*coroutines)
+
+    async def _epoch(self, stream, epoch: int) -> int:
+        _, call, shard, sample_bytes = stream
+        b, n = self.args.batch_size, shard.num_samples
+        orders = [range(i, min(i + b, n)) for i in range(0, n, b)]
+        remaining, sent, images = {}, 0, 0
+        while sent < len(orders) or remaining:
+            while sent < len(orders) and len(remaining) < self.args.prefetch:
+                remaining[sent] = len(orders[sent])
+                await call.write(loader_pb2.StreamRequest(order=loader_pb2.Order(
+                    order_id=sent, shard_id=shard.id, indices=orders[sent], seed=0, epoch=epoch)))
+                sent += 1
+            header, pixels = await call.read()
+            start = header.start * sample_bytes
+            self.batch[start:start + len(pixels)] = np.frombuffer(pixels, np.uint8)  # the one copy
+            images += header.count
+            remaining[header.order_id] -= header.count
+            if not remaining[header.order_id]:
+                del remaining[header.order_id]
+        return images
+
+    def close(self) -> None:
+        for channel, call, _, _ in self.streams:
+            call.cancel()
+            self.loop.run_until_complete(channel.close())
+        self.loop.close()
+
+
 def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
     started = [LocalServer([], args=["--synthetic", str(args.samples), "--log-level", "WARNING",
                                      "--chunk-bytes", str(chunk_bytes)]).start() for _ in range(servers)]
     try:
-        with RemoteLoader([s.address for s in started], batch_size=args.batch_size, image_size=args.image_size,
-                          shuffle=False, prefetch=args.prefetch, receiver=receiver) as loader:
-            child = loader._io.process.pid if receiver == "process" else None
+        if receiver == "grpcio":
+            source = BareGrpc([s.address for s in started], args)
+            read_epoch, child = source.epoch, None
+        else:
+            source = RemoteLoader([s.address for s in started], batch_size=args.batch_size,
+                                  image_size=args.image_size, shuffle=False, prefetch=args.prefetch,
+                                  receiver=receiver)
+            child = source._io.process.pid if receiver == "process" else None
+
+            def read_epoch(_epoch: int) -> int:
+                return sum(len(labels) for _, labels in source)
+        try:
             rows = []
             for epoch in range(args.epochs + 1):
                 server_cpu = [process_cpu(s.process.pid) for s in started]
                 receiver_cpu = process_cpu(child) if child else 0.0
-                client_cpu, start, images = self_cpu(), time.perf_counter(), 0
-                for batch, labels in loader:
-                    images += len(labels)
+                client_cpu, start = self_cpu(), time.perf_counter()
+                images = read_epoch(epoch)
                 elapsed = time.perf_counter() - start
                 gb = images * args.image_size ** 2 * 3 / 1e9
                 if epoch:  # the first epoch warms up connections and caches
@@ -60,6 +140,8 @@ def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
                                  "trainer_core_s_per_1000_images": trainer * args.image_size ** 2 * 3 * 1000 / 1e9,
                                  "server_cpu_s_per_gb": sum(process_cpu(s.process.pid) - c
                                                             for s, c in zip(started, server_cpu)) / gb})
+        finally:
+            source.close()
     finally:
         for s in started:
             s.stop()
@@ -78,8 +160,10 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=[ServerConfig.chunk_bytes],
                         help="pixel bytes per message (default: the server's)")
-    parser.add_argument("--receiver", nargs="+", default=["thread", "process"], choices=["thread", "process"],
-                        help="where the client receives: an I/O thread of the training process, or a child process")
+    parser.add_argument("--receiver", nargs="+", default=["grpcio", "thread", "process"],
+                        choices=["grpcio", "thread", "process"],
+                        help="where the client receives: an I/O thread of the training process, or a child "
+                             "process; grpcio: the streams read with grpcio alone, no remoteloader client")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = [measure(n, c, r, args) for c in args.chunk_bytes for r in args.receiver for n in args.servers]
