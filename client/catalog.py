@@ -38,6 +38,7 @@ class Catalog:
         if not shards:
             raise ValueError(f"the servers {', '.join(describes)} hold no shards")
         self.shards = [shards[k] for k in sorted(shards)]
+        self.shard_ids = tuple(s.id for s in self.shards)  # the order global sample ids follow
         self.class_names = sorted({c for s in self.shards for c in s.class_names})
         index = {c: i for i, c in enumerate(self.class_names)}
         offset = 0

@@ -137,8 +137,9 @@ class RemoteLoader:
         self._position = 0  # first batch of the current epoch not yet delivered
         self._done: set[int] = set()  # later batches already delivered (ordered=False)
         self._token: int | None = None  # the current iteration's epoch token
-        # A loaded position: (epoch, first batch, later batches delivered, that epoch's plan)
-        self._resume: tuple[int, int, frozenset, list[np.ndarray]] | None = None
+        # A loaded position: (epoch, first batch, later batches delivered, that epoch's plan,
+        # the shards it was planned over)
+        self._resume: tuple[int, int, frozenset, list[np.ndarray], tuple[str, ...]] | None = None
         self._playing: tuple[int, str | None, list[np.ndarray]] | None = None  # (epoch, plan digest, plan)
         self._closed = False
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
@@ -156,7 +157,7 @@ class RemoteLoader:
         self._delivery = None
         self._io = None
         h, w = self.image_size
-        batch_bytes = batch_size * h * w * 3
+        batch_bytes = self.batch_size * h * w * 3
         engine_options = dict(seed=self.seed, prefetch=prefetch, ordered=self.ordered,
                               reconnect_timeout=reconnect_timeout, progress_timeout=progress_timeout)
         link_options = dict(connect_timeout=connect_timeout, max_inflight=max_inflight, tls=tls_config(tls),
@@ -218,10 +219,12 @@ class RemoteLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration plays (each iteration otherwise advances by one)."""
-        self._epoch = _int("epoch", epoch, 0, UINT64)
+        epoch = _int("epoch", epoch, 0, UINT64)
+        if epoch != self._epoch:  # a position (loaded, or where a loop broke off) is its own epoch's
+            self._resume = None
+            self._position, self._done = 0, set()
+        self._epoch = epoch
         self._epoch_set = True
-        if self._resume is not None and self._resume[0] != epoch:
-            self._resume = None  # a loaded position applies to its own epoch only
 
     @property
     def epoch(self) -> int:
@@ -265,9 +268,11 @@ class RemoteLoader:
         if missing or state.get("version") != 1:
             raise ValueError(f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
                              f"version {state.get('version')!r}")
-        for key in ("seed", "num_samples", "batch_size", "world_size", "rank", "shuffle", "drop_last"):
-            if key not in state and key in ("shuffle", "drop_last"):
-                continue  # not in states saved before they were recorded
+        # shuffle and drop_last are checked by the plan's digest, which also sees when they
+        # change nothing (a sampler; an epoch that divides evenly); states saved before the
+        # digest existed compare them.
+        checked = ("seed", "num_samples", "batch_size", "world_size", "rank")
+        for key in checked + (() if state.get("plan") else tuple(k for k in ("shuffle", "drop_last") if k in state)):
             mine = self.num_samples if key == "num_samples" else getattr(self, key)
             if state.get(key) != mine:
                 raise ValueError(f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
@@ -279,15 +284,18 @@ class RemoteLoader:
             raise ValueError(f"state_dict delivered_after={done!r}: expected a list of batch numbers")
         done = {_int("state_dict delivered_after", seq, position + 1) for seq in done}
         batches = self.plan(epoch)
-        if state.get("plan") is not None and state["plan"] != _digest(batches):
-            raise ValueError(f"state_dict was saved from another plan of epoch {epoch} than this loader's: a "
-                             f"different sampler, or one whose order is not a function of the epoch (set_epoch); "
+        if state.get("plan") and state["plan"] != _digest(batches):
+            differ = [f"{k}={state[k]!r} there" for k in ("shuffle", "drop_last") if k in state and
+                      state[k] != getattr(self, k)]
+            why = ", ".join(differ) or "a different sampler, or one whose order is not a function of the epoch"
+            raise ValueError(f"state_dict was saved from another plan of epoch {epoch} than this loader's ({why}); "
                              f"resuming would play other batches")
         if position > len(batches) or (done and max(done) >= len(batches)):
             raise ValueError(f"state_dict position={position} delivered_after={sorted(done)}: epoch {epoch} has "
                              f"{len(batches)} batches here")
         self._epoch, self._position, self._done = epoch, position, done
-        self._resume = (epoch, position, frozenset(done), batches)
+        self._resume = (epoch, position, frozenset(done), batches, self.catalog.shard_ids)
+        self._playing = (epoch, None, batches)  # for state_dict() before the first batch
         self._epoch_set = True
 
     def _plan_digest(self, epoch: int) -> str | None:
@@ -322,7 +330,11 @@ class RemoteLoader:
         epoch = self._epoch
         self.catalog = self._discover()
         if self._resume is not None and self._resume[0] == epoch:
-            _, start, done, batches = self._resume  # the plan the state was checked against
+            _, start, done, batches, shard_ids = self._resume  # the plan the state was checked against
+            if self.catalog.shard_ids != shard_ids:  # servers joined or left behind a DNS name meanwhile
+                self._resume = None
+                raise LoaderError("the servers' shards changed between load_state_dict() and this epoch, so its "
+                                  "sample ids name other images: load the state again once they are back")
         else:
             start, done, batches = 0, frozenset(), self.plan(epoch)
         self._resume = None

@@ -72,7 +72,7 @@ class ServerConfig:
             an eval loader on each of 8 GPU ranks of one host).
         stall_timeout: Seconds a stream may leave a finished chunk unread, or a new stream
             go without its Setup, before it is ended with DEADLINE_EXCEEDED and its slots are
-            freed (default 120). While other streams wait for a free slot, a stream that
+            freed (default 120). While a stream waits for a free slot, a stream that
             holds slots is ended after 10 s of leaving a chunk unread (service.CONTENDED_STALL).
     Operations:
         metrics_port: Serve Prometheus metrics on this port (default 0: off).
@@ -254,7 +254,7 @@ _FIELD_HELP = {
     "max_streams": "open order streams accepted in all",
     "max_streams_per_client": "open order streams accepted per client address",
     "stall_timeout": "seconds a client may leave a chunk unread (or a new stream its Setup) before the stream "
-                     "is ended; 10 s while other streams wait for its slots",
+                     "is ended; 10 s while a stream waits for a free slot",
     "metrics_port": "serve Prometheus metrics on this port (0: off)",
     "grace": "seconds in-flight work may take to finish after SIGTERM",
     "log_level": "logging level",

@@ -21,7 +21,7 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
 def read_token(path: str) -> bytes:
     token = pathlib.Path(path).read_text().strip().encode()
     if len(token) < 16:
-        raise ValueError(f"token_file {path}: the token is {len(token)} characters; use at least 16 "
+        raise ValueError(f"token_file {path}: the token is {len(token)} bytes; use at least 16 "
                          f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
     return token
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import time
@@ -76,7 +77,9 @@ class LoaderService:
         self._draining = asyncio.Event()
         self._slot_freed = asyncio.Condition()
         self._slot_waiters = 0  # streams waiting in _take_slot
-        self._custom_check = asyncio.Lock()
+        # Custom pipelines are tried one at a time: one that is slow (a huge blur kernel) holds
+        # up only other custom Setups, and a check whose client left before it started is dropped.
+        self._custom_checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipeline-check")
         self.metrics = Metrics()
         if pool is not None:
             self.metrics.queue_depth.set_function(lambda: pool.outstanding)
@@ -129,14 +132,10 @@ class LoaderService:
         spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
         pipeline = self._pipelines.get(spec)
         if pipeline is None:
-            if spec.name in PRESETS:
-                pipeline = self._check_pipeline(spec)
-            else:
-                # A client's pipeline may take seconds to build and try (a huge blur kernel):
-                # off the event loop, one at a time, so it delays only other custom Setups.
-                async with self._custom_check:
-                    pipeline = self._pipelines.get(spec) or await asyncio.get_running_loop().run_in_executor(
-                        None, self._check_pipeline, spec)
+            # Building and trying a pipeline takes from milliseconds (a preset) to seconds (a
+            # client's): never on the event loop, which serves every stream.
+            checks = None if spec.name in PRESETS else self._custom_checks
+            pipeline = await asyncio.get_running_loop().run_in_executor(checks, self._check_pipeline, spec)
             if len(self._pipelines) > 64:
                 self._pipelines.clear()
             self._pipelines[spec] = pipeline
@@ -381,19 +380,20 @@ class LoaderService:
 
     async def _send(self, context, chunk: OutChunk) -> None:
         """Writes a chunk, or raises _Stalled when the client leaves it unread for
-        stall_timeout, or for CONTENDED_STALL while other streams wait for a slot."""
+        stall_timeout, or for CONTENDED_STALL while a stream waits for a free slot."""
         write = asyncio.ensure_future(context.write(chunk))
         started = time.monotonic()
-        while not (await asyncio.wait({write}, timeout=1.0))[0]:
-            waited = time.monotonic() - started
-            if waited >= self.config.stall_timeout:
-                why = f"read nothing for stall_timeout={self.config.stall_timeout:g}s"
-            elif waited >= CONTENDED_STALL and self._slot_waiters:
-                why = f"read nothing for {waited:.0f}s while other streams waited for the chunk slots it holds"
-            else:
-                continue
+        stall = self.config.stall_timeout
+        try:
+            while not (await asyncio.wait({write}, timeout=min(1.0, stall)))[0]:
+                waited = time.monotonic() - started
+                if waited >= stall:
+                    raise _Stalled(f"read nothing for stall_timeout={stall:g}s")
+                if waited >= CONTENDED_STALL and self._slot_waiters:
+                    raise _Stalled(f"read nothing for {waited:.0f}s while streams waited for the chunk slots it holds")
+        except BaseException:  # stalled, or this stream is ending: the write must not outlive it
             write.cancel()
-            raise _Stalled(why)
+            raise
         write.result()
 
 

@@ -107,8 +107,9 @@ class Arena(SharedFile):
 
 _MAX_SPECS = 64  # pipeline specs a worker remembers before it is told to forget them
 # A task pipe holds at most AHEAD tasks and, for each, a pipeline spec (under 64 KiB of JSON,
-# pipelines.MAX_PIPELINE_JSON): far less than this, so a write to it never blocks the loop.
-_TASK_PIPE_BYTES = 1 << 20
+# pipelines.MAX_PIPELINE_JSON): less than this, so a write to it never blocks the loop. (Not
+# more: a user's pipes share a budget, by default 64 MiB, past which new ones get 4-8 KiB.)
+_TASK_PIPE_BYTES = 256 << 10
 _RESERVED = -3  # cache index values <= this: reserved at offset (_RESERVED - value), not filled
 
 
@@ -194,9 +195,11 @@ class WorkerPool:
         from remoteloader.server import worker as worker_module
 
         task_read, task_write = self._ctx.Pipe(duplex=False)
+        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
         try:
-            fcntl.fcntl(task_write.fileno(), fcntl.F_SETPIPE_SZ, _TASK_PIPE_BYTES)
-        except OSError as exc:  # over /proc/sys/fs/pipe-max-size: 64 KiB holds typical tasks and specs
+            if set_size is not None:
+                fcntl.fcntl(task_write.fileno(), set_size, _TASK_PIPE_BYTES)
+        except OSError as exc:  # over pipe-max-size or the user's pipe budget: 64 KiB holds typical tasks
             log.warning("cannot enlarge a worker's task pipe to %d bytes (%s)", _TASK_PIPE_BYTES, exc)
         result_read, result_write = self._ctx.Pipe(duplex=False)
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)

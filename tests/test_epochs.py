@@ -261,6 +261,19 @@ def test_load_state_dict_refuses_a_state_of_another_plan(servers, change):
             other.load_state_dict(older)
 
 
+def test_a_position_belongs_to_its_epoch(servers):
+    with make_loader(servers.three) as loader:
+        loader.set_epoch(1)
+        for k, _batch in enumerate(loader):
+            if k == 2:
+                break
+        assert loader.state_dict()["position"] == 3  # where the loop broke off, for a checkpoint
+        loader.set_epoch(1)
+        assert loader.state_dict()["position"] == 3
+        loader.set_epoch(2)  # a new epoch starts at its first batch: not 3 batches in
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (2, 0)
+
+
 def test_a_batch_larger_than_every_epoch_warns(servers):
     with pytest.warns(UserWarning, match="every epoch is empty"):
         loader = make_loader(servers.three, batch_size=TOTAL + 1, drop_last=True)
@@ -417,8 +430,10 @@ def test_resume_with_a_sampler_checks_that_it_gives_the_same_plan(servers):
                 state = json.loads(json.dumps(loader.state_dict()))
                 break
     assert state["plan"] is not None and state["position"] == 2
-    with make_loader(servers.two, sampler=EpochWeighted(weights, 21, seed=2)) as same:
+    # shuffle means nothing with a sampler: the same plan, so the state is accepted.
+    with make_loader(servers.two, sampler=EpochWeighted(weights, 21, seed=2), shuffle=False) as same:
         same.load_state_dict(state)
+        assert same.state_dict() == {**state, "shuffle": False}, "a checkpoint right after loading lost the state"
         assert ids_of(servers.epoch(same)) == whole[2:]
     with make_loader(servers.three, sampler=EpochWeighted(weights, 21, seed=3)) as other:
         with pytest.raises(ValueError, match="another plan"):

@@ -140,6 +140,15 @@ def _finish(call) -> tuple[int, grpc.StatusCode, str]:
     return chunks, grpc.StatusCode.OK, ""
 
 
+def _outcome(call, seconds: float) -> tuple[grpc.StatusCode, str] | None:
+    """How a call ended, once its buffered chunks are read; None if it is still open after ``seconds``."""
+    result = []
+    reader = threading.Thread(target=lambda: result.append(_finish(call)[1:]), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    return result[0] if result else None
+
+
 def _open_refused(channel, shard_id: str, count: int) -> list[tuple[int, grpc.StatusCode, str]]:
     """Opens ``count`` streams at once (each with a Setup and an order); returns how each ended."""
     method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
@@ -325,7 +334,7 @@ def test_a_client_that_never_reads_cannot_starve_the_others(servers):
 
 def test_streams_that_never_read_are_ended_when_others_wait_for_their_slots(servers):
     """Two streams take every slot between them and never read: a third client must be
-    served, and they ended, after CONTENDED_STALL (10 s), well before stall_timeout (120 s)."""
+    served after CONTENDED_STALL (10 s), well before stall_timeout (120 s) ends them."""
     with grpc.insecure_channel(servers.address(METERED)) as channel:
         shard_id = _shard_id(channel)
         hogs = [OpenStream(channel, timeout=120) for _ in range(2)]
@@ -341,12 +350,11 @@ def test_streams_that_never_read_are_ended_when_others_wait_for_their_slots(serv
                 ids = _bounded_epoch(loader, 50)
             assert sorted(ids) == sorted(set(ids)) and len(ids) == GOOD
             assert time.monotonic() - started < 40
-            for hog in hogs:
-                with pytest.raises(grpc.RpcError) as info:
-                    for _ in hog.call:
-                        pass
-                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
-                assert "waited for the chunk slots it holds" in info.value.details()
+            # Ended while the loader waited: one at least (once one hog's slots came back, the
+            # loader may have needed none of the other's).
+            ended = [_outcome(hog.call, 15) for hog in hogs]
+            assert any(o and o[0] == grpc.StatusCode.DEADLINE_EXCEEDED and "waited for the chunk slots it holds"
+                       in o[1] for o in ended), ended
         finally:
             for hog in hogs:
                 hog.close()
