@@ -138,8 +138,9 @@ class RemoteLoader:
         self._done: set[int] = set()  # later batches already delivered (ordered=False)
         self._token: int | None = None  # the current iteration's epoch token
         # A loaded position: (epoch, first batch, later batches delivered, that epoch's plan,
-        # the shards it was planned over)
-        self._resume: tuple[int, int, frozenset, list[np.ndarray], tuple[str, ...]] | None = None
+        # the catalog it was planned over)
+        self._resume: tuple[int, int, frozenset, list[np.ndarray], Catalog] | None = None
+        self._joined: Catalog | None = None  # servers that joined during a resumed epoch, for the next
         self._playing: tuple[int, str | None, list[np.ndarray]] | None = None  # (epoch, plan digest, plan)
         self._closed = False
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
@@ -218,7 +219,10 @@ class RemoteLoader:
         return len(self.sampler) if hasattr(self.sampler, "__len__") else None
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch the next iteration plays (each iteration otherwise advances by one)."""
+        """Selects the epoch the next iteration plays (each iteration otherwise advances by one).
+
+        Another epoch than the current one starts at its first batch: a position loaded or
+        reached in the current one is dropped."""
         epoch = _int("epoch", epoch, 0, UINT64)
         if epoch != self._epoch:  # a position (loaded, or where a loop broke off) is its own epoch's
             self._resume = None
@@ -294,7 +298,7 @@ class RemoteLoader:
             raise ValueError(f"state_dict position={position} delivered_after={sorted(done)}: epoch {epoch} has "
                              f"{len(batches)} batches here")
         self._epoch, self._position, self._done = epoch, position, done
-        self._resume = (epoch, position, frozenset(done), batches, self.catalog.shard_ids)
+        self._resume = (epoch, position, frozenset(done), batches, self.catalog)
         self._playing = (epoch, None, batches)  # for state_dict() before the first batch
         self._epoch_set = True
 
@@ -328,16 +332,21 @@ class RemoteLoader:
         if self._closed:
             raise RuntimeError("RemoteLoader is closed")
         epoch = self._epoch
-        self.catalog = self._discover()
-        if self._resume is not None and self._resume[0] == epoch:
-            _, start, done, batches, shard_ids = self._resume  # the plan the state was checked against
-            if self.catalog.shard_ids != shard_ids:  # servers joined or left behind a DNS name meanwhile
-                self._resume = None
-                raise LoaderError("the servers' shards changed between load_state_dict() and this epoch, so its "
-                                  "sample ids name other images: load the state again once they are back")
+        found = self._discover()
+        if self._joined is not None and found is self.catalog:  # nothing new since they joined
+            found = self._joined
+        self._joined = None
+        resume = self._resume if self._resume is not None and self._resume[0] == epoch else None
+        self._resume = None
+        if resume is not None and found.shard_ids != resume[4].shard_ids:
+            # Servers joined behind the address since the state was loaded: its epoch plays
+            # over the servers it was planned for (its ids mean their samples); they join next.
+            self._joined, found = found, resume[4]
+        self.catalog = found
+        if resume is not None:
+            _, start, done, batches, _ = resume  # the plan the state was checked against
         else:
             start, done, batches = 0, frozenset(), self.plan(epoch)
-        self._resume = None
         self._playing = (epoch, None, batches)  # its digest is computed when state_dict() asks
         token, out = self._io.start_epoch(epoch, batches, start, done, self.catalog)
         self._token = token
@@ -361,7 +370,8 @@ class RemoteLoader:
                     raise item
                 self._io.consumed(token)
                 result = self._deliver(item)
-                self._delivered(item.seq)  # only once delivered: a batch that raised is not skipped on resume
+                if self._epoch == epoch and token == self._token:  # (not after set_epoch or a new iter())
+                    self._delivered(item.seq)  # only once delivered: a batch that raised is not skipped on resume
                 if result is not None:
                     yield result
         finally:

@@ -63,6 +63,7 @@ class LoaderServer:
         await self.health.enter_graceful_shutdown()
         self.service.drain()
         await self.grpc_server.stop(grace)
+        self.service.close()
         self.service.pool.close()
         self.service.arena.close()
         if self.service.cache is not None:

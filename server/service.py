@@ -77,9 +77,12 @@ class LoaderService:
         self._draining = asyncio.Event()
         self._slot_freed = asyncio.Condition()
         self._slot_waiters = 0  # streams waiting in _take_slot
-        # Custom pipelines are tried one at a time: one that is slow (a huge blur kernel) holds
-        # up only other custom Setups, and a check whose client left before it started is dropped.
+        # Pipelines are built and tried off the event loop, once per spec however many Setups
+        # ask at once. Custom ones one at a time: one that is slow (a huge blur kernel) holds
+        # up only other custom Setups, and one whose clients all left before it ran is dropped.
+        self._preset_checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="preset-check")
         self._custom_checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipeline-check")
+        self._checks: dict[PipelineSpec, _Check] = {}
         self.metrics = Metrics()
         if pool is not None:
             self.metrics.queue_depth.set_function(lambda: pool.outstanding)
@@ -131,20 +134,39 @@ class LoaderService:
                                     f"{c.min_image_size}..{c.max_image_size}")
         spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
         pipeline = self._pipelines.get(spec)
-        if pipeline is None:
-            # Building and trying a pipeline takes from milliseconds (a preset) to seconds (a
-            # client's): never on the event loop, which serves every stream.
-            checks = None if spec.name in PRESETS else self._custom_checks
-            pipeline = await asyncio.get_running_loop().run_in_executor(checks, self._check_pipeline, spec)
-            if len(self._pipelines) > 64:
-                self._pipelines.clear()
-            self._pipelines[spec] = pipeline
-        return pipeline
+        if pipeline is not None:
+            return pipeline
+        check = self._checks.get(spec)
+        if check is None or check.future.cancelled():
+            executor = self._preset_checks if spec.name in PRESETS else self._custom_checks
+            check = self._checks[spec] = _Check(executor.submit(self._check_pipeline, spec))
+            loop = asyncio.get_running_loop()
+            check.future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._checked, spec, check))
+        check.waiters += 1
+        try:
+            return await asyncio.shield(asyncio.wrap_future(check.future))
+        finally:
+            check.waiters -= 1
+            if not check.waiters:
+                check.future.cancel()  # no client waits: dropped if queued; if running, cached when done
 
     def _check_pipeline(self, spec: PipelineSpec) -> Pipeline:
         pipeline = Pipeline(spec, self.config.allow_custom_pipelines, self.config.max_pixels)
         pipeline.check_output()
         return pipeline
+
+    def _checked(self, spec: PipelineSpec, check: "_Check") -> None:
+        if self._checks.get(spec) is check:
+            del self._checks[spec]
+        if not check.future.cancelled() and check.future.exception() is None:
+            if len(self._pipelines) > 64:
+                self._pipelines.clear()
+            self._pipelines[spec] = check.future.result()
+
+    def close(self) -> None:
+        """Stops the pipeline checks (queued ones are dropped; one running finishes on its own)."""
+        for executor in (self._preset_checks, self._custom_checks):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def active_streams(self) -> int:
@@ -189,7 +211,7 @@ class LoaderService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         spec = pipeline.spec
         queue: asyncio.Queue = asyncio.Queue()
-        state = {"inflight": 0, "slots": 0}
+        state = {"inflight": 0, "slots": 0, "waiting": 0}
         log.info("stream opened by %s: pipeline %s %dx%d", peer, spec.name, spec.height, spec.width)
         reader = asyncio.create_task(self._read_orders(context, spec, queue, state))
         try:
@@ -274,11 +296,14 @@ class LoaderService:
             async with self._slot_freed:
                 await self._slot_freed.wait()
         state["slots"] += 1
-        self._slot_waiters += 1  # while none is free, streams that hold slots and do not read are ended
+        # While none is free, the streams that hold slots and do not read are ended (_send).
+        self._slot_waiters += 1
+        state["waiting"] += 1
         try:
             return await self.arena.acquire()
         finally:
             self._slot_waiters -= 1
+            state["waiting"] -= 1
 
     def _give_slot(self, slot: int, state: dict) -> None:
         state["slots"] -= 1
@@ -361,7 +386,7 @@ class LoaderService:
                                                key=item.shard.key(int(indices[pos])), reason=reason)
                         for pos, reason in errors])
             nbytes = item.count * spec.height * spec.width * 3
-            await self._send(context, OutChunk(header, self.arena.view(item.slot, nbytes)))
+            await self._send(context, OutChunk(header, self.arena.view(item.slot, nbytes)), state)
             m = self.metrics
             m.images.inc(item.count)
             m.bytes.inc(nbytes)
@@ -378,9 +403,9 @@ class LoaderService:
             self.metrics.order_latency.observe(time.monotonic() - item.received)
 
 
-    async def _send(self, context, chunk: OutChunk) -> None:
+    async def _send(self, context, chunk: OutChunk, state: dict) -> None:
         """Writes a chunk, or raises _Stalled when the client leaves it unread for
-        stall_timeout, or for CONTENDED_STALL while a stream waits for a free slot."""
+        stall_timeout, or for CONTENDED_STALL while another stream waits for a free slot."""
         write = asyncio.ensure_future(context.write(chunk))
         started = time.monotonic()
         stall = self.config.stall_timeout
@@ -389,7 +414,7 @@ class LoaderService:
                 waited = time.monotonic() - started
                 if waited >= stall:
                     raise _Stalled(f"read nothing for stall_timeout={stall:g}s")
-                if waited >= CONTENDED_STALL and self._slot_waiters:
+                if waited >= CONTENDED_STALL and self._slot_waiters > state["waiting"]:
                     raise _Stalled(f"read nothing for {waited:.0f}s while streams waited for the chunk slots it holds")
         except BaseException:  # stalled, or this stream is ending: the write must not outlive it
             write.cancel()
@@ -418,6 +443,14 @@ def _merge(parts: list[asyncio.Future], firsts: list[int]) -> asyncio.Future:
     for part in parts:
         part.add_done_callback(done)
     return merged
+
+
+class _Check:
+    """A pipeline being built and tried in a thread, and how many Setups wait for it."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+        self.waiters = 0
 
 
 class _Stalled(Exception):

@@ -199,7 +199,7 @@ class WorkerPool:
         try:
             if set_size is not None:
                 fcntl.fcntl(task_write.fileno(), set_size, _TASK_PIPE_BYTES)
-        except OSError as exc:  # over pipe-max-size or the user's pipe budget: 64 KiB holds typical tasks
+        except OSError as exc:  # over pipe-max-size or the user's pipe budget: the pipe keeps its size
             log.warning("cannot enlarge a worker's task pipe to %d bytes (%s)", _TASK_PIPE_BYTES, exc)
         result_read, result_write = self._ctx.Pipe(duplex=False)
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)

@@ -272,6 +272,12 @@ def test_a_position_belongs_to_its_epoch(servers):
         assert loader.state_dict()["position"] == 3
         loader.set_epoch(2)  # a new epoch starts at its first batch: not 3 batches in
         assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (2, 0)
+        for k, _batch in enumerate(loader):  # set_epoch inside the loop: epoch 2's batches are not epoch 3's
+            if k == 1:
+                loader.set_epoch(3)
+            if k == 3:
+                state = loader.state_dict()
+                assert (state["epoch"], state["position"], state["delivered_after"]) == (3, 0, []), state
 
 
 def test_a_batch_larger_than_every_epoch_warns(servers):

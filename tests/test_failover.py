@@ -170,6 +170,33 @@ def test_server_added_behind_the_address_joins_at_the_next_epoch(servers, monkey
         assert loader.stats()["servers"][servers.address(B)]["samples"] > 0
 
 
+def test_a_resumed_epoch_plays_over_the_servers_it_was_planned_for(servers, monkeypatch):
+    """A server joins between load_state_dict and the resumed epoch: global ids would name
+    other samples over the grown catalog, so the epoch finishes as planned; it joins next."""
+    up(servers, (A, B))
+    listed = [servers.address(A)]
+    real = receiver_module.discover
+    monkeypatch.setattr(receiver_module, "discover", lambda address: real(list(listed)))
+    with make_loader("loader.invalid:50051") as first:
+        reference = epoch(first, 2)
+        first.set_epoch(2)
+        with Watchdog(first):
+            it = iter(first)
+            take(it, 2)
+            state = first.state_dict()
+            del it
+    with make_loader("loader.invalid:50051") as resumed:
+        resumed.load_state_dict(state)
+        listed.append(servers.address(B))
+        with Watchdog(resumed):
+            rest = [tuple(b) for b in resumed]
+        assert_same_batches(rest, reference[2:])
+        assert resumed.num_samples == 30 and resumed.state_dict()["epoch"] == 3
+        after = epoch(resumed, 3)
+        assert resumed.num_samples == 54
+        assert_exactly_once(after, 54)
+
+
 # ---- a replica dies --------------------------------------------------------------------
 def test_sigkill_of_one_of_three_replicas_mid_epoch_loses_and_duplicates_nothing(servers):
     up(servers, REPLICAS)

@@ -140,13 +140,20 @@ def _finish(call) -> tuple[int, grpc.StatusCode, str]:
     return chunks, grpc.StatusCode.OK, ""
 
 
-def _outcome(call, seconds: float) -> tuple[grpc.StatusCode, str] | None:
-    """How a call ended, once its buffered chunks are read; None if it is still open after ``seconds``."""
-    result = []
-    reader = threading.Thread(target=lambda: result.append(_finish(call)[1:]), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    return result[0] if result else None
+def _outcomes(calls: list, seconds: float) -> list[tuple[grpc.StatusCode, str] | None]:
+    """How each call ended, once its buffered chunks are read; None for one still open after ``seconds``."""
+    results: list = [None] * len(calls)
+
+    def read(k: int, call) -> None:
+        results[k] = _finish(call)[1:]
+
+    readers = [threading.Thread(target=read, args=(k, call), daemon=True) for k, call in enumerate(calls)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + seconds
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    return list(results)
 
 
 def _open_refused(channel, shard_id: str, count: int) -> list[tuple[int, grpc.StatusCode, str]]:
@@ -352,7 +359,7 @@ def test_streams_that_never_read_are_ended_when_others_wait_for_their_slots(serv
             assert time.monotonic() - started < 40
             # Ended while the loader waited: one at least (once one hog's slots came back, the
             # loader may have needed none of the other's).
-            ended = [_outcome(hog.call, 15) for hog in hogs]
+            ended = _outcomes([hog.call for hog in hogs], 15)
             assert any(o and o[0] == grpc.StatusCode.DEADLINE_EXCEEDED and "waited for the chunk slots it holds"
                        in o[1] for o in ended), ended
         finally:
