@@ -151,8 +151,11 @@ class LoaderService:
                 check.future.cancel()  # no client waits: dropped if queued; if running, cached when done
 
     def _check_pipeline(self, spec: PipelineSpec) -> Pipeline:
+        started = time.perf_counter()
         pipeline = Pipeline(spec, self.config.allow_custom_pipelines, self.config.max_pixels)
         pipeline.check_output()
+        log.info("pipeline %s %dx%d built and tried in %.2fs", spec.name, spec.height, spec.width,
+                 time.perf_counter() - started)
         return pipeline
 
     def _checked(self, spec: PipelineSpec, check: "_Check") -> None:

@@ -273,6 +273,30 @@ def custom_setup(compose, size: int) -> loader_pb2.StreamRequest:
         pipeline="custom", height=size, width=size, albumentations_json=json.dumps(A.to_dict(compose))))
 
 
+def test_identical_custom_setups_at_once_share_one_check(data):
+    import threading
+
+    import albumentations as A
+
+    size = 44  # a spec no other test sends: not cached yet
+    slow = A.Compose([A.GlassBlur(sigma=0.7, max_delta=2, iterations=500, p=1.0), A.Resize(size, size)])
+    shard = describe(data.address).shards[0].id
+    results = []
+
+    def stream() -> None:
+        order = loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_id=shard, indices=[0]))
+        results.append(sum(c.header.count for c in open_stream(data.address, [custom_setup(slow, size), order])))
+
+    streams = [threading.Thread(target=stream) for _ in range(4)]
+    for t in streams:
+        t.start()
+    for t in streams:
+        t.join(60)
+    assert results == [1, 1, 1, 1]
+    checks = [line for line in data.cluster.stderr(0).splitlines() if f"pipeline custom {size}x{size} built" in line]
+    assert len(checks) == 1, checks
+
+
 def test_custom_pipeline_is_served(data):
     import albumentations as A
 
