@@ -95,17 +95,21 @@ def normalize_host(images: np.ndarray, out: torch.Tensor, normalize) -> torch.Te
 
 @functools.lru_cache(maxsize=16)
 def _host_affine(mean: tuple, std: tuple, dtype) -> tuple[np.ndarray, np.ndarray]:
-    scale = np.array([1.0 / (255.0 * s) for s in std], dtype)
-    shift = np.array([-m / s for m, s in zip(mean, std)], dtype)
-    return np.tile(scale, HOST_CHUNK // 3), np.tile(shift, HOST_CHUNK // 3)
+    scale, shift = _affine_terms(mean, std)
+    return np.tile(np.array(scale, dtype), HOST_CHUNK // 3), np.tile(np.array(shift, dtype), HOST_CHUNK // 3)
 
 
 @functools.lru_cache(maxsize=16)
 def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / 255 - mean) / std as x * scale + shift, built once per device (no copy per batch)."""
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32, device=device)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], dtype=torch.float32, device=device)
-    return scale, shift
+    scale, shift = _affine_terms(mean, std)
+    return (torch.tensor(scale, dtype=torch.float32, device=device),
+            torch.tensor(shift, dtype=torch.float32, device=device))
+
+
+def _affine_terms(mean: tuple, std: tuple) -> tuple[list[float], list[float]]:
+    """The per-channel scale and shift of (x / 255 - mean) / std = x * scale + shift."""
+    return [1.0 / (255.0 * s) for s in std], [-m / s for m, s in zip(mean, std)]
 
 
 class HostPool:

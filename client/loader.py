@@ -185,7 +185,7 @@ class RemoteLoader:
             self.close()
             raise
         n = self._epoch_samples()
-        if self.drop_last and n and n < self.batch_size * self.world_size:
+        if n and plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last) == 0:
             warnings.warn(f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
                           f"of the {n} samples {'the sampler gives' if self.sampler is not None else 'it serves'} "
                           f"for each of {self.world_size} rank(s): every epoch is empty (pass drop_last=False or "
@@ -272,11 +272,12 @@ class RemoteLoader:
         if missing or state.get("version") != 1:
             raise ValueError(f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
                              f"version {state.get('version')!r}")
-        # shuffle and drop_last are checked by the plan's digest, which also sees when they
-        # change nothing (a sampler; an epoch that divides evenly); states saved before the
-        # digest existed compare them.
-        checked = ("seed", "num_samples", "batch_size", "world_size", "rank")
-        for key in checked + (() if state.get("plan") else tuple(k for k in ("shuffle", "drop_last") if k in state)):
+        # shuffle and drop_last are left to the plan's digest, which also sees when they change
+        # nothing (a sampler; an even split); a state saved before the digest existed compares them.
+        keys = ["seed", "num_samples", "batch_size", "world_size", "rank"]
+        if not state.get("plan"):
+            keys += [k for k in ("shuffle", "drop_last") if k in state]
+        for key in keys:
             mine = self.num_samples if key == "num_samples" else getattr(self, key)
             if state.get(key) != mine:
                 raise ValueError(f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "

@@ -27,7 +27,7 @@ SERVICE = "remoteloader.v1.Loader"
 MAX_KEYS_PER_CALL = 10_000
 TASK_SAMPLES = 8  # fewest samples per worker task
 MAX_TASK_SAMPLES = 32  # most: a task message (paths included) stays well under the 64 KiB a pipe holds
-# A stream whose client leaves a chunk unread this long while other streams wait for a
+# A stream whose client leaves a chunk unread this long while another stream waits for a
 # slot is ended (its client reconnects and re-sends its orders): a client that does not
 # read, or reads a chunk a minute, cannot keep the slots it took. A reading client's
 # writes wait milliseconds; stall_timeout bounds the uncontended case.
@@ -405,7 +405,6 @@ class LoaderService:
             self.metrics.orders.inc()
             self.metrics.order_latency.observe(time.monotonic() - item.received)
 
-
     async def _send(self, context, chunk: OutChunk, state: dict) -> None:
         """Writes a chunk, or raises _Stalled when the client leaves it unread for
         stall_timeout, or for CONTENDED_STALL while another stream waits for a free slot."""
@@ -457,7 +456,7 @@ class _Check:
 
 
 class _Stalled(Exception):
-    """The client stopped reading: a chunk waited longer than stall_timeout to be sent."""
+    """The client stopped reading: a chunk waited too long to be sent (see _send); says why."""
 
 
 class RateLimiter:

@@ -195,12 +195,11 @@ class WorkerPool:
         from remoteloader.server import worker as worker_module
 
         task_read, task_write = self._ctx.Pipe(duplex=False)
-        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # Linux only
-        try:
-            if set_size is not None:
-                fcntl.fcntl(task_write.fileno(), set_size, _TASK_PIPE_BYTES)
-        except OSError as exc:  # over pipe-max-size or the user's pipe budget: the pipe keeps its size
-            log.warning("cannot enlarge a worker's task pipe to %d bytes (%s)", _TASK_PIPE_BYTES, exc)
+        if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux only
+            try:
+                fcntl.fcntl(task_write.fileno(), fcntl.F_SETPIPE_SZ, _TASK_PIPE_BYTES)
+            except OSError as exc:  # over pipe-max-size or the user's pipe budget: the pipe keeps its size
+                log.warning("cannot enlarge a worker's task pipe to %d bytes (%s)", _TASK_PIPE_BYTES, exc)
         result_read, result_write = self._ctx.Pipe(duplex=False)
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)
         process = self._ctx.Process(target=worker_module.main, args=(task_read, result_write, *fds, *self._settings),
