@@ -10,6 +10,7 @@ that mount the same files report the same id.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -147,6 +148,7 @@ class TarShard(Shard):
 
     def __init__(self, path: pathlib.Path, class_names: list[str]):
         self.path = str(path)
+        self.index_error: OSError | None = None  # why the scanned index could not be written beside the tar
         cached = load_index(path)
         if cached is not None:
             table, index_digest = cached
@@ -154,7 +156,7 @@ class TarShard(Shard):
             self.index_digest = index_digest
         else:
             self._scan(path, class_names)
-            save_index(path, self)
+            self.index_error = save_index(path, self)
         unlabelled = int(np.count_nonzero(self.labels < 0))
         if unlabelled:  # a tar made by hand: without this, every sample is served as class -1 without a word
             log.warning("%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
@@ -265,8 +267,12 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
     return (table, digest) if consistent else None
 
 
-def save_index(path: pathlib.Path, shard: "TarShard") -> bool:
-    """Writes the sidecar index beside the tar when the folder is writable (best effort)."""
+def save_index(path: pathlib.Path, shard: "TarShard") -> OSError | None:
+    """Writes the sidecar index beside the tar (best effort); returns why it could not, or None.
+
+    A read-only folder (a ``:ro`` compose volume, a ``readOnly`` Kubernetes mount) is normal:
+    the index then lives in memory only, and the next start scans the tar again.
+    """
     sidecar = pathlib.Path(str(path) + INDEX_SUFFIX)
     partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
     try:
@@ -275,10 +281,11 @@ def save_index(path: pathlib.Path, shard: "TarShard") -> bool:
                      blob=np.frombuffer(shard._key_blob, dtype=np.uint8), ends=shard._key_ends,
                      labels=shard.labels, offsets=shard._offsets, sizes=shard._sizes)
         os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
-        return True
-    except OSError:  # a read-only mount: index again next time
-        partial.unlink(missing_ok=True)
-        return False
+        return None
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # on a read-only mount even unlinking a missing file fails (EROFS)
+            partial.unlink(missing_ok=True)
+        return exc
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
@@ -322,10 +329,23 @@ def open_shards(paths: list[str]) -> list[Shard]:
                 shards.append(ImageFolderShard(path))
         else:
             raise CatalogError(f"data path {raw!r} is neither a directory nor a .tar file")
+    _warn_unsaved_indexes([s for s in shards if getattr(s, "index_error", None) is not None])
     ids = [s.id for s in shards]
     if len(set(ids)) != len(ids):
         raise CatalogError("the same shard is listed twice in --data")
     return shards
+
+
+def _warn_unsaved_indexes(shards: list[TarShard]) -> None:
+    """One warning for all the tars scanned at this start whose index could not be kept beside them."""
+    if not shards:
+        return
+    names = ", ".join(pathlib.Path(s.path).name for s in shards[:3]) + (" ..." if len(shards) > 3 else "")
+    log.warning("%d tar shard(s) have no %s index beside them and it cannot be written there (%s): indexed in "
+                "memory, and scanned again at every start (%s). To start without scanning, run a server once on "
+                "a writable copy of the folder and copy the <tar>%s files it writes beside these tars",
+                len(shards), INDEX_SUFFIX, shards[0].index_error.strerror or shards[0].index_error, names,
+                INDEX_SUFFIX)
 
 
 def _read_classes(folder: pathlib.Path) -> list[str]:

@@ -518,3 +518,52 @@ def test_two_servers_on_one_tar_folder_are_replicas(servers, run_bounded):
     assert both.keys() == single.keys()
     for key, (image, name) in single.items():
         assert np.array_equal(both[key][0], image) and both[key][1] == name
+
+
+READ_ONLY_MOUNT = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                   'mount --bind -o ro "$1" "$1" && shift && exec "$@"', "sh"]  # then: FOLDER COMMAND...
+
+
+def _read_only_mounts(folder: pathlib.Path) -> str | None:
+    """Why a read-only bind mount of ``folder`` cannot be made here (None when it can)."""
+    probe = READ_ONLY_MOUNT + [str(folder), "sh", "-c", 'touch "$0/probe" 2>/dev/null && exit 1 || exit 0', str(folder)]
+    try:
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare is not available: {exc}"
+    return None if result.returncode == 0 else f"cannot make a read-only bind mount: {result.stderr.strip()}"
+
+
+def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, servers, tmp_path, run_bounded):
+    """Compose mounts shards :ro and Kubernetes readOnly: tars made by other tools (no sidecar
+    index) are indexed in memory, with one warning saying how to keep the index, and served."""
+    from conftest import DEFAULT_ARGS, ServerProcess, server_command
+
+    _, dst, _ = packed
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    why = _read_only_mounts(folder)
+    if why:
+        pytest.skip(why)
+    for path in dst.iterdir():
+        if not path.name.endswith(".index.npz"):
+            (folder / path.name).write_bytes(path.read_bytes())
+    before = sorted(os.listdir(folder))
+    argv = [*READ_ONLY_MOUNT, str(folder), *server_command(), "--data", str(folder), "--host", "127.0.0.1", "--port", "0", *DEFAULT_ARGS]
+    server = ServerProcess(argv, tmp_path / "ro-server.log")
+    try:
+        port = server.wait_ready(60)
+        served, _ = eval_epoch(run_bounded, f"127.0.0.1:{port}")
+        expected, _ = eval_epoch(run_bounded, servers[1])
+        assert served.keys() == expected.keys()
+        for key, (image, name) in expected.items():
+            assert np.array_equal(served[key][0], image) and served[key][1] == name, key
+        log = server.stderr()
+        assert re.search(r"\d+ tar shard\(s\) have no \.index\.npz index beside them and it cannot be written there "
+                         r"\(Read-only file system\)", log), log
+        assert log.count("cannot be written there") == 1, log  # one warning for all the tars
+    finally:
+        server.signal(subprocess.signal.SIGTERM)
+        server.wait(30)
+        server.reap()
+    assert sorted(os.listdir(folder)) == before  # nothing was written, not even a partial file
