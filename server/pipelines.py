@@ -25,6 +25,7 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
 from remoteloader.server import decode as dec  # noqa: E402
+from remoteloader.server.seeds import stream_seeds  # noqa: E402
 
 PRESETS = ("train", "eval")
 CUSTOM = "custom"
@@ -122,14 +123,6 @@ def _walk(node):
         yield from _walk(child)
 
 
-def _mix64(seed: int, k: int) -> int:
-    """splitmix64 of (seed, k): independent 64-bit streams per transform."""
-    x = (seed + 0x9E3779B97F4A7C15 * (k + 1)) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 class Pipeline:
     """Decode + augment one sample into a fixed-size RGB uint8 array."""
 
@@ -165,8 +158,9 @@ class Pipeline:
 
     def reseed(self, seed: int) -> None:
         """Puts every transform's generators in the state derived from (seed, its position)."""
+        streams = stream_seeds(seed, 2 * len(self._nodes) + 1)  # the first one is not used
         for k, node in enumerate(self._nodes):
-            a, b = _mix64(seed, 2 * k + 1), _mix64(seed, 2 * k + 2)
+            a, b = streams[2 * k + 1], streams[2 * k + 2]
             node.py_random.seed(a)
             node.random_generator.bit_generator.state = {
                 "bit_generator": "PCG64", "state": {"state": (a << 64) | b, "inc": (b << 1) | 1},
