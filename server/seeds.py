@@ -16,6 +16,7 @@ import numpy as np
 
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (2^64 / golden ratio)
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finalizer multipliers
+_MASK = (1 << 64) - 1
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -45,8 +46,8 @@ def sample_seeds(seed: int, epoch: int, shard_key: int, indices: np.ndarray) -> 
 
 
 def stream_seeds(seed: int, count: int) -> list[int]:
-    """The first ``count`` outputs of splitmix64 seeded with ``seed``: independent 64-bit streams
-    (one per transform generator) from one sample seed."""
+    """The first ``count`` outputs of splitmix64 seeded with ``seed`` (any int, taken modulo 2^64):
+    independent 64-bit streams (one per transform generator) from one sample seed."""
     with np.errstate(over="ignore"):
-        states = np.uint64(seed) + np.uint64(GOLDEN) * np.arange(count, dtype=np.uint64)
+        states = np.uint64(seed & _MASK) + np.uint64(GOLDEN) * np.arange(count, dtype=np.uint64)
     return [int(v) for v in splitmix64(states)]
