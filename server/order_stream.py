@@ -97,7 +97,7 @@ class OrderStream:
         self._metrics = metrics
         self._draining = draining
         self._queue: asyncio.Queue[_Pending | _End | None] = asyncio.Queue()  # None: the client is done
-        self._held = StreamSlots()
+        self._slot_counts = StreamSlots()
         self._inflight = 0  # orders received whose last chunk is not written yet
 
     async def run(self) -> None:
@@ -122,7 +122,7 @@ class OrderStream:
             while not self._queue.empty():
                 item = self._queue.get_nowait()
                 if isinstance(item, _Pending):
-                    self._slots.give_when_done(self._held, item.slot, item.future)
+                    self._slots.give_when_done(self._slot_counts, item.slot, item.future)
 
     async def _read_orders(self) -> None:
         spec = self._spec
@@ -189,12 +189,12 @@ class OrderStream:
             count = min(per_chunk, len(indices) - start)
             if self._limiter is not None:
                 await self._limiter.take(count)
-            slot = await self._slots.take(self._held)
+            slot = await self._slots.take(self._slot_counts)
             try:
                 future = self._renderer.render(self._spec, shard, indices[start:start + count],
                                                seeds[start:start + count], slot)
             except BaseException:
-                self._slots.give(self._held, slot)
+                self._slots.give(self._slot_counts, slot)
                 raise
             self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
 
@@ -214,14 +214,14 @@ class OrderStream:
                         for pos, reason in errors])
             nbytes = item.size * limits.sample_bytes(spec.height, spec.width)
             chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
-            await self._slots.send(self._context.write(chunk), self._held)
+            await self._slots.send(self._context.write(chunk), self._slot_counts)
             m = self._metrics
             m.images.inc(item.size)
             m.bytes.inc(nbytes)
             if errors:
                 m.decode_errors.inc(len(errors))
         finally:
-            self._slots.give_when_done(self._held, item.slot, item.future)
+            self._slots.give_when_done(self._slot_counts, item.slot, item.future)
         if item.start + item.size == len(item.indices):
             self._inflight -= 1
             self._metrics.orders.inc()
