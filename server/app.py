@@ -1,28 +1,36 @@
-"""Build, run and stop a loader server: ``create_server``, ``serve`` and ``run``."""
+"""Build, run and stop a loader server: ``create_server``, ``serve`` and ``run``.
+
+``create_server`` indexes the shards, starts the ``Engine`` (decode workers, shared memory,
+pipeline checks) and binds the port; the ``LoaderServer`` it returns owns the engine and
+closes it in ``stop``, after the service has drained. Nothing else closes any part of it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import numpy as np
-
 from remoteloader.protos import codec
-from remoteloader.server.catalog import SyntheticShard, open_shards
+from remoteloader.server.catalog import Shard, SyntheticShard, open_shards
 from remoteloader.server.config import ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
+from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import SERVICE, LoaderService
-from remoteloader.server.worker import read_sample
-from remoteloader.server.workers import Arena, SampleCache, WorkerPool
+from remoteloader.server.shared_memory import Arena, SampleCache
+from remoteloader.server.worker_pool import WorkerPool
+from remoteloader.server.worker_process import read_sample
 
 log = logging.getLogger("remoteloader.server")
 
@@ -38,16 +46,64 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+@dataclass
+class Engine:
+    """What a server renders with, and must close when it stops: the decode workers, the shared
+    memory they write into and read from, and the threads that check pipelines."""
+
+    arena: Arena
+    cache: SampleCache | None
+    pool: WorkerPool
+    checks: PipelineChecks
+
+    @classmethod
+    def start(cls, config: ServerConfig, shards: list[Shard], indexed_ns: int) -> Engine:
+        """Creates them for ``config`` (the workers start when there is data to decode)."""
+        with contextlib.ExitStack() as undo:  # on failure, closes what was made
+            arena = Arena(config.slots, config.slot_bytes)
+            undo.callback(arena.close)
+            cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
+            if cache is not None:
+                undo.callback(cache.close)
+            pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache,
+                              config.region_decode, indexed_ns)
+            undo.callback(pool.close)
+            checks = PipelineChecks(config.allow_custom_pipelines, config.max_pixels, config.min_image_size,
+                                    config.max_image_size)
+            undo.callback(checks.close)
+            if config.synthetic:
+                # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
+                np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
+                    0, 256, arena.size, dtype=np.uint8)
+            if config.data:
+                pool.start()
+            undo.pop_all()
+        return cls(arena, cache, pool, checks)
+
+    def close(self) -> None:
+        """Stops the pipeline checks and the workers, then closes the shared memory (idempotent)."""
+        self.checks.close()
+        self.pool.close()
+        self.arena.close()
+        if self.cache is not None:
+            self.cache.close()
+
+
 class LoaderServer:
-    """A started loader server: the gRPC server, its service, workers and bound address."""
+    """A started loader server: the gRPC server, its service, its engine and bound address.
+
+    It owns the engine (workers, shared memory, pipeline checks): ``stop`` closes it once the
+    service has drained.
+    """
 
     def __init__(self, config: ServerConfig, grpc_server: grpc.aio.Server, service: LoaderService,
-                 health_servicer: health.aio.HealthServicer, port: int):
+                 health_servicer: health.aio.HealthServicer, port: int, engine: Engine):
         self.config = config
         self.grpc_server = grpc_server
         self.service = service
         self.health = health_servicer
         self.port = port
+        self.engine = engine
         self._stopped = False
 
     @property
@@ -63,11 +119,7 @@ class LoaderServer:
         await self.health.enter_graceful_shutdown()
         self.service.drain()
         await self.grpc_server.stop(grace)
-        self.service.close()
-        self.service.pool.close()
-        self.service.arena.close()
-        if self.service.cache is not None:
-            self.service.cache.close()
+        self.engine.close()
 
 
 async def create_server(config: ServerConfig) -> LoaderServer:
@@ -76,27 +128,15 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
     credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
                    if config.tls_cert else None)
-    indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker.main)
+    indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
     shards = open_shards(list(config.data))
     if config.synthetic:
         shards.append(SyntheticShard(config.synthetic))
-    arena = Arena(config.slots, config.slot_bytes)
-    cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
-    pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache,
-                      config.region_decode, indexed_ns)
-    if config.synthetic:
-        # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
-        np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
-            0, 256, arena.size, dtype=np.uint8)
-    if config.data:
-        pool.start()
+    engine = Engine.start(config, shards, indexed_ns)
     try:
-        return await _serve_on(config, shards, pool, arena, cache, token, credentials, started)
+        return await _serve_on(config, shards, engine, token, credentials, started)
     except BaseException:
-        pool.close()
-        arena.close()
-        if cache is not None:
-            cache.close()
+        engine.close()
         raise
 
 
@@ -121,8 +161,9 @@ def sample_layout(shards, count: int = 16) -> tuple[int, int]:
     return jpegs, packed
 
 
-async def _serve_on(config, shards, pool, arena, cache, token, credentials, started) -> LoaderServer:
-    service = LoaderService(config, shards, pool, arena, cache)
+async def _serve_on(config: ServerConfig, shards: list[Shard], engine: Engine, token: bytes | None,
+                    credentials: grpc.ServerCredentials | None, started: float) -> LoaderServer:
+    service = LoaderService(config, shards, engine.pool, engine.arena, engine.cache, engine.checks)
     limit = config.max_message_bytes
     interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
@@ -157,6 +198,12 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
                           f"{exc.strerror or exc} (choose another --metrics-port, or 0 for none)") from None
     for name in (SERVICE, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _log_start(config, shards, started, metrics_port)
+    return LoaderServer(config, server, service, health_servicer, port, engine)
+
+
+def _log_start(config: ServerConfig, shards: list[Shard], started: float, metrics_port: int) -> None:
+    """What a started server tells its operator: what it serves, how it decodes, how it is reached."""
     samples = sum(len(s) for s in shards)
     log.info("serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
              len(shards), samples, config.workers, time.perf_counter() - started)
@@ -176,7 +223,6 @@ async def _serve_on(config, shards, pool, arena, cache, token, credentials, star
         auth = [n for n, on in (("mutual TLS", config.tls_client_ca), ("bearer token", config.token_file)) if on]
         log.info("transport: %s; authentication: %s", "TLS" if config.tls_cert else "plaintext",
                  ", ".join(auth) or "none (loopback only)")
-    return LoaderServer(config, server, service, health_servicer, port)
 
 
 def auth_warning(config: ServerConfig) -> str | None:

@@ -103,7 +103,9 @@ class ImageFolderShard(Shard):
         digest = hashlib.sha256()
         # The class list is part of the identity: an extra (even empty) class folder shifts labels.
         digest.update(("\0".join(classes) + "\n").encode("utf-8", "surrogateescape"))
-        skipped, other, empty = [], collections.Counter(), []
+        skipped: list[bytes] = []
+        empty: list[str] = []
+        other: collections.Counter[str] = collections.Counter()
         for label, cls in enumerate(classes):
             files = [e for e in os.scandir(root / cls) if e.is_file()]
             entries = sorted((e.name, e.stat().st_size) for e in files if e.name.lower().endswith(IMAGE_EXTENSIONS))
@@ -179,7 +181,8 @@ class TarShard(Shard):
                     member = tar.next()
                     if member is None:
                         break
-                    tar.members.clear()  # tarfile keeps every header otherwise
+                    # tarfile keeps every header otherwise (in TarFile.members, which typeshed does not list)
+                    tar.members.clear()  # type: ignore[attr-defined]
                     if not member.isfile():
                         continue
                     stem, _, ext = member.name.rpartition(".")
@@ -202,9 +205,9 @@ class TarShard(Shard):
         super().__init__(path.name, table, class_names, "")
         if unmatched:  # labels whose image came earlier, not just before: match by stem once
             for index in range(len(self)):
-                label = unmatched.pop(self.key(index).rpartition(".")[0], None)
-                if label is not None:
-                    self.labels[index] = label
+                found = unmatched.pop(self.key(index).rpartition(".")[0], None)
+                if found is not None:
+                    self.labels[index] = found
         self.id = _tar_id(self.index_digest, self.labels, class_names)
 
     def locate(self, index: int) -> Location:
@@ -267,7 +270,7 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
     return (table, digest) if consistent else None
 
 
-def save_index(path: pathlib.Path, shard: "TarShard") -> OSError | None:
+def save_index(path: pathlib.Path, shard: TarShard) -> OSError | None:
     """Writes the sidecar index beside the tar (best effort); returns why it could not, or None.
 
     A read-only folder (a ``:ro`` compose volume, a ``readOnly`` Kubernetes mount) is normal:
@@ -277,9 +280,9 @@ def save_index(path: pathlib.Path, shard: "TarShard") -> OSError | None:
     partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
     try:
         with open(partial, "wb") as f:
-            np.savez(f, version=_INDEX_VERSION, signature=_tar_signature(path), index_digest=np.str_(shard.index_digest),
-                     blob=np.frombuffer(shard._key_blob, dtype=np.uint8), ends=shard._key_ends,
-                     labels=shard.labels, offsets=shard._offsets, sizes=shard._sizes)
+            np.savez(f, version=_INDEX_VERSION, signature=_tar_signature(path),
+                     index_digest=np.str_(shard.index_digest), blob=np.frombuffer(shard._key_blob, dtype=np.uint8),
+                     ends=shard._key_ends, labels=shard.labels, offsets=shard._offsets, sizes=shard._sizes)
         os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
         return None
     except OSError as exc:
@@ -289,7 +292,9 @@ def save_index(path: pathlib.Path, shard: "TarShard") -> OSError | None:
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
-    raw = tar.extractfile(member).read(64)
+    reader = tar.extractfile(member)
+    assert reader is not None, "a regular file member has contents"
+    raw = reader.read(64)
     try:
         return int(raw.strip() or b"-1")
     except ValueError:
@@ -329,7 +334,7 @@ def open_shards(paths: list[str]) -> list[Shard]:
                 shards.append(ImageFolderShard(path))
         else:
             raise CatalogError(f"data path {raw!r} is neither a directory nor a .tar file")
-    _warn_unsaved_indexes([s for s in shards if getattr(s, "index_error", None) is not None])
+    _warn_unsaved_indexes([s for s in shards if isinstance(s, TarShard) and s.index_error is not None])
     ids = [s.id for s in shards]
     if len(set(ids)) != len(ids):
         raise CatalogError("the same shard is listed twice in --data")
@@ -340,11 +345,13 @@ def _warn_unsaved_indexes(shards: list[TarShard]) -> None:
     """One warning for all the tars scanned at this start whose index could not be kept beside them."""
     if not shards:
         return
+    error = shards[0].index_error
+    assert error is not None, "only shards whose index could not be written"
     names = ", ".join(pathlib.Path(s.path).name for s in shards[:3]) + (" ..." if len(shards) > 3 else "")
     log.warning("%d tar shard(s) have no %s index beside them and it cannot be written there (%s): indexed in "
                 "memory, and scanned again at every start (%s). To start without scanning, run a server once on "
                 "a writable copy of the folder and copy the <tar>%s files it writes beside these tars",
-                len(shards), INDEX_SUFFIX, shards[0].index_error.strerror or shards[0].index_error, names,
+                len(shards), INDEX_SUFFIX, error.strerror or error, names,
                 INDEX_SUFFIX)
 
 

@@ -12,10 +12,13 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
+
+from remoteloader.protos import limits
 
 ENV_PREFIX = "REMOTELOADER_"
 MAX_IMAGE_SIDE = 8192
-MiB = 1 << 20
+MiB = limits.MiB
 
 
 def default_workers() -> int:
@@ -31,83 +34,62 @@ def bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _setting(default: Any, help: str) -> Any:
+    """A ServerConfig field and its one description, which ``--help`` prints."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """A loader server's settings.
+    """A loader server's settings, grouped by purpose; each field's ``help`` says what it does.
 
-    Data:
-        data: Paths of shards: ImageFolder trees, .tar files or folders of .tar files.
-    Network:
-        host: Address to bind (default 127.0.0.1; use 0.0.0.0 in a container).
-        port: TCP port; 0 picks a free one (the bound port is logged and returned).
-    Work:
-        workers: Decode/augment worker processes (default: the CPUs this process may use).
-        chunk_bytes: Pixel payload per streamed message (default 2 MiB, chosen by measurement:
-            benchmarks/wire.py --chunk-bytes ...; 1.5-2 MiB moved the most per receiver CPU-second).
-        slots: Shared chunk buffers, the bound on decoded pixels held by the server:
-            memory = slots x max(chunk_bytes, largest sample) (default 4 x workers + 4).
-        max_order_samples: Most samples in one order.
-        max_inflight_orders: Most orders one stream may have outstanding; more get
-            RESOURCE_EXHAUSTED.
-        min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
-        max_pixels: Largest image (width x height, read from the header) the server decodes.
-        region_decode: Once a file has decoded whole without error, decode only the JPEG rows
-            and columns a random-resized crop keeps, with the native decoder when it was built
-            (default on; the pixels are the same either way).
-        allow_custom_pipelines: Accept albumentations pipelines serialized by clients
-            (A.to_dict; rebuilt from albumentations' registry only).
-        cache_bytes: RAM (shared memory) for caching encoded samples after their first
-            read; filled until full, never evicted (default 0: off).
-        max_rate: Most images per second this server renders (default 0: unlimited); for
-            sharing a machine, and for tests of uneven servers.
-    Benchmarking:
-        synthetic: Serve this many generated samples whose pixels are never decoded, to
-            measure the transport alone (default 0: off; --data is then not needed).
-    Security and limits:
-        tls_cert / tls_key: PEM files; serve TLS instead of plaintext.
-        tls_client_ca: PEM CA bundle; clients must present a certificate it signed (mTLS).
-        token_file: File holding a bearer token every call must carry (health excepted).
-        max_streams: Open order streams the server accepts in all (default 64).
-        max_streams_per_client: Open order streams per client address (default 16: a train and
-            an eval loader on each of 8 GPU ranks of one host).
-        stall_timeout: Seconds a stream may leave a finished chunk unread, or a new stream
-            go without its Setup, before it is ended with DEADLINE_EXCEEDED and its slots are
-            freed (default 120). While a stream waits for a free slot, a stream that
-            holds slots is ended after 10 s of leaving a chunk unread (service.CONTENDED_STALL).
-    Operations:
-        metrics_port: Serve Prometheus metrics on this port (default 0: off).
-        grace: Seconds in-flight work may take to finish after SIGTERM.
-        log_level: Python logging level name.
-        log_format: "text" or "json" (one JSON object per line).
+    Validated once, here: an instance is a server that can start. ``slots=0`` becomes its
+    default (4 x workers + 4) and ``data`` a tuple of strings.
     """
 
-    data: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 50051
-    workers: int = field(default_factory=default_workers)
-    chunk_bytes: int = 2 * MiB
-    slots: int = 0
-    max_order_samples: int = 1024
-    max_inflight_orders: int = 16
-    min_image_size: int = 8
-    max_image_size: int = 1024
-    max_pixels: int = 100_000_000
-    region_decode: bool = True
-    allow_custom_pipelines: bool = False
-    cache_bytes: int = 0
-    max_rate: float = 0.0
-    synthetic: int = 0
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    token_file: str = ""
-    max_streams: int = 64
-    max_streams_per_client: int = 16
-    stall_timeout: float = 120.0
-    metrics_port: int = 0
-    grace: float = 30.0
-    log_level: str = "INFO"
-    log_format: str = "text"
+    # Data
+    data: tuple[str, ...] = _setting((), "shard paths: ImageFolder trees, .tar files or folders of .tar files")
+    # Network
+    host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 in a container")
+    port: int = _setting(50051, "TCP port; 0 picks a free one")
+    # Work
+    workers: int = field(default_factory=default_workers, metadata={"help": "decode/augment worker processes"})
+    # 2 MiB by measurement (benchmarks/wire.py --chunk-bytes ...): 1.5-2 MiB moved the most per receiver CPU-second.
+    chunk_bytes: int = _setting(2 * MiB, "pixel bytes per streamed message")
+    slots: int = _setting(0, "shared chunk buffers (memory = slots x max(chunk_bytes, largest sample)); "
+                             "0: 4 x workers + 4")
+    max_order_samples: int = _setting(1024, "most samples in one order")
+    max_inflight_orders: int = _setting(16, "most outstanding orders per stream")  # more: RESOURCE_EXHAUSTED
+    min_image_size: int = _setting(8, "smallest output side clients may ask for")
+    max_image_size: int = _setting(1024, "largest output side clients may ask for")
+    max_pixels: int = _setting(100_000_000, "largest image (width x height) the server decodes")
+    # Native region decoding when it was built (decode.decode_crop); the pixels are the same either way.
+    region_decode: bool = _setting(True, "after a file decoded whole once, decode only the region a random-resized "
+                                         "crop keeps (same pixels)")
+    # Rebuilt from albumentations' registry only (A.from_dict): no client code runs.
+    allow_custom_pipelines: bool = _setting(False, "accept albumentations pipelines serialized by clients")
+    cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
+    # For sharing a machine, and for tests of uneven servers.
+    max_rate: float = _setting(0.0, "most images per second this server renders (0: unlimited)")
+    # Benchmarking (--data is then not needed)
+    synthetic: int = _setting(0, "serve this many generated samples without decoding, to measure the transport "
+                                 "(0: off)")
+    # Security and limits
+    tls_cert: str = _setting("", "PEM certificate: serve TLS")
+    tls_key: str = _setting("", "PEM private key of tls_cert")
+    tls_client_ca: str = _setting("", "PEM CA: require client certificates it signed (mutual TLS)")
+    token_file: str = _setting("", "file holding the bearer token clients must send")  # health checks need none
+    max_streams: int = _setting(64, "open order streams accepted in all")
+    # 16: a train and an eval loader on each of 8 GPU ranks of one host.
+    max_streams_per_client: int = _setting(16, "open order streams accepted per client address")
+    # Ended with DEADLINE_EXCEEDED and its slots freed; the 10 s is slots.CONTENDED_STALL.
+    stall_timeout: float = _setting(120.0, "seconds a client may leave a chunk unread (or a new stream its Setup) "
+                                           "before the stream is ended; 10 s while a stream waits for a free slot")
+    # Operations
+    metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
+    grace: float = _setting(30.0, "seconds in-flight work may take to finish after SIGTERM")
+    log_level: str = _setting("INFO", "logging level")
+    log_format: str = _setting("text", "text or json")  # json: one JSON object per line
 
     def __post_init__(self) -> None:
         if isinstance(self.data, (str, os.PathLike)):
@@ -151,16 +133,18 @@ class ServerConfig:
 
     @property
     def max_sample_bytes(self) -> int:
-        return self.max_image_size * self.max_image_size * 3
+        """Pixel bytes of the largest sample clients may ask for."""
+        return limits.sample_bytes(self.max_image_size, self.max_image_size)
 
     @property
     def slot_bytes(self) -> int:
-        return max(self.chunk_bytes, self.max_sample_bytes)
+        """Bytes of one shared slot: any chunk of this server's (protos.limits.slot_bytes)."""
+        return limits.slot_bytes(self.chunk_bytes, self.max_sample_bytes)
 
     @property
     def max_message_bytes(self) -> int:
-        """Largest message the server sends: one slot of pixels plus its header."""
-        return self.slot_bytes + 1 * MiB
+        """Largest message the server sends: one slot of pixels plus its header (protos.limits)."""
+        return limits.max_message_bytes(self.chunk_bytes, self.max_sample_bytes)
 
 
 def _positive(config: ServerConfig, *names: str) -> None:
@@ -185,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
-        doc = _FIELD_HELP.get(f.name, "")
+        doc = f.metadata["help"]
         if f.name == "data":
             parser.add_argument(flag, nargs="+", default=_env_list(env),
                                 help=f"{doc} [env {env}, space-separated]")
@@ -229,34 +213,3 @@ def _env_list(name: str) -> list[str] | None:
     value = os.environ.get(name)
     return value.split() if value else None
 
-
-_FIELD_HELP = {
-    "data": "shard paths: ImageFolder trees, .tar files or folders of .tar files",
-    "host": "address to bind; 0.0.0.0 in a container",
-    "port": "TCP port; 0 picks a free one",
-    "workers": "decode/augment worker processes",
-    "chunk_bytes": "pixel bytes per streamed message",
-    "slots": "shared chunk buffers (memory = slots x max(chunk_bytes, largest sample)); 0: 4 x workers + 4",
-    "max_order_samples": "most samples in one order",
-    "max_inflight_orders": "most outstanding orders per stream",
-    "min_image_size": "smallest output side clients may ask for",
-    "max_image_size": "largest output side clients may ask for",
-    "max_pixels": "largest image (width x height) the server decodes",
-    "region_decode": "after a file decoded whole once, decode only the region a random-resized crop keeps (same pixels)",
-    "allow_custom_pipelines": "accept albumentations pipelines serialized by clients",
-    "cache_bytes": "shared memory for caching encoded samples after their first read (0: off)",
-    "max_rate": "most images per second this server renders (0: unlimited)",
-    "synthetic": "serve this many generated samples without decoding, to measure the transport (0: off)",
-    "tls_cert": "PEM certificate: serve TLS",
-    "tls_key": "PEM private key of tls_cert",
-    "tls_client_ca": "PEM CA: require client certificates it signed (mutual TLS)",
-    "token_file": "file holding the bearer token clients must send",
-    "max_streams": "open order streams accepted in all",
-    "max_streams_per_client": "open order streams accepted per client address",
-    "stall_timeout": "seconds a client may leave a chunk unread (or a new stream its Setup) before the stream "
-                     "is ended; 10 s while a stream waits for a free slot",
-    "metrics_port": "serve Prometheus metrics on this port (0: off)",
-    "grace": "seconds in-flight work may take to finish after SIGTERM",
-    "log_level": "logging level",
-    "log_format": "text or json",
-}

@@ -10,7 +10,7 @@ in a JPEG with a restart marker after every MCU (as ``remoteloader pack`` writes
 the crop's MCUs. It gives the same pixels as a whole decode, but it does not read what lies
 outside the crop (at least the rows below it), so it cannot refuse damage there: the server
 uses it only for files that have decoded whole without error before (see
-service.LoaderService._render).
+render.Renderer).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
 from remoteloader.server import decode as dec  # noqa: E402
+from remoteloader.server.seeds import stream_seeds  # noqa: E402
 
 PRESETS = ("train", "eval")
 CUSTOM = "custom"
@@ -122,14 +123,6 @@ def _walk(node):
         yield from _walk(child)
 
 
-def _mix64(seed: int, k: int) -> int:
-    """splitmix64 of (seed, k): independent 64-bit streams per transform."""
-    x = (seed + 0x9E3779B97F4A7C15 * (k + 1)) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 class Pipeline:
     """Decode + augment one sample into a fixed-size RGB uint8 array."""
 
@@ -165,8 +158,9 @@ class Pipeline:
 
     def reseed(self, seed: int) -> None:
         """Puts every transform's generators in the state derived from (seed, its position)."""
+        streams = stream_seeds(seed, 2 * len(self._nodes) + 1)  # the first one is not used
         for k, node in enumerate(self._nodes):
-            a, b = _mix64(seed, 2 * k + 1), _mix64(seed, 2 * k + 2)
+            a, b = streams[2 * k + 1], streams[2 * k + 2]
             node.py_random.seed(a)
             node.random_generator.bit_generator.state = {
                 "bit_generator": "PCG64", "state": {"state": (a << 64) | b, "inc": (b << 1) | 1},
@@ -198,7 +192,7 @@ class Pipeline:
         fmt, height, width = dec.read_size(data, self.max_pixels)
         self.reseed(seed)
         if fused and self._crop is not None:
-            return self._fused_crop(data, fmt, height, width, verified and self.region_decode)
+            return self._fused_crop(data, fmt, height, width, native=verified and self.region_decode)
         min_h = min_w = 0
         if fused and self._resize_target is not None:
             th, tw, cover = self._resize_target
@@ -210,8 +204,9 @@ class Pipeline:
         image = dec.decode(data, fmt, min_h, min_w, height, width)
         return self.compose(image=image)["image"]
 
-    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int, region: bool) -> np.ndarray:
-        crop = self._crop
+    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int, native: bool) -> np.ndarray:
+        crop, rest = self._crop, self._rest
+        assert crop is not None and rest is not None, "only for a pipeline that starts with a random-resized crop"
         params = crop.get_params()
         params["shape"] = (height, width, 3)
         x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
@@ -220,10 +215,10 @@ class Pipeline:
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
         region = dec.decode_crop(data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width),
-                                 native=region)
+                                 native=native)
         if region.shape[:2] != (out_h, out_w):
             # As albumentations picks it: on the crop's size in the source (area_for_downscale).
             pick = getattr(crop, "_get_interpolation_for_resize", None)
             interpolation = pick((y2 - y1, x2 - x1), "image") if pick else crop.interpolation
             region = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
-        return self._rest(image=region)["image"] if self._rest.transforms else region
+        return rest(image=region)["image"] if rest.transforms else region

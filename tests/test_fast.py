@@ -36,7 +36,7 @@ import pytest
 from remoteloader.client import RemoteLoader
 from remoteloader.server import decode as dec
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
-from remoteloader.server.service import sample_seeds
+from remoteloader.server.seeds import sample_seeds
 from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, _read_classes, o
 
 
 def test_a_failed_cache_fill_keeps_its_space_for_the_next_try(tmp_path):
-    from remoteloader.server.workers import SampleCache
+    from remoteloader.server.shared_memory import SampleCache
 
     cache = SampleCache(1000, {"s": 4})
     try:

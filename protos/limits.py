@@ -1,0 +1,38 @@
+"""How large a chunk, a shared slot and a message may be: the one rule both sides size buffers by.
+
+A server streams an order as chunks. A chunk holds as many whole samples as fit in
+``chunk_bytes``, and at least one: a sample larger than ``chunk_bytes`` travels alone. A
+chunk's pixels are therefore never more than ``max(chunk_bytes, sample_bytes)``, which is
+what one of the server's shared slots holds for the largest sample it offers. A message is
+one chunk's pixels plus its header (labels and per-sample errors), and the header takes at
+most ``HEADER_BYTES`` (1 MiB). The server sends messages up to ``max_message_bytes`` for its
+largest sample; a client accepts messages up to ``max_message_bytes`` for the sample size
+it asked for.
+"""
+
+from __future__ import annotations
+
+MiB = 1 << 20
+HEADER_BYTES = MiB  # most bytes of a chunk's header (ChunkHeader), beside its pixels
+CHANNELS = 3  # samples are RGB uint8
+
+
+def sample_bytes(height: int, width: int) -> int:
+    """Pixel bytes of one ``height`` x ``width`` RGB uint8 sample."""
+    return height * width * CHANNELS
+
+
+def samples_per_chunk(chunk_bytes: int, sample_bytes: int) -> int:
+    """Whole samples of ``sample_bytes`` in one chunk of ``chunk_bytes``: as many as fit, at least one."""
+    return max(1, chunk_bytes // sample_bytes)
+
+
+def slot_bytes(chunk_bytes: int, max_sample_bytes: int) -> int:
+    """Bytes that hold any chunk of samples up to ``max_sample_bytes`` each: its pixels, no header."""
+    return max(chunk_bytes, max_sample_bytes)
+
+
+def max_message_bytes(chunk_bytes: int, sample_bytes: int) -> int:
+    """Largest message that carries chunks of samples up to ``sample_bytes``: one chunk's pixels
+    plus its header."""
+    return slot_bytes(chunk_bytes, sample_bytes) + HEADER_BYTES

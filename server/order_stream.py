@@ -1,0 +1,228 @@
+"""One client's order stream, after its Setup: orders in, chunks out, in order.
+
+A reader task takes the client's orders, checks each, cuts it into chunks of
+``protos.limits.samples_per_chunk`` samples, takes a slot for each (within the stream's
+fair share, after the rate limit) and starts rendering it; the stream's own loop writes the
+chunks in the order they were started, each once its rendering is done. Invariants:
+* Every chunk's slot goes back exactly once, and only when no worker writes into it any
+  more: after its chunk is written, or when the stream ends (slots.Slots.give_when_done).
+* At most ``max_inflight_orders`` orders are in flight (received, last chunk not yet written).
+* Whatever ends the stream (the client's EOF, a bad message, draining, a stall, a server
+  bug) ends it with a status that says why; the reader never hangs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import NamedTuple
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from remoteloader.protos import codec, limits, loader_pb2
+from remoteloader.server.catalog import Shard
+from remoteloader.server.config import ServerConfig
+from remoteloader.server.metrics import Metrics
+from remoteloader.server.pipelines import PipelineSpec
+from remoteloader.server.rate_limit import RateLimiter
+from remoteloader.server.render import Renderer, SampleErrors
+from remoteloader.server.seeds import sample_seeds, shard_key
+from remoteloader.server.slots import Slots, Stalled, StreamSlots
+
+log = logging.getLogger(__name__)
+
+
+class OutChunk(NamedTuple):
+    """A chunk as the Stream writes it: header and pixels (a view into its slot), never copied."""
+
+    header: loader_pb2.ChunkHeader
+    pixels: memoryview
+
+
+def serialize_chunk(chunk: OutChunk) -> bytes:
+    """The Stream's response serializer."""
+    return codec.encode_chunk(chunk.header, chunk.pixels)
+
+
+class _Pending(NamedTuple):
+    """A chunk being rendered into its slot, to be written in turn."""
+
+    order: loader_pb2.Order
+    shard: Shard
+    indices: np.ndarray  # the whole order's
+    start: int  # the chunk's first sample, a position in the order
+    size: int  # its samples
+    slot: int
+    future: asyncio.Future[SampleErrors]
+    received: float  # time.monotonic() when its order was received
+
+
+class _End(NamedTuple):
+    """Ends the stream with this status."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+class OrderStream:
+    """Serves one stream's orders; ``run`` returns when the client is done, or ends the stream.
+
+    Args:
+        context: The Stream call's context.
+        peer: The client, as logged.
+        spec: The stream's checked pipeline.
+        config: The server's settings (chunk_bytes, max_order_samples, max_inflight_orders).
+        shards: The server's shards by id.
+        renderer: Starts rendering chunks.
+        slots: The shared slots.
+        limiter: The server-wide rate limit, if any.
+        metrics: The server's counters.
+        draining: Set when the server drains: the stream takes no more orders.
+    """
+
+    def __init__(self, context: grpc.aio.ServicerContext, peer: str, spec: PipelineSpec, *, config: ServerConfig,
+                 shards: dict[str, Shard], renderer: Renderer, slots: Slots, limiter: RateLimiter | None,
+                 metrics: Metrics, draining: asyncio.Event):
+        self._context = context
+        self._peer = peer
+        self._spec = spec
+        self._config = config
+        self._shards = shards
+        self._renderer = renderer
+        self._slots = slots
+        self._limiter = limiter
+        self._metrics = metrics
+        self._draining = draining
+        self._queue: asyncio.Queue[_Pending | _End | None] = asyncio.Queue()  # None: the client is done
+        self._slot_counts = StreamSlots()
+        self._inflight = 0  # orders received whose last chunk is not written yet
+
+    async def run(self) -> None:
+        """Writes the chunks as they are rendered until the client is done or the stream ends."""
+        context = self._context
+        reader = asyncio.create_task(self._read_orders())
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    return
+                if isinstance(item, _End):
+                    await context.abort(item.code, item.details)
+                    return
+                await self._write_chunk(item)
+        except Stalled as stalled:
+            log.warning("stream from %s: %s; ending it", self._peer, stalled)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the client {stalled}")
+        finally:
+            reader.cancel()
+            # Slots still being written by a worker go back only when the worker is done.
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                if isinstance(item, _Pending):
+                    self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+
+    async def _read_orders(self) -> None:
+        spec = self._spec
+        per_chunk = limits.samples_per_chunk(self._config.chunk_bytes, limits.sample_bytes(spec.height, spec.width))
+        drain = asyncio.ensure_future(self._draining.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(self._context.read())
+                done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    read.cancel()
+                    self._queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, "server is draining (SIGTERM or "
+                                                "SIGINT); send unfinished orders elsewhere"))
+                    return
+                request = read.result()
+                if request is grpc.aio.EOF:
+                    self._queue.put_nowait(None)
+                    return
+                error = self._check(request)
+                if error:
+                    self._queue.put_nowait(error)
+                    return
+                await self._start_order(request.order, per_chunk)
+        except asyncio.CancelledError:
+            pass
+        except DecodeError as exc:  # a message that is not a StreamRequest
+            self._queue.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}"))
+        except Exception as exc:  # surface server bugs as a stream error, never a hang
+            log.exception("stream reader failed")
+            self._queue.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
+        finally:
+            drain.cancel()
+
+    def _check(self, request: loader_pb2.StreamRequest) -> _End | None:
+        """Why an order cannot be served, or None."""
+        c = self._config
+        if request.WhichOneof("kind") != "order":
+            return _End(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a stream may be a Setup")
+        order = request.order
+        if order.shard_id not in self._shards:
+            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id}: no shard {order.shard_id!r} on "
+                        f"this server; it holds {', '.join(self._shards)}")
+        n = len(order.indices)
+        if not 0 < n <= c.max_order_samples:
+            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id} has {n} samples; "
+                        f"expected 1..{c.max_order_samples} (max_order_samples)")
+        size = len(self._shards[order.shard_id])
+        if max(order.indices) >= size:
+            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id}: index {max(order.indices)} is "
+                        f"out of range for shard {order.shard_id} of {size} samples")
+        if self._inflight >= c.max_inflight_orders:
+            return _End(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than max_inflight_orders={c.max_inflight_orders} "
+                        f"orders in flight on one stream")
+        return None
+
+    async def _start_order(self, order: loader_pb2.Order, per_chunk: int) -> None:
+        """Starts rendering an order chunk by chunk, each into a slot of its own, and queues the chunks."""
+        received = time.monotonic()
+        shard = self._shards[order.shard_id]
+        indices = np.asarray(order.indices, dtype=np.int64)
+        seeds = sample_seeds(order.seed, order.epoch, shard_key(shard.id), indices)
+        self._inflight += 1
+        for start in range(0, len(indices), per_chunk):
+            count = min(per_chunk, len(indices) - start)
+            if self._limiter is not None:
+                await self._limiter.take(count)
+            slot = await self._slots.take(self._slot_counts)
+            try:
+                future = self._renderer.render(self._spec, shard, indices[start:start + count],
+                                               seeds[start:start + count], slot)
+            except BaseException:
+                self._slots.give(self._slot_counts, slot)
+                raise
+            self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
+
+    async def _write_chunk(self, item: _Pending) -> None:
+        spec = self._spec
+        try:
+            # Shielded: a cancelled stream must not cancel the chunk's future, which completes
+            # only when every worker task is done with the slot.
+            errors = await asyncio.shield(item.future)
+            indices = item.indices[item.start:item.start + item.size]
+            header = loader_pb2.ChunkHeader(
+                order_id=item.order.order_id, start=item.start, count=item.size, order_size=len(item.indices),
+                height=spec.height, width=spec.width, channels=limits.CHANNELS,
+                labels=item.shard.labels[indices].tolist(),
+                errors=[loader_pb2.SampleError(position=item.start + pos, index=int(indices[pos]),
+                                               key=item.shard.key(int(indices[pos])), reason=reason)
+                        for pos, reason in errors])
+            nbytes = item.size * limits.sample_bytes(spec.height, spec.width)
+            chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
+            await self._slots.send(self._context.write(chunk), self._slot_counts)
+            m = self._metrics
+            m.images.inc(item.size)
+            m.bytes.inc(nbytes)
+            if errors:
+                m.decode_errors.inc(len(errors))
+        finally:
+            self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+        if item.start + item.size == len(item.indices):
+            self._inflight -= 1
+            self._metrics.orders.inc()
+            self._metrics.order_latency.observe(time.monotonic() - item.received)

@@ -1,0 +1,100 @@
+"""The pipelines clients ask for: each built and tried once, off the event loop, then kept.
+
+A Setup names a pipeline and an output size. Before a stream may order anything, its
+pipeline is built and run on test images (pipelines.Pipeline.check_output), in a thread so
+that the event loop keeps serving. Invariants:
+* One check per spec however many Setups ask for it at once; they all wait for that one.
+* Presets are checked on their own executor; custom pipelines one at a time on another, so
+  a slow custom one (a huge blur kernel) holds up only other custom Setups.
+* A check whose Setups have all left before it ran is dropped; one already running finishes
+  and its pipeline is kept.
+* At most ``MAX_KEPT`` checked pipelines are kept (then the set starts afresh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+from remoteloader.protos import loader_pb2
+from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
+
+log = logging.getLogger(__name__)
+
+MAX_KEPT = 64
+
+
+class _Check:
+    """A pipeline being built and tried in a thread, and how many Setups wait for it."""
+
+    def __init__(self, future: concurrent.futures.Future[Pipeline]):
+        self.future = future
+        self.waiters = 0
+
+
+class PipelineChecks:
+    """Builds, tries and keeps the pipelines Setups ask for; ``close`` stops the checks.
+
+    Args:
+        allow_custom: Whether clients may send albumentations pipelines.
+        max_pixels: Largest image the pipelines decode.
+        min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
+    """
+
+    def __init__(self, allow_custom: bool, max_pixels: int, min_image_size: int, max_image_size: int):
+        self.allow_custom = allow_custom
+        self.max_pixels = max_pixels
+        self.min_image_size = min_image_size
+        self.max_image_size = max_image_size
+        self._kept: dict[PipelineSpec, Pipeline] = {}
+        self._checks: dict[PipelineSpec, _Check] = {}
+        self._preset_checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="preset-check")
+        self._custom_checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipeline-check")
+
+    async def get(self, setup: loader_pb2.Setup) -> Pipeline:
+        """The checked pipeline for a Setup; raises PipelineError for one this server cannot honour."""
+        for name, value in (("height", setup.height), ("width", setup.width)):
+            if not self.min_image_size <= value <= self.max_image_size:
+                raise PipelineError(f"{name}={value} is outside the sizes this server offers: "
+                                    f"{self.min_image_size}..{self.max_image_size}")
+        spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
+        pipeline = self._kept.get(spec)
+        if pipeline is not None:
+            return pipeline
+        check = self._checks.get(spec)
+        if check is None or check.future.cancelled():
+            executor = self._preset_checks if spec.name in PRESETS else self._custom_checks
+            check = self._checks[spec] = _Check(executor.submit(self._build, spec))
+            loop = asyncio.get_running_loop()
+            started = check
+            check.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._checked, spec, started))
+        check.waiters += 1
+        try:
+            return await asyncio.shield(asyncio.wrap_future(check.future))
+        finally:
+            check.waiters -= 1
+            if not check.waiters:
+                check.future.cancel()  # no client waits: dropped if queued; if running, kept when done
+
+    def close(self) -> None:
+        """Stops the checks (queued ones are dropped; one running finishes on its own)."""
+        for executor in (self._preset_checks, self._custom_checks):
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def _build(self, spec: PipelineSpec) -> Pipeline:
+        started = time.perf_counter()
+        pipeline = Pipeline(spec, self.allow_custom, self.max_pixels)
+        pipeline.check_output()
+        log.info("pipeline %s %dx%d built and tried in %.2fs", spec.name, spec.height, spec.width,
+                 time.perf_counter() - started)
+        return pipeline
+
+    def _checked(self, spec: PipelineSpec, check: _Check) -> None:
+        if self._checks.get(spec) is check:
+            del self._checks[spec]
+        if not check.future.cancelled() and check.future.exception() is None:
+            if len(self._kept) > MAX_KEPT:
+                self._kept.clear()
+            self._kept[spec] = check.future.result()
