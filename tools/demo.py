@@ -12,12 +12,12 @@ import argparse
 import contextlib
 import pathlib
 import re
-import signal
+import sys
 import tempfile
-import threading
 import time
 
 from remoteloader.server.config import ServerConfig
+from remoteloader.tools import signals
 
 CLASSES = ["diagonal", "horizontal", "slanted", "steep", "vertical", "wavy"]
 DONE_MARKER = ".remoteloader-demo-complete"
@@ -45,10 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command: 0 when trained, 130 after Ctrl-C or SIGTERM (servers stopped, temporary data
+    removed); bad arguments and unreachable servers are one-line SystemExits."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("interrupted; loader servers stopped", file=sys.stderr)  # by the ExitStack, on the way out
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from remoteloader.client import RemoteLoader
-    from remoteloader.server.local import LocalServer
+    from remoteloader.tools.local import LocalServer
 
     _check(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -57,11 +67,8 @@ def run(args: argparse.Namespace) -> int:
                          f"use --device cpu or auto")
     torch.manual_seed(args.seed)
     with contextlib.ExitStack() as stack:
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
-            _signalled.clear()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                stack.callback(signal.signal, signum, signal.signal(signum, _interrupt))
+        # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
+        stack.enter_context(signals.StopSignals(sigterm=KeyboardInterrupt))
         if args.prepare or not args.connect:
             root = pathlib.Path(args.prepare or args.data or stack.enter_context(tempfile.TemporaryDirectory()))
             shards = _write_shards(root, args)
@@ -97,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.batch_size}: no whole batch to train on")
         print(f"{'epoch':>5} {'images/s':>9} {'data wait':>9} {'loss':>7}")
         for epoch in range(args.epochs):
-            _check_signalled()
+            signals.raise_if_stopped()
             train.set_epoch(epoch)
             seen, total_loss, waited = 0, 0.0, 0.0
             start = time.perf_counter()
@@ -111,14 +118,14 @@ def run(args: argparse.Namespace) -> int:
                 seen += len(labels)
                 total_loss += loss.item() * len(labels)
                 fetch = time.perf_counter()
-                _check_signalled()
+                signals.raise_if_stopped()
             elapsed = time.perf_counter() - start
             print(f"{epoch:>5} {seen / elapsed:>9.0f} {waited / elapsed:>8.0%} {total_loss / seen:>7.3f}", flush=True)
         correct = total = 0
         model.eval()
         with torch.no_grad():
             for images, labels in evaluate:
-                _check_signalled()
+                signals.raise_if_stopped()
                 correct += (model(images).argmax(1) == labels).sum().item()
                 total += len(labels)
         print(f"accuracy (eval pipeline, {total} images): {correct / total:.1%}")
@@ -162,24 +169,8 @@ def _check_folder(root) -> None:
                          f"which the demo did not write; give it a new or empty folder")
 
 
-_signalled: list[int] = []
-
-
-def _interrupt(signum, _frame):
-    # Unwinds the ExitStack: loaders, servers, temp dataset. Python swallows an exception
-    # raised while a finalizer runs (any library's), so the signal is also remembered and
-    # raised again at the next batch.
-    _signalled.append(signum)
-    raise KeyboardInterrupt
-
-
-def _check_signalled() -> None:
-    if _signalled:
-        raise KeyboardInterrupt
-
-
 def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.Path]:
-    from remoteloader.server.synthetic import make_imagefolder
+    from remoteloader.tools.textures import make_imagefolder
 
     classes = CLASSES[:args.classes]
     shards = []
