@@ -1,6 +1,6 @@
 /* Decode only a region of a JPEG, at a reduced DCT scale, with libjpeg-turbo.
  *
- * decode_region(data, denom, x, y, w, h, out) decodes the rectangle (x, y, w, h) of the image
+ * decode_region(data, denom, x, y, w, h, out[, max_scans]) decodes the rectangle (x, y, w, h) of the image
  * scaled by 1/denom (denom in 1, 2, 4, 8) into `out`, a writable C-contiguous buffer of
  * h * w * 3 bytes (RGB), from a baseline (sequential) JPEG. The pixels are the same as
  * decoding the whole image with the fast integer DCT and fast upsampling, then cropping;
@@ -13,18 +13,20 @@
  * error before. Any libjpeg warning is an error (as simplejpeg's strict mode).
  * Raises ValueError with libjpeg's message, or with ": decode it whole" for what it does not
  * handle (progressive, CMYK/YCCK, lossless...): the caller decodes those some other way.
- * The GIL is released while decoding.
+ * The GIL is released while decoding. With max_scans > 0, a JPEG of more scans is refused
+ * (each scan is a pass over a component's blocks: repeating one makes a small file cost seconds).
  *
  * A JPEG with a restart marker after every MCU (what transcode() writes) is first cut down to
  * the region's MCUs: each MCU's entropy-coded bytes stand alone there (the DC predictions
  * restart at each marker), so the rows above the region and the columns beside it are not
  * even entropy-decoded. The cut is a smaller JPEG of the same blocks, so the pixels are the same.
  *
- * transcode(data) rewrites a JPEG losslessly (the same DCT coefficients, hence the same
+ * transcode(data[, max_pixels, max_scans]) rewrites a JPEG losslessly (the same DCT coefficients, hence the same
  * pixels) as baseline with optimized Huffman tables and a restart marker after every MCU,
  * keeping its APPn and COM markers; it raises ValueError for what libjpeg cannot read cleanly
  * and returns None for a JPEG with data after its end (an MPF part, a motion photo's video),
- * which a rewrite would drop.
+ * which a rewrite would drop. transcode(data, max_pixels, max_scans) also refuses a JPEG over
+ * either limit (0: none) before reading its coefficients, which it holds in memory.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,6 +48,8 @@ typedef struct {
     struct jpeg_error_mgr pub;
     jmp_buf jump;
     char message[JMSG_LENGTH_MAX];
+    struct jpeg_progress_mgr progress;
+    int max_scans; /* 0: no limit */
 } error_mgr;
 
 static void on_error(j_common_ptr cinfo) {
@@ -67,6 +71,24 @@ static struct jpeg_error_mgr *strict_errors(error_mgr *err) {
     err->pub.emit_message = on_message;
     err->message[0] = '\0';
     return &err->pub;
+}
+
+/* A JPEG may repeat a scan of one component any number of times, each one a pass over all of
+ * that component's blocks: a few KB of scans can cost seconds. As jpegtran's -maxscans, the
+ * progress monitor (called for every iMCU row of every scan read) stops at err->max_scans. */
+static void check_scans(j_common_ptr cinfo) {
+    error_mgr *err = (error_mgr *)cinfo->err;
+    int scans = ((j_decompress_ptr)cinfo)->input_scan_number;
+    if (err->max_scans > 0 && scans > err->max_scans) {
+        snprintf(err->message, sizeof err->message, "JPEG has more than %d scans (a decoding cost bomb?)",
+                 err->max_scans);
+        longjmp(err->jump, 1);
+    }
+}
+
+static void limit_scans(j_decompress_ptr cinfo, error_mgr *err) {
+    err->progress.progress_monitor = check_scans;
+    cinfo->progress = &err->progress;
 }
 
 /* Where a JPEG's blocks lie, for cutting out a region of MCUs (see the comment on top). */
@@ -194,6 +216,7 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
         return problem ? problem : err->message;
     }
     jpeg_create_decompress(&cinfo);
+    limit_scans(&cinfo, err);
     jpeg_mem_src(&cinfo, data, (unsigned long)size);
     jpeg_read_header(&cinfo, TRUE);
     if (cinfo.progressive_mode) {
@@ -290,13 +313,13 @@ static const char *decode_cut(const unsigned char *data, size_t size, int denom,
 
 static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data, out;
-    int denom;
+    int denom, max_scans = 0;
     Py_ssize_t x, y, w, h; /* "n" checks for overflow; "I" would silently wrap */
-    if (!PyArg_ParseTuple(args, "y*innnnw*", &data, &denom, &x, &y, &w, &h, &out)) {
+    if (!PyArg_ParseTuple(args, "y*innnnw*|i", &data, &denom, &x, &y, &w, &h, &out, &max_scans)) {
         return NULL;
     }
     PyObject *result = NULL;
-    error_mgr err;
+    error_mgr err = {.max_scans = max_scans};
     const char *problem = NULL;
     const Py_ssize_t most = 1 << 16; /* JPEG sides are 16-bit */
     if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
@@ -358,7 +381,8 @@ static const char TRAILING_DATA[] = "data after the end of the image";
 
 /* transcode(): see the comment on top. Returns NULL on success (the JPEG in dest->buffer,
  * dest->used bytes), else a message. The caller frees dest->buffer either way. */
-static const char *transcode_jpeg(const unsigned char *data, size_t size, growing_dest *dest, error_mgr *err) {
+static const char *transcode_jpeg(const unsigned char *data, size_t size, Py_ssize_t max_pixels, growing_dest *dest,
+                                  error_mgr *err) {
     struct jpeg_decompress_struct src;
     struct jpeg_compress_struct dst;
     volatile int have_dst = 0;
@@ -370,10 +394,18 @@ static const char *transcode_jpeg(const unsigned char *data, size_t size, growin
         return problem ? problem : err->message;
     }
     jpeg_create_decompress(&src);
+    limit_scans(&src, err);
     jpeg_mem_src(&src, data, (unsigned long)size);
     jpeg_save_markers(&src, JPEG_COM, 0xFFFF);
     for (int m = 0; m < 16; m++) jpeg_save_markers(&src, JPEG_APP0 + m, 0xFFFF);
     jpeg_read_header(&src, TRUE);
+    /* All coefficients are held in memory, and reading them may cost far more than the file's size. */
+    if (max_pixels > 0 && (unsigned long long)src.image_width * src.image_height > (unsigned long long)max_pixels) {
+        snprintf(err->message, sizeof err->message, "image is %ux%u = %llu pixels, over the limit of %lld",
+                 src.image_width, src.image_height, (unsigned long long)src.image_width * src.image_height,
+                 (long long)max_pixels);
+        longjmp(err->jump, 1);
+    }
     jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&src);
     /* The end of the image has been read: anything after it (an MPF second image, a motion
      * photo's video) would be lost, and the markers pointing at it left dangling. */
@@ -407,10 +439,12 @@ static const char *transcode_jpeg(const unsigned char *data, size_t size, growin
 
 static PyObject *transcode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data;
-    if (!PyArg_ParseTuple(args, "y*", &data)) {
+    Py_ssize_t max_pixels = 0;
+    int max_scans = 0;
+    if (!PyArg_ParseTuple(args, "y*|ni", &data, &max_pixels, &max_scans)) {
         return NULL;
     }
-    error_mgr err;
+    error_mgr err = {.max_scans = max_scans};
     growing_dest dest = {.size = (size_t)data.len + 4096, .used = 0};
     dest.buffer = malloc(dest.size);
     if (dest.buffer == NULL) {
@@ -419,7 +453,7 @@ static PyObject *transcode(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     const char *problem;
     Py_BEGIN_ALLOW_THREADS
-    problem = transcode_jpeg((const unsigned char *)data.buf, (size_t)data.len, &dest, &err);
+    problem = transcode_jpeg((const unsigned char *)data.buf, (size_t)data.len, max_pixels, &dest, &err);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     PyObject *result = NULL;
@@ -447,15 +481,17 @@ static PyObject *cuts(PyObject *Py_UNUSED(self), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
-     "decode_region(data, denom, x, y, w, h, out): decode the region (x, y, w, h) of the JPEG "
-     "scaled by 1/denom into out (h * w * 3 bytes, RGB)."},
+     "decode_region(data, denom, x, y, w, h, out, max_scans=0): decode the region (x, y, w, h) of the JPEG "
+     "scaled by 1/denom into out (h * w * 3 bytes, RGB); a JPEG of more than max_scans scans (0: any) "
+     "is refused."},
     {"cuts", cuts, METH_VARARGS,
      "cuts(data) -> bool: whether decode_region decodes only a region's MCUs of this JPEG (baseline, "
      "one scan of all its components, a restart marker after every MCU, as transcode() writes it)."},
     {"transcode", transcode, METH_VARARGS,
-     "transcode(data) -> bytes | None: the same JPEG (same coefficients, same pixels) as baseline with "
-     "optimized Huffman tables and a restart marker after every MCU, which decode_region cuts at; "
-     "None for a JPEG with data after its end (kept as it is)."},
+     "transcode(data, max_pixels=0, max_scans=0) -> bytes | None: the same JPEG (same coefficients, same "
+     "pixels) as baseline with optimized Huffman tables and a restart marker after every MCU, which "
+     "decode_region cuts at; None for a JPEG with data after its end (kept as it is). A JPEG of more than "
+     "max_pixels pixels or max_scans scans (0: any) is refused."},
     {NULL, NULL, 0, NULL},
 };
 

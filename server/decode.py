@@ -30,6 +30,11 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FORMATS = ("jpeg", "png")
 _SCALABLE_FRAMES = (0xC0, 0xC1, 0xC2, 0xC9, 0xCA)  # DCT-based: baseline, extended, progressive, arithmetic
+_PROGRESSIVE_FRAMES = (0xC2, 0xC6, 0xCA, 0xCE)
+# Most scans a JPEG may have (as jpegtran's -maxscans). Encoders write 1 (baseline), 3 (one per
+# component) or about 10 (progressive); each scan is a pass over a component's blocks, so a
+# file repeating one scan costs seconds for a few KB.
+MAX_SCANS = 100
 
 
 class DecodeError(ValueError):
@@ -62,8 +67,11 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         except (ValueError, KeyError) as exc:  # KeyError: an unknown subsampling or colour-space code
             raise DecodeError(f"corrupt JPEG header: {type(exc).__name__}: {exc}") from None
-        if _frame_marker(data) not in _SCALABLE_FRAMES:
+        frame, several_scans = _frame(data)
+        if frame not in _SCALABLE_FRAMES:
             fmt = "jpeg-full"
+        if several_scans and _more_scans_than(data, MAX_SCANS):
+            raise DecodeError(f"JPEG has more than {MAX_SCANS} scans (a decoding cost bomb?)")
     else:
         if len(data) < 24 or data[12:16] != b"IHDR":
             raise DecodeError("corrupt PNG header")
@@ -75,28 +83,69 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, height, width
 
 
-def _frame_marker(data: bytes, max_steps: int = 256) -> int | None:
-    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...), or None.
+def _frame(data: bytes, max_steps: int = 256) -> tuple[int | None, bool]:
+    """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...) or None, and
+    whether the file may hold more than one scan.
 
-    None also when it is not among the first ``max_steps`` markers and fill bytes (a real
-    file has a dozen): a crafted file cannot make this slow.
+    libjpeg refuses a second scan unless the image is progressive or its first scan leaves
+    out components; only such files can repeat scans (see MAX_SCANS). Unknown (True) when
+    the first scan is not among the first ``max_steps`` markers and fill bytes (a real file
+    has a dozen): a crafted file cannot make this slow.
     """
     i, n = 2, len(data)
+    frame, components = None, 0
     for _ in range(max_steps):
         if i + 4 > n or data[i] != 0xFF:
-            return None
+            break
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return marker
-        elif marker in (0xD9, 0xDA):  # EOI or a scan before any frame
-            return None
-        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and frame is None:
+            frame, components = marker, data[i + 9] if i + 9 < n else 0
+        elif marker == 0xDA:  # the first scan: its component count follows the length
+            return frame, frame in _PROGRESSIVE_FRAMES or data[i + 4] < components
+        elif marker == 0xD9:
+            break
+        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
             i += 2
         else:  # as libjpeg: a length under 2 skips just the length field
             i += 2 + max(int.from_bytes(data[i + 2:i + 4], "big"), 2)
-    return None
+    return frame, True
+
+
+def _more_scans_than(data: bytes, limit: int) -> bool:
+    """Whether the JPEG has more than ``limit`` scans (SOS markers).
+
+    Every scan starts with FF DA, which entropy-coded data cannot hold (a 0xFF there is
+    followed by 0x00 or a restart marker), so counting those bytes is an upper bound that
+    settles nearly every file at memory speed. Only above the limit are the markers walked
+    (APPn payloads such as an EXIF thumbnail may hold FF DA too).
+    """
+    if data.count(b"\xff\xda") <= limit:
+        return False
+    i, n, scans = 2, len(data), 0
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xD9:
+            break
+        i += 2 if 0xD0 <= marker <= 0xD8 or marker == 0x01 else 2 + max(int.from_bytes(data[i + 2:i + 4], "big"), 2)
+        if marker == 0xDA:
+            scans += 1
+            if scans > limit:
+                return True
+            while True:  # the scan's entropy-coded data, up to the next marker
+                i = data.find(b"\xff", i)
+                if i < 0 or i + 1 >= n:
+                    return False
+                if data[i + 1] == 0 or 0xD0 <= data[i + 1] <= 0xD7:
+                    i += 2
+                else:
+                    break
+    return False
 
 
 def dct_factor(height: int, width: int, min_height: int, min_width: int) -> int:
@@ -177,7 +226,7 @@ def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, 
         x1, y1, x2, y2 = _scale_box(box, height, width, -(-height // factor), -(-width // factor))
         out = np.empty((y2 - y1, x2 - x1, 3), np.uint8)
         try:
-            _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out)
+            _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out, MAX_SCANS)
             return out
         except ValueError:  # progressive, CMYK, damaged...: the whole decode below decides
             pass

@@ -1,6 +1,7 @@
 """A hostile image corpus, built here, served with on_error="skip" and with a callable.
 
-Decompression bombs (JPEG SOF and PNG IHDR headers claiming 30000x30000 and more), truncated
+Decompression bombs (JPEG SOF and PNG IHDR headers claiming 30000x30000 and more; a
+progressive JPEG that repeats one scan 1000 times, a cost bomb of 20 KB), truncated
 and corrupt files, wrong magic under .jpg names (text, GIF, BMP, WebP), zero bytes, zero
 dimensions; and odd but valid files that must decode to RGB of the right shape: CMYK JPEG,
 grayscale JPEG, progressive JPEG, PNGs (RGB, RGBA, gray, palette, 16-bit; named .png and
@@ -53,6 +54,40 @@ def jpeg_claiming(jpeg: bytes, height: int, width: int) -> bytes:
     raise AssertionError("no SOF marker")
 
 
+def _scans(jpeg: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each scan: its SOS segment and the entropy-coded data after it."""
+    scans, i = [], 2
+    while jpeg[i + 1] != 0xD9:
+        end = i + 2 + struct.unpack(">H", jpeg[i + 2:i + 4])[0]
+        if jpeg[i + 1] == 0xDA:
+            while jpeg[end] != 0xFF or jpeg[end + 1] == 0 or 0xD0 <= jpeg[end + 1] <= 0xD7:
+                end += 1
+            scans.append((i, end))
+        i = end
+    return scans
+
+
+def jpeg_repeating_a_scan(progressive: bytes, times: int) -> bytes:
+    """A valid progressive JPEG whose first AC scan of one component is sent ``times`` times.
+
+    A first AC scan with Al=1 is rewritten to carry the coefficients' last bit too (Al=0), and
+    its refinement scan (Ah=1, Al=0) dropped, so that every repetition is legal to libjpeg:
+    each one costs a pass over all the component's blocks, for about 14 bytes of file.
+    """
+    scans = _scans(progressive)
+    # SOS of one component: FF DA, length (2), Ns=1, component, tables, Ss, Se, Ah<<4|Al
+    for start, end in scans:
+        ns, component, _, ss, se, ahal = progressive[start + 4:start + 10]
+        if ns == 1 and ss >= 1 and ahal == 0x01:
+            refinement = bytes((1, component)), bytes((ss, se, 0x10))
+            drop = next(r for r in scans if progressive[r[0] + 4:r[0] + 6] == refinement[0]
+                        and progressive[r[0] + 7:r[0] + 10] == refinement[1])
+            scan = bytearray(progressive[start:end])
+            scan[9] = 0x00
+            return progressive[:start] + bytes(scan) * times + progressive[end:drop[0]] + progressive[drop[1]:]
+    raise AssertionError("no first AC scan of one component with Ah=0, Al=1")
+
+
 def _pil(image: np.ndarray, mode: str, fmt: str, **kw) -> bytes:
     out = io.BytesIO()
     Image.fromarray(image).convert(mode).save(out, fmt, **kw)
@@ -82,6 +117,8 @@ def build_corpus(rng: np.random.Generator):
         "bad/bmp.jpg": (cv2.imencode(".bmp", bgr)[1].tobytes(), r"unsupported format.*magic.*424d"),
         "bad/webp.jpeg": (_pil(image, "RGB", "WEBP"), r"unsupported format.*magic"),
         "bad/empty.jpg": (b"", r"empty"),
+        "bomb/jpeg-1000-scans.jpg": (jpeg_repeating_a_scan(_pil(image, "RGB", "JPEG", quality=95, progressive=True),
+                                                           1000), r"more than 100 scans"),
         "bad/random.png": (rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(), r"unsupported format|corrupt"),
     }
     gray16 = cv2.imencode(".png", (bgr.astype(np.uint16) * 257))[1].tobytes()
@@ -209,3 +246,29 @@ def test_hostile_corpus_with_a_callable(corpus, run_bounded):
 def test_server_log_names_no_crash(corpus):
     log = corpus["cluster"].stderr(0)
     assert "died with exit code" not in log and "stream reader failed" not in log, log[-3000:]
+
+
+def test_the_native_decoder_and_rewrite_refuse_cost_bombs_themselves():
+    """Beside the header check every decode passes (read_size), _jpeg's own entry points bound
+    the scans they read and, for the rewrite, the pixels whose coefficients they hold."""
+    from remoteloader.server import decode as dec
+
+    if dec._jpeg is None:
+        pytest.skip("the native JPEG module was not built")
+    image = make_image(1, 3, np.random.default_rng(0), H, W)
+    progressive = _pil(image, "RGB", "JPEG", quality=95, progressive=True)
+    others = len(_scans(jpeg_repeating_a_scan(progressive, 1))) - 1
+    at_limit, bomb = (jpeg_repeating_a_scan(progressive, 100 - others + extra) for extra in (0, 1))
+    assert len(_scans(at_limit)) == 100 and len(_scans(bomb)) == 101
+    assert dec._jpeg.transcode(at_limit, 0, 100) is not None and dec.read_size(at_limit, 10**8)
+    with pytest.raises(ValueError, match="more than 100 scans"):
+        dec._jpeg.transcode(bomb, 0, 100)
+    with pytest.raises(ValueError, match="more than 100 scans"):
+        dec.read_size(bomb, 10**8)
+    sequential = encode_jpeg(image)
+    with pytest.raises(ValueError, match=f"{W}x{H} = {W * H} pixels, over the limit of {W * H - 1}"):
+        dec._jpeg.transcode(sequential, W * H - 1, 100)
+    assert dec._jpeg.transcode(sequential, W * H, 100) is not None
+    out = np.empty((H, W, 3), np.uint8)  # decode_region refuses progressive files anyway; its limit is
+    dec._jpeg.decode_region(sequential, 1, 0, 0, W, H, out, 1)  # checked on the one scan it may read
+    assert np.array_equal(out, dec.decode(sequential, "jpeg"))

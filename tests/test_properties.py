@@ -1,0 +1,183 @@
+"""Invariants that are the whole contract, checked on generated inputs (hypothesis).
+
+* The epoch plan: for any dataset size, batch size, rank count, seed and epoch, every rank
+  gets the same number of batches, the ranks' batches are disjoint and together cover the
+  epoch (all of it, or all but the remainder with ``drop_last``), and the plan is a pure
+  function of its arguments.
+* The chunk codec: whatever header and pixels, encoding then decoding gives them back, and
+  on any message protobuf itself accepts (fields in another order, repeated, unknown ones
+  between them) ``decode_chunk`` reads what protobuf reads, or refuses a truncated one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remoteloader.client import plan
+from remoteloader.protos import loader_pb2
+from remoteloader.protos.codec import decode_chunk, encode_chunk
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+
+
+# ---- the epoch plan -----------------------------------------------------------------------
+
+
+@st.composite
+def plan_arguments(draw):
+    world_size = draw(st.integers(1, 8))
+    return dict(num_samples=draw(st.integers(1, 3000)), batch_size=draw(st.integers(1, 64)),
+                world_size=world_size, shuffle=draw(st.booleans()), seed=draw(U64), epoch=draw(st.integers(0, 10**6)),
+                drop_last=draw(st.booleans()))
+
+
+def every_rank(args: dict) -> list[list[np.ndarray]]:
+    options = {k: v for k, v in args.items() if k not in ("num_samples", "batch_size")}
+    return [plan.epoch_plan(args["num_samples"], args["batch_size"], rank=rank, **options)
+            for rank in range(args["world_size"])]
+
+
+@SETTINGS
+@given(plan_arguments())
+def test_every_rank_gets_as_many_batches_and_together_they_cover_the_epoch(args):
+    n, batch_size, world_size = args["num_samples"], args["batch_size"], args["world_size"]
+    ranks = every_rank(args)
+    expected = plan.num_batches(n, batch_size, world_size, args["drop_last"])
+    assert [len(batches) for batches in ranks] == [expected] * world_size
+    ids = np.concatenate([b for batches in ranks for b in batches] or [np.zeros(0, np.int64)])
+    assert ids.dtype == np.int64 and (ids.size == 0 or (ids.min() >= 0 and ids.max() < n))
+    full_rounds = n // (batch_size * world_size) * batch_size * world_size
+    if args["drop_last"]:
+        assert all(len(b) == batch_size for batches in ranks for b in batches)
+        assert len(np.unique(ids)) == ids.size == full_rounds  # disjoint, and all but the remainder
+    else:
+        assert len(np.unique(ids)) == n  # every sample, at least once
+        # Only a rank left without a remainder sample repeats one (as DistributedSampler pads).
+        assert ids.size - n == max(0, world_size - (n - full_rounds)) if n > full_rounds else ids.size == n
+        assert all(0 < len(b) <= batch_size for batches in ranks for b in batches)
+
+
+@SETTINGS
+@given(plan_arguments())
+def test_the_plan_is_a_pure_function_of_its_arguments(args):
+    first, again = every_rank(args), every_rank(args)
+    assert all(np.array_equal(a, b) for x, y in zip(first, again) for a, b in zip(x, y))
+    if args["shuffle"] and sum(map(len, first[0])) > 20:  # another epoch is another order
+        other = every_rank({**args, "epoch": args["epoch"] + 1})
+        assert any(not np.array_equal(a, b) for x, y in zip(first, other) for a, b in zip(x, y))
+
+
+@SETTINGS
+@given(st.integers(1, 500), st.integers(1, 32), st.integers(1, 4), st.integers(0, 1000))
+def test_a_samplers_order_is_dealt_as_given(n, batch_size, world_size, epoch):
+    order = np.random.default_rng(epoch).integers(0, n, size=n)  # repeats allowed, as a weighted sampler makes
+    batches = [plan.epoch_plan(n, batch_size, shuffle=True, seed=0, epoch=epoch, rank=r, world_size=world_size,
+                               drop_last=True, sampler=order.tolist()) for r in range(world_size)]
+    rounds = n // (batch_size * world_size)
+    for k in range(rounds):
+        for rank in range(world_size):
+            start = (k * world_size + rank) * batch_size
+            assert np.array_equal(batches[rank][k], order[start:start + batch_size])
+
+
+# ---- the chunk codec ----------------------------------------------------------------------
+
+
+def _string(max_size: int = 40):
+    return st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=max_size)
+
+
+@st.composite
+def headers(draw) -> loader_pb2.ChunkHeader:
+    errors = draw(st.lists(st.builds(loader_pb2.SampleError, position=U32, index=U64, key=_string(),
+                                     reason=_string()), max_size=4))
+    return loader_pb2.ChunkHeader(
+        order_id=draw(U64), start=draw(U32), count=draw(U32), order_size=draw(U32), height=draw(U32),
+        width=draw(U32), channels=draw(U32), labels=draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=40)),
+        errors=errors)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire_type) + payload
+
+
+@st.composite
+def unknown_fields(draw) -> bytes:
+    """A field this version does not know, as a newer or other-language server may send."""
+    number = draw(st.integers(3, 2000))
+    kind = draw(st.sampled_from(["varint", "fixed64", "fixed32", "bytes", "group"]))
+    if kind == "varint":
+        return _field(number, 0, _varint(draw(U64)))
+    if kind == "fixed64":
+        return _field(number, 1, draw(st.binary(min_size=8, max_size=8)))
+    if kind == "fixed32":
+        return _field(number, 5, draw(st.binary(min_size=4, max_size=4)))
+    payload = draw(st.binary(max_size=30))
+    if kind == "bytes":
+        return _field(number, 2, _varint(len(payload)) + payload)
+    inner = _field(number + 1, 2, _varint(len(payload)) + payload)
+    return _field(number, 3, inner) + _varint(number << 3 | 4)
+
+
+@st.composite
+def foreign_chunks(draw) -> bytes:
+    """A valid Chunk laid out as any protobuf writer may: fields in any order, repeated, mixed with unknown ones."""
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        head = draw(headers()).SerializeToString()
+        parts.append(_field(1, 2, _varint(len(head)) + head))
+    for _ in range(draw(st.integers(0, 2))):
+        pixels = draw(st.binary(max_size=300))
+        parts.append(_field(2, 2, _varint(len(pixels)) + pixels))
+    parts += draw(st.lists(unknown_fields(), max_size=3))
+    return b"".join(draw(st.permutations(parts)))
+
+
+@SETTINGS
+@given(headers(), st.binary(max_size=5000))
+def test_any_header_and_pixels_round_trip_and_match_protobufs_bytes(header, pixels):
+    data = encode_chunk(header, pixels)
+    reference = loader_pb2.Chunk(header=header, pixels=pixels)
+    assert loader_pb2.Chunk.FromString(data) == reference
+    if pixels:  # proto3 leaves an empty bytes field out; the codec always writes it (both valid)
+        assert data == reference.SerializeToString()
+    decoded = decode_chunk(data)
+    assert decoded.header == header and bytes(decoded.pixels) == pixels
+
+
+@SETTINGS
+@given(foreign_chunks())
+def test_any_layout_protobuf_accepts_decodes_as_protobuf_reads_it(data):
+    parsed = loader_pb2.Chunk.FromString(data)
+    decoded = decode_chunk(data)
+    assert decoded.header == parsed.header and bytes(decoded.pixels) == parsed.pixels
+
+
+@SETTINGS
+@given(foreign_chunks(), st.data())
+def test_a_cut_message_is_refused_or_read_as_protobuf_reads_it(data, draw):
+    cut = data[:draw.draw(st.integers(0, max(0, len(data) - 1)))]
+    try:
+        parsed = loader_pb2.Chunk.FromString(cut)
+    except DecodeError:
+        parsed = None
+    try:
+        decoded = decode_chunk(cut)
+    except ValueError:
+        assert parsed is None, "decode_chunk refused a message protobuf reads"
+        return
+    assert parsed is not None, "decode_chunk read a message protobuf refuses"
+    assert decoded.header == parsed.header and bytes(decoded.pixels) == parsed.pixels
