@@ -266,6 +266,12 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
     for path in paths:  # the sidecar indexes: servers start without scanning the tars
         TarShard(path, names)
 
+    _warn(counts, named, transcode)
+
+
+def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) -> None:
+    """One line on stderr per outcome that needs saying, naming its first five files."""
+
     def listed(outcome: str) -> str:
         return "; ".join(named[outcome]) + (" ..." if counts[outcome] > 5 else "")
 
