@@ -218,7 +218,7 @@ def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"packing {root} into {packed} (remoteloader pack, {workers} processes) ...", file=sys.stderr, flush=True)
     try:
-        subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "pack", str(root), str(tmp),
+        subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", str(root), str(tmp),
                         "--workers", str(workers), "--quiet"], check=True)
         (tmp / MANIFEST).write_text(json.dumps(source))
         os.replace(tmp, packed)

@@ -10,7 +10,7 @@ work evenly is held to twice the slow server's rate.
                                   [--batch-size 64] [--image-size 64] [--synthetic] [--data DIR]
 
 Steps:
-  1. Data: ``--images`` JPEGs of 120x160 (remoteloader.server.synthetic.make_imagefolder) in
+  1. Data: ``--images`` JPEGs of 120x160 (remoteloader.tools.textures.make_imagefolder) in
      a temporary directory (or ``--data``), or with ``--synthetic`` no files at all (the
      servers then serve generated samples without decoding).
   2. Headroom check: the same two servers *uncapped*, one warm-up epoch and one timed
@@ -37,8 +37,8 @@ import time
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from remoteloader.client import RemoteLoader  # noqa: E402
-from remoteloader.server.local import LocalServer  # noqa: E402
-from remoteloader.server.synthetic import make_imagefolder  # noqa: E402
+from remoteloader.tools.local import LocalServer  # noqa: E402
+from remoteloader.tools.textures import make_imagefolder  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -115,7 +115,7 @@ def main() -> int:
     from throughput import OpenCVTrainSet, make_dataloader
 
     from remoteloader.client import RemoteLoader
-    from remoteloader.server.local import LocalServer
+    from remoteloader.tools.local import LocalServer
 
     cores = len(os.sched_getaffinity(0))
     root = ensure_dataset(pathlib.Path(args.data).expanduser(), args.images, processes=cores)

@@ -18,8 +18,8 @@ import tempfile
 import time
 
 from remoteloader.client import RemoteLoader
-from remoteloader.server.local import LocalServer
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.local import LocalServer
+from remoteloader.tools.textures import make_imagefolder
 
 PER_TAR = 100_000
 

@@ -24,7 +24,7 @@ def main() -> int:
     from _common import add_remote_data_argument, ensure_dataset, served_data
 
     from remoteloader.client import RemoteLoader
-    from remoteloader.server.local import LocalServer
+    from remoteloader.tools.local import LocalServer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])

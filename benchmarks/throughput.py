@@ -51,7 +51,7 @@ from albumentations.pytorch import ToTensorV2  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
 
-from remoteloader.server.local import LocalServer  # noqa: E402
+from remoteloader.tools.local import LocalServer  # noqa: E402
 
 LOADERS = ("remote", "pil", "opencv")
 TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL", "opencv": "DataLoader + OpenCV/albumentations"}

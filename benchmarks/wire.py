@@ -31,7 +31,7 @@ from remoteloader.client import RemoteLoader
 from remoteloader.client.link import channel_options
 from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
 from remoteloader.server.config import ServerConfig
-from remoteloader.server.local import LocalServer
+from remoteloader.tools.local import LocalServer
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

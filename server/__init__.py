@@ -1,12 +1,13 @@
-"""The loader server: ``ServerConfig``, ``create_server(config)``, ``serve(config)``, ``LocalServer``.
+"""The loader server: ``ServerConfig``, ``create_server(config)``, ``serve(config)``.
 
 Heavy imports (OpenCV, albumentations, gRPC) happen on first use of a name, so the CLI's
-argument parsing and the worker processes start quickly.
+argument parsing and the worker processes start quickly. A server on this machine as a
+subprocess (for demos, benchmarks and tests) is ``remoteloader.tools.local.LocalServer``.
 """
 
 from remoteloader.server.config import ServerConfig
 
-__all__ = ["LoaderServer", "LocalServer", "ServerConfig", "create_server", "serve"]
+__all__ = ["LoaderServer", "ServerConfig", "create_server", "serve"]
 
 
 def __getattr__(name: str):
@@ -14,8 +15,4 @@ def __getattr__(name: str):
         from remoteloader.server import app
 
         return getattr(app, name)
-    if name == "LocalServer":
-        from remoteloader.server.local import LocalServer
-
-        return LocalServer
     raise AttributeError(f"module 'remoteloader.server' has no attribute {name!r}")

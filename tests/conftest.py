@@ -1,10 +1,11 @@
 """Shared fixtures: real loader-server subprocesses on 127.0.0.1 (``Cluster``) and small helpers.
 
-A ``Cluster`` starts ``remoteloader-server`` processes, waits (bounded) for each one's
+A ``Cluster`` starts ``remoteloader-server`` processes with the one launcher
+(``remoteloader.tools.local.LocalServer``), waits (bounded) for each one's
 ``listening on HOST:PORT`` line, and can stop (SIGTERM), kill (SIGKILL), restart (same
 port, same data) and add servers. Every server runs in its own process group, so its
 decode workers and forkserver go with it; whatever is still running at teardown is
-terminated, then killed. When a test fails, the tail of every live server's stderr is
+terminated, then killed. When a test fails, the tail of every server's stderr is
 attached to the report.
 
 Fixtures:
@@ -23,164 +24,27 @@ import pathlib
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import weakref
 
 import pytest
 
+from remoteloader.tools.local import LocalServer, ServerProcess
+
 READY_TIMEOUT = 30.0  # seconds a server may take to index its data and bind
 STOP_TIMEOUT = 30.0  # seconds a SIGTERMed server may take to drain and exit
 DEFAULT_ARGS = ("--workers", "1", "--grace", "5", "--log-level", "INFO")
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
-_CANNOT_BIND = "cannot bind"
 
-_LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-
-
-def server_command() -> list[str]:
-    """The ``remoteloader-server`` console script of this interpreter, or its equivalent."""
-    script = pathlib.Path(sys.executable).with_name("remoteloader-server")
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from remoteloader.server.cli import serve_main; sys.exit(serve_main())"]
-
-
-def _server_env() -> dict[str, str]:
-    # The caller's REMOTELOADER_* settings must not change the servers the tests start.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["NO_ALBUMENTATIONS_UPDATE"] = "1"
-    return env
-
-
-class ServerProcess:
-    """One incarnation of a server process and what it wrote to stderr."""
-
-    def __init__(self, argv: list[str], log_path: pathlib.Path):
-        self.argv = argv
-        self.log_path = log_path
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self.host: str | None = None
-        self._lock = threading.Lock()
-        self._ready = threading.Event()
-        self._eof = threading.Event()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=_server_env(), start_new_session=True)
-        self._reader = threading.Thread(target=self._read, name=f"server-stderr-{self.proc.pid}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        with open(self.log_path, "w", encoding="utf-8", errors="replace") as log:
-            for raw in self.proc.stderr:
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                log.write(line + "\n")
-                log.flush()
-                with self._lock:
-                    self.lines.append(line)
-                if self.port is None:
-                    match = _LISTENING.search(line)
-                    if match:
-                        self.host, self.port = match.group(1), int(match.group(2))
-                        self._ready.set()
-        self._eof.set()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stderr(self) -> str:
-        with self._lock:
-            return "\n".join(self.lines)
-
-    def wait_ready(self, timeout: float) -> int:
-        """Waits for the ``listening on`` line; returns the port. Raises with the log if it never comes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._ready.wait(0.05):
-                return self.port
-            if self.proc.poll() is not None:
-                self._eof.wait(2)  # let the reader collect the last lines
-                if self._ready.is_set():
-                    return self.port
-                raise ServerStartError(f"server exited with code {self.proc.returncode} before listening "
-                                       f"({' '.join(self.argv)}); stderr:\n{self.stderr()}")
-        raise ServerStartError(f"server pid {self.pid} did not log 'listening on' within {timeout:g}s "
-                               f"({' '.join(self.argv)}); stderr:\n{self.stderr()}")
-
-    def wait_for_log(self, pattern: str, timeout: float) -> re.Match:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                for line in self.lines:
-                    match = regex.search(line)
-                    if match:
-                        return match
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"server pid {self.pid} logged nothing matching {pattern!r} within {timeout:g}s; "
-                                   f"stderr:\n{self.stderr()}")
-            time.sleep(0.05)
-
-    def signal(self, sig: int, group: bool = False) -> None:
-        try:
-            if group:
-                os.killpg(self.pid, sig)  # start_new_session: the group id is the server's pid
-            elif self.alive():
-                self.proc.send_signal(sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def reap(self) -> None:
-        """Kills whatever is left of the process group and closes the pipe (idempotent)."""
-        if self.alive():
-            self.signal(signal.SIGKILL)
-            self.wait(10)
-        self.signal(signal.SIGKILL, group=True)  # decode workers and the forkserver
-        self._eof.wait(5)
-        if self.proc.stderr is not None and self._eof.is_set():
-            self.proc.stderr.close()
-
-
-class ServerStartError(RuntimeError):
-    pass
-
-
-class Server:
-    """A server slot of a Cluster: its data and arguments, and its current process."""
-
-    def __init__(self, index: int, data: list[str], args: tuple[str, ...]):
-        self.index = index
-        self.data = data
-        self.args = args
-        self.port = 0  # 0 until the first start has bound one; then kept across restarts
-        self.process: ServerProcess | None = None
-        self.incarnations: list[ServerProcess] = []
-
-    @property
-    def address(self) -> str:
-        if not self.port:
-            raise RuntimeError(f"server {self.index} has not started yet")
-        return f"127.0.0.1:{self.port}"
+_LIVE: weakref.WeakSet[Cluster] = weakref.WeakSet()
 
 
 class Cluster:
-    """N real loader servers on 127.0.0.1, each a subprocess with its own data.
+    """N real loader servers on 127.0.0.1, each a ``LocalServer`` (the demo's and benchmarks'
+    launcher) with its own data.
 
     Args:
-        log_dir: Where each server incarnation's stderr is also written.
+        log_dir: Where each server's output is also written (``server<i>.log``, every run).
         args: Extra server flags for every server (after the defaults, so they win).
         ready_timeout: Seconds each server may take to log ``listening on``.
     """
@@ -190,7 +54,7 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.args = tuple(args)
         self.ready_timeout = ready_timeout
-        self.servers: list[Server] = []
+        self.servers: list[LocalServer] = []
         self._closed = False
         _LIVE.add(self)
 
@@ -206,55 +70,24 @@ class Cluster:
         indices = []
         for data in datas:
             paths = [str(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
-            server = Server(len(self.servers), paths, self.args + tuple(args))
+            # No death signal: it costs a fork (not a vfork) while the test's gRPC threads run;
+            # teardown and the atexit hook below stop the servers.
+            server = LocalServer(paths, args=[*DEFAULT_ARGS, *self.args, *args],
+                                 log_path=self.log_dir / f"server{len(self.servers)}.log", die_with_parent=False)
             self.servers.append(server)
-            self._launch(server, port=0)
-            indices.append(server.index)
+            server.launch()
+            indices.append(len(self.servers) - 1)
         if wait:
             for i in indices:
                 self.wait_ready(i)
         return indices
 
-    def _launch(self, server: Server, port: int) -> ServerProcess:
-        argv = server_command() + ["--data", *server.data, "--host", "127.0.0.1", "--port", str(port),
-                                   *DEFAULT_ARGS, *server.args]
-        log_path = self.log_dir / f"server{server.index}.{len(server.incarnations)}.log"
-        process = ServerProcess(argv, log_path)
-        server.process = process
-        server.incarnations.append(process)
-        return process
-
     def wait_ready(self, i: int, timeout: float | None = None) -> int:
-        server = self.servers[i]
-        port = server.process.wait_ready(self.ready_timeout if timeout is None else timeout)
-        if server.port and port != server.port:
-            raise ServerStartError(f"server {i} came back on port {port}, expected {server.port}")
-        server.port = port
-        return port
+        return self.servers[i].wait_ready(self.ready_timeout if timeout is None else timeout)
 
     def restart(self, i: int, timeout: float | None = None) -> None:
-        """Starts server ``i`` again on the same port with the same data (stopping it first if it runs).
-
-        A port just released may take a moment to be bindable again: retries "cannot bind"
-        until the ready timeout.
-        """
-        server = self.servers[i]
-        if server.process is not None and server.process.alive():
-            self.stop(i)
-        if server.process is not None:
-            server.process.reap()
-        timeout = self.ready_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            process = self._launch(server, port=server.port)
-            try:
-                self.wait_ready(i, timeout=max(1.0, deadline - time.monotonic()))
-                return
-            except ServerStartError:
-                process.reap()
-                if _CANNOT_BIND not in process.stderr() or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
+        """Starts server ``i`` again on the same port with the same data (stopping it first if it runs)."""
+        self.servers[i].restart(self.ready_timeout if timeout is None else timeout)
 
     # ---- stopping ---------------------------------------------------------------------
     def stop(self, i: int, timeout: float = STOP_TIMEOUT) -> int:
@@ -263,23 +96,15 @@ class Cluster:
         Raises TimeoutError (after killing it) if it does not exit within ``timeout``.
         """
         process = self._process(i)
-        process.signal(signal.SIGTERM)
-        code = process.wait(timeout)
+        code = process.stop(timeout)
         if code is None:
-            process.reap()
             raise TimeoutError(f"server {i} (pid {process.pid}) did not exit within {timeout:g}s of SIGTERM; "
                                f"stderr:\n{process.stderr()}")
-        process.reap()
         return code
 
-    def kill(self, i: int) -> int:
+    def kill(self, i: int) -> int | None:
         """SIGKILL to the server and its decode workers at once (a crashed host); returns the exit code."""
-        process = self._process(i)
-        process.signal(signal.SIGKILL, group=True)
-        process.signal(signal.SIGKILL)
-        code = process.wait(10)
-        process.reap()
-        return code
+        return self._process(i).kill()
 
     def close(self) -> None:
         """Stops every server: SIGTERM to all, a bounded wait, then SIGKILL (idempotent, never raises)."""
@@ -333,7 +158,7 @@ class Cluster:
     def __len__(self) -> int:
         return len(self.servers)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -341,12 +166,11 @@ class Cluster:
 
     def report(self, tail: int = 60) -> str:
         parts = []
-        for s in self.servers:
+        for i, s in enumerate(self.servers):
             for n, p in enumerate(s.incarnations):
-                state = "running" if p.alive() else f"exited {p.proc.returncode}"
-                lines = p.stderr().splitlines()[-tail:]
-                parts.append(f"--- server {s.index} incarnation {n} (pid {p.pid}, port {p.port}, {state}, "
-                             f"data {s.data}) ---\n" + "\n".join(lines))
+                state = "running" if p.alive() else f"exited {p.poll()}"
+                parts.append(f"--- server {i} incarnation {n} (pid {p.pid}, port {p.port}, {state}, "
+                             f"data {s.data}) ---\n" + p.log_tail(tail))
         return "\n".join(parts)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from remoteloader.client import LoaderError, RemoteLoader, SampleFailure
 from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
-from remoteloader.server.synthetic import make_image, make_imagefolder
+from remoteloader.tools.textures import make_image, make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from remoteloader.client import RemoteLoader
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = [
     pytest.mark.cuda,

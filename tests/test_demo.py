@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-DEMO = [sys.executable, "-m", "remoteloader.server.cli", "demo"]
+DEMO = [sys.executable, "-m", "remoteloader.tools.cli", "demo"]
 
 
 def server_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "remoteloader.server.cli serve"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "remoteloader.server.cli --data"], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 
 
@@ -73,7 +73,7 @@ def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(
     (["--epochs", "0"], "--epochs=0"),
 ])
 def test_bad_demo_arguments_are_one_line_errors_before_anything_starts(tmp_path, argv, message):
-    from remoteloader.server.cli import main
+    from remoteloader.tools.cli import main
 
     with pytest.raises(SystemExit, match=re.escape(message)):
         main(["demo", "--data", str(tmp_path / "new"), *argv])
@@ -81,7 +81,7 @@ def test_bad_demo_arguments_are_one_line_errors_before_anything_starts(tmp_path,
 
 
 def test_the_demo_never_writes_into_a_folder_it_did_not_make(tmp_path):
-    from remoteloader.server.cli import main
+    from remoteloader.tools.cli import main
 
     (tmp_path / "cats").mkdir()
     (tmp_path / "cats" / "a.jpg").write_bytes(b"mine")
@@ -94,7 +94,7 @@ def test_the_demo_never_writes_into_a_folder_it_did_not_make(tmp_path):
 
 def test_a_shard_whose_writing_was_cut_short_is_written_again(tmp_path):
     # e.g. the compose "prepare" service stopped half-way: its volume holds part of a shard.
-    from remoteloader.server.cli import main
+    from remoteloader.tools.cli import main
 
     partial = tmp_path / "shard-0" / "diagonal"
     partial.mkdir(parents=True)
@@ -111,7 +111,7 @@ def test_a_shard_whose_writing_was_cut_short_is_written_again(tmp_path):
 
 
 def test_prepare_with_connect_still_refuses_a_foreign_folder(tmp_path):
-    from remoteloader.server.cli import main
+    from remoteloader.tools.cli import main
 
     (tmp_path / "photos").mkdir()
     with pytest.raises(SystemExit, match="did not write"):
@@ -128,7 +128,7 @@ def test_connect_to_no_server_is_a_one_line_error(monkeypatch, free_port, addres
     import functools
 
     from remoteloader.client import loader
-    from remoteloader.server.cli import main
+    from remoteloader.tools.cli import main
 
     # The loader's default connect_timeout (10 s) is what a user waits; the message is the same.
     monkeypatch.setattr(loader, "RemoteLoader", functools.partial(loader.RemoteLoader, connect_timeout=1))
@@ -151,7 +151,7 @@ CLIENT_ONLY = "import sys\nfor name in ('simplejpeg', 'cv2', 'albumentations'):\
     (["demo", "--data", "new", "--images-per-class", "8", "--batch-size", "8"], "remoteloader demo"),
 ])
 def test_a_server_subcommand_without_the_server_extra_says_how_to_install_it(tmp_path, argv, prog):
-    code = CLIENT_ONLY + f"from remoteloader.server.cli import main\nsys.exit(main({argv!r}))\n"
+    code = CLIENT_ONLY + f"from remoteloader.tools.cli import main\nsys.exit(main({argv!r}))\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"{prog} needs the server extra: pip install 'remoteloader[server]'"), result.stderr
@@ -161,7 +161,7 @@ def test_a_server_subcommand_without_the_server_extra_says_how_to_install_it(tmp
 
 @pytest.mark.timeout(60)
 def test_probe_needs_only_the_client(free_port):
-    code = CLIENT_ONLY + (f"from remoteloader.server.cli import main\n"
+    code = CLIENT_ONLY + (f"from remoteloader.tools.cli import main\n"
                           f"sys.exit(main(['probe', '127.0.0.1:{free_port()}', '--timeout', '1']))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr, result.stderr  # it ran: nothing listens

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -29,7 +28,8 @@ except ImportError:  # Python 3.10
     tomllib = None
 
 from remoteloader.server import config as config_module
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.local import ServerProcess, ServerStartError
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -291,7 +291,7 @@ def test_compose_per_shard_loaders_and_shared_profile():
 
 
 def test_compose_trainers_connect_to_servers_that_exist():
-    from remoteloader.server import demo as demo_module
+    from remoteloader.tools import demo as demo_module
 
     services = _compose()["services"]
     parser = argparse.ArgumentParser(prog="remoteloader demo", exit_on_error=False)
@@ -369,40 +369,6 @@ def test_dockerfile_expose_matches_compose_and_healthcheck():
 
 
 # ---- run what compose runs ------------------------------------------------------------------
-class Process:
-    """A subprocess whose stderr is collected by a thread; readiness from 'listening on'."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]):
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self.ready = threading.Event()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            match = re.search(r"listening on (\S+):(\d+)", line)
-            if match and not self.ready.is_set():
-                self.port = int(match.group(2))
-                self.ready.set()
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 @pytest.fixture(scope="module")
 def compose_server(tmp_path_factory, free_port):
     """loader-0 exactly as compose starts it, but on a local ImageFolder, a free port and 127.0.0.1."""
@@ -421,17 +387,16 @@ def compose_server(tmp_path_factory, free_port):
             arg = str(port)
         argv.append(arg)
     assert str(data) in argv and str(port) in argv, argv
-    env = {k: v for k, v in os.environ.items() if not k.startswith(config_module.ENV_PREFIX)}
-    env.update(_env(stages, "server"))  # the image's ENV ...
+    env = dict(_env(stages, "server"))  # the image's ENV (on top of ours, less its REMOTELOADER_* settings) ...
     env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})  # ... then compose's
     assert env["REMOTELOADER_HOST"] == "0.0.0.0"
     env["REMOTELOADER_HOST"] = "127.0.0.1"  # never bind other interfaces in tests
-    process = Process(argv, env)
+    process = ServerProcess(argv, env=env)
     try:
-        deadline = time.monotonic() + 45
-        while not process.ready.wait(0.1):
-            if process.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{argv} did not start (exit {process.proc.poll()}):\n{process.log}")
+        try:
+            process.wait_ready(45)
+        except ServerStartError as exc:
+            pytest.fail(str(exc))
         assert process.port == port, f"listening on {process.port}, expected the --port {port}"
         yield process
     finally:
@@ -447,7 +412,7 @@ def test_compose_server_command_serves_a_full_epoch(compose_server, run_bounded)
         assert loader.num_samples == 10 and loader.class_names == ["x", "y"]
         ids = [i for _images, _labels, batch in run_bounded(loader, 60) for i in batch.tolist()]
     assert sorted(ids) == list(range(10))
-    assert "with 2 workers" in compose_server.log, compose_server.log  # compose's --workers 2 took effect
+    assert "with 2 workers" in compose_server.stderr(), compose_server.stderr()  # compose's --workers 2 took effect
 
 
 def _probe(port: int) -> subprocess.CompletedProcess:
@@ -468,15 +433,14 @@ def test_healthcheck_command_against_the_server_and_a_free_port(compose_server, 
 
 
 def test_compose_server_exits_0_on_sigterm(compose_server):
-    proc = compose_server.proc
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(40)  # compose's stop_grace_period
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"no exit within 40s of SIGTERM:\n{compose_server.log}")
-    assert code == 0, compose_server.log
-    assert "draining" in compose_server.log
+    assert compose_server.alive()
+    compose_server.signal(signal.SIGTERM)
+    code = compose_server.wait(40)  # compose's stop_grace_period
+    if code is None:
+        pytest.fail(f"no exit within 40s of SIGTERM:\n{compose_server.stderr()}")
+    compose_server.reap()  # the whole output read
+    assert code == 0, compose_server.stderr()
+    assert "draining" in compose_server.stderr()
 
 
 # ---- Kubernetes -----------------------------------------------------------------------------

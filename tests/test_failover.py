@@ -19,7 +19,7 @@ import torch
 
 from remoteloader.client import LoaderError, RemoteLoader
 from remoteloader.client import receiver as receiver_module
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 from conftest import Cluster
 

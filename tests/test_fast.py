@@ -37,7 +37,7 @@ from remoteloader.client import RemoteLoader
 from remoteloader.server import decode as dec
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.seeds import sample_seeds
-from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
+from remoteloader.tools.textures import encode_jpeg, make_image, make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 NOT_BUILT = "the native region decoder was not built (no compiler or libjpeg-turbo headers)"
@@ -651,7 +651,7 @@ class Synthetic:
     """A server started by hand: ``--synthetic N`` without ``--data``."""
 
     def __init__(self, log_dir: pathlib.Path):
-        from conftest import ServerProcess, server_command
+        from remoteloader.tools.local import ServerProcess, server_command
 
         argv = server_command() + ["--synthetic", str(SYNTHETIC), "--host", "127.0.0.1", "--port", "0",
                                    "--workers", "1", "--grace", "2"]

@@ -25,7 +25,7 @@ import pytest
 
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import codec, loader_pb2
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "15"))
 FUZZ_SEED = int(os.environ.get("FUZZ_SEED", "1234"))
@@ -331,7 +331,7 @@ REGION_FUZZ = r"""
 import random, sys, time
 import cv2, numpy as np
 from remoteloader.server import decode as dec
-from remoteloader.server.synthetic import make_image
+from remoteloader.tools.textures import make_image
 
 seconds, seed = float(sys.argv[1]), int(sys.argv[2])
 r = random.Random(seed)

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from remoteloader.client import RemoteLoader, SampleFailure
-from remoteloader.server.synthetic import encode_jpeg, make_image
+from remoteloader.tools.textures import encode_jpeg, make_image
 
 pytestmark = pytest.mark.timeout(120)
 

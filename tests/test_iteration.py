@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from remoteloader.client import RemoteLoader
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import _run_bounded
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import codec, loader_pb2
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -1,5 +1,5 @@
-"""LocalServer, the launcher of the demo and the benchmarks: it runs the flags it is given
-and leaves nothing behind."""
+"""LocalServer, the one launcher of the demo, the benchmarks and the tests' Cluster: it runs the flags it
+is given and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from remoteloader.server.local import LocalServer
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.local import LocalServer
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,11 +81,11 @@ def test_a_busy_metrics_port_is_a_one_line_error_and_stops_everything(tmp_path):
 def test_ipv6_hosts_are_bracketed_before_the_port(host, written):
     # (No server on ::1 here: network tests stay on 127.0.0.1.) gRPC reads the port after
     # the last colon: --host ::1 bound "::1:50051" as [::0.1.0.0]:443 before.
-    from remoteloader.server import local
     from remoteloader.server.config import bracketed
+    from remoteloader.tools import local
 
     assert bracketed(host) == written
     # What a server on it prints, LocalServer (the demo, the benchmarks) reads back and dials.
-    match = local._READY.search(f"remoteloader-server listening on {bracketed(host)}:50051")
+    match = local.READY.search(f"remoteloader-server listening on {bracketed(host)}:50051")
     assert match and match.group(1) == written and match.group(2) == "50051"
     assert local.LocalServer([], port=50051, host=host).address == f"{written}:50051"

@@ -27,7 +27,7 @@ import torch
 from conftest import outcome_in_fork, pixels_by_id
 from remoteloader.client import LoaderError, RemoteLoader
 from remoteloader.client import receiver as receiver_module
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,10 +15,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
 import pathlib
-import signal
-import subprocess
 import sys
 import time
 
@@ -33,7 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remoteloader.client import LoaderError, RemoteLoader, TLSConfig
 from remoteloader.protos import codec, loader_pb2
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.local import ServerProcess
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -111,7 +109,7 @@ class Certs:
 
 # ---- the servers ----------------------------------------------------------------------------
 class Env:
-    def __init__(self, cluster, certs: Certs, data: pathlib.Path, short_token: subprocess.Popen):
+    def __init__(self, cluster, certs: Certs, data: pathlib.Path, short_token: ServerProcess):
         self.cluster = cluster
         self.certs = certs
         self.data = data
@@ -126,12 +124,6 @@ class Env:
 
 
 TLS, MTLS, TOKEN_SERVER, OPEN = range(4)
-
-
-def _server_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    env.update(PYTHONUNBUFFERED="1", NO_ALBUMENTATIONS_UPDATE="1")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +155,14 @@ def env(module_cluster, tmp_path_factory):
         "from remoteloader.server.cli import serve_main",
         "sys.exit(serve_main())",
     ])
-    short_token = subprocess.Popen([sys.executable, "-c", delayed, "--data", str(data), "--port", "0",
-                                    "--workers", "1", "--token-file", str(short)],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   env=_server_env(), text=True, start_new_session=True)
+    short_token = ServerProcess([sys.executable, "-c", delayed, "--data", str(data), "--port", "0",
+                                 "--workers", "1", "--token-file", str(short)])
     try:
         for i in range(4):
             c.wait_ready(i)
         yield Env(c, certs, data, short_token)
     finally:
-        _kill_group(short_token)
+        short_token.kill()
 
 
 def _epoch(loader, run_bounded, seconds: float = 60) -> list[int]:
@@ -351,25 +341,16 @@ def test_health_check_needs_no_token(env):
         watch.cancel()
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # its own session: the workers and forkserver too
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait(10)
-
-
 def test_a_token_shorter_than_16_characters_is_refused_at_start(env):
     """The server must exit with an error naming the rule, not serve, and not hang."""
-    try:
-        _, stderr = env.short_token.communicate(timeout=10)
-    except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        _kill_group(env.short_token)
+    code = env.short_token.wait(10)
+    env.short_token.reap()  # a server still running is killed, with its workers and forkserver
+    stderr = env.short_token.stderr()
+    if code is None:
         pytest.fail("a server given an 8-character token did not exit within 10s of the other tests "
                     "(e.g. a decode worker that ignores SIGTERM left running, which multiprocessing's atexit "
                     "then joins forever); stderr tail:\n" + stderr[-600:])
-    assert env.short_token.returncode != 0
+    assert code != 0
     assert "listening on" not in stderr
     assert "at least 16" in stderr, stderr[-2000:]
 

@@ -78,7 +78,7 @@ def test_files_an_image_folder_cannot_serve_are_counted_in_a_warning(tmp_path, c
 
 def test_a_bad_environment_variable_is_a_usage_error(tmp_path):
     env = {**os.environ, "REMOTELOADER_WORKERS": "abc"}
-    result = subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "serve", "--data", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "remoteloader.server.cli", "--data", str(tmp_path)],
                             capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 2
     assert "--workers: invalid int value: 'abc'" in result.stderr

@@ -19,7 +19,7 @@ import torch
 
 from conftest import outcome_in_fork, pixels_by_id
 from remoteloader.client import RemoteLoader
-from remoteloader.server.synthetic import make_imagefolder
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ import pytest
 from remoteloader.client import RemoteLoader
 from remoteloader.server import decode as dec
 from remoteloader.server.catalog import CatalogError, TarShard, open_shards
-from remoteloader.server.synthetic import encode_jpeg, make_image, make_imagefolder
+from remoteloader.tools.textures import encode_jpeg, make_image, make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +35,7 @@ SHARDS = 3
 def pack_command(*args) -> tuple[list[str], dict[str, str]]:
     """The real CLI's command line and an environment without REMOTELOADER_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    return [sys.executable, "-m", "remoteloader.server.cli", "pack", *map(str, args)], env
+    return [sys.executable, "-m", "remoteloader.tools.cli", "pack", *map(str, args)], env
 
 
 def pack_cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -221,7 +221,7 @@ def test_pack_stopped_removes_what_it_wrote(photos, tmp_path, workers, signals, 
 def test_pack_leaves_out_a_file_it_cannot_read_and_names_it(tmp_path, monkeypatch, capsys):
     """One unreadable file (a permission, a disk error) is left out with a warning; it does
     not end a run of hours."""
-    from remoteloader.server import pack as pack_module
+    from remoteloader.tools import pack as pack_module
 
     src = make_imagefolder(tmp_path / "src", CLASSES[:2], 3, size=(24, 32), seed=9)
     broken = str(src / "bee" / "bee_00001.jpg")
@@ -274,7 +274,7 @@ def test_pack_refuses_a_non_empty_destination(packed, tmp_path):
 def test_pack_refuses_an_output_folder_inside_its_source_and_the_reverse(tmp_path):
     """Shards written inside the source would become one of its classes (and a source inside
     the output would be mixed into it); refused before anything is written."""
-    from remoteloader.server import pack as pack_module
+    from remoteloader.tools import pack as pack_module
 
     src = make_imagefolder(tmp_path / "outer" / "src", CLASSES[:2], 2, size=(24, 32), seed=10)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
@@ -433,11 +433,11 @@ def test_a_tar_without_cls_members_warns_once_per_start_naming_it(tmp_path, jpeg
 
 
 def test_server_refuses_a_tar_folder_without_images(tmp_path):
-    from conftest import _server_env, server_command
+    from remoteloader.tools.local import server_command, server_env
 
     write_tar(tmp_path / "shard-00000.tar", [("k/one.cls", b"1")])
     result = subprocess.run(server_command() + ["--data", str(tmp_path), "--port", "0", "--workers", "1"],
-                            capture_output=True, text=True, timeout=60, env=_server_env())
+                            capture_output=True, text=True, timeout=60, env=server_env())
     assert result.returncode == 2, result.stderr
     assert "shard-00000.tar" in result.stderr and "no images" in result.stderr, result.stderr
 
@@ -537,7 +537,9 @@ def _read_only_mounts(folder: pathlib.Path) -> str | None:
 def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, servers, tmp_path, run_bounded):
     """Compose mounts shards :ro and Kubernetes readOnly: tars made by other tools (no sidecar
     index) are indexed in memory, with one warning saying how to keep the index, and served."""
-    from conftest import DEFAULT_ARGS, ServerProcess, server_command
+    from conftest import DEFAULT_ARGS
+
+    from remoteloader.tools.local import ServerProcess, server_command
 
     _, dst, _ = packed
     folder = tmp_path / "ro"

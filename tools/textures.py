@@ -1,4 +1,4 @@
-"""Generated labelled JPEG datasets: for the demo, the tests and the benchmarks.
+"""Labelled stripe-texture JPEG datasets, generated: for the demo, the tests and the benchmarks.
 
 Each class is a texture a small CNN can learn (stripes at a class-specific angle and
 frequency, over a smooth colour gradient, with noise), so a falling loss shows that

@@ -12,12 +12,12 @@ import argparse
 import contextlib
 import pathlib
 import re
-import signal
+import sys
 import tempfile
-import threading
 import time
 
 from remoteloader.server.config import ServerConfig
+from remoteloader.tools import signals
 
 CLASSES = ["diagonal", "horizontal", "slanted", "steep", "vertical", "wavy"]
 DONE_MARKER = ".remoteloader-demo-complete"
@@ -45,10 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    """The command: 0 when trained, 130 after Ctrl-C or SIGTERM (servers stopped, temporary data
+    removed); bad arguments and unreachable servers are one-line SystemExits."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("interrupted; loader servers stopped", file=sys.stderr)  # by the ExitStack, on the way out
+        return 130
 
-    from remoteloader.client import RemoteLoader
-    from remoteloader.server.local import LocalServer
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
 
     _check(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -56,73 +63,98 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--device={args.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
                          f"use --device cpu or auto")
     torch.manual_seed(args.seed)
-    with contextlib.ExitStack() as stack:
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
-            _signalled.clear()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                stack.callback(signal.signal, signum, signal.signal(signum, _interrupt))
-        if args.prepare or not args.connect:
-            root = pathlib.Path(args.prepare or args.data or stack.enter_context(tempfile.TemporaryDirectory()))
-            shards = _write_shards(root, args)
-            if args.prepare:
-                return 0
-            servers = []
-            for shard in shards:
-                server = LocalServer(shard, args=["--workers", str(args.workers), "--log-level", "WARNING"])
-                stack.callback(server.stop)
-                servers.append(server.start())
-            addresses = ",".join(s.address for s in servers)
-        else:
-            addresses = args.connect
+    with contextlib.ExitStack() as stack:  # unwound on exit, Ctrl-C and SIGTERM alike
+        # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
+        stack.enter_context(signals.StopSignals(sigterm=KeyboardInterrupt))
+        if args.prepare:
+            _write_shards(pathlib.Path(args.prepare), args)
+            return 0
+        addresses = args.connect or _start_servers(stack, args)
         print(f"loader servers: {addresses}; training on {device}")
-
-        try:
-            train = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
-                                                     image_size=args.image_size, pipeline="train", seed=args.seed,
-                                                     normalize=(MEAN, STD), device=device))
-            evaluate = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
-                                                        image_size=args.image_size, pipeline="eval", shuffle=False,
-                                                        drop_last=False, normalize=(MEAN, STD), device=device))
-        except (OSError, ValueError) as exc:  # ConnectionError, a bad address, a server that refuses the setup
-            if not args.connect:
-                raise  # the demo's own servers: a bug, with its traceback
-            raise SystemExit(f"--connect={args.connect}: {exc}") from None
+        train, evaluate = _loaders(stack, addresses, args, device)
         model = _model(len(train.class_names)).to(device).to(memory_format=torch.channels_last)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-        loss_fn = torch.nn.CrossEntropyLoss()
         print(f"{train.num_samples} images, {len(train)} batches of {args.batch_size} per epoch")
         if len(train) == 0:
             raise SystemExit(f"the servers hold {train.num_samples} images, fewer than --batch-size "
                              f"{args.batch_size}: no whole batch to train on")
-        print(f"{'epoch':>5} {'images/s':>9} {'data wait':>9} {'loss':>7}")
-        for epoch in range(args.epochs):
-            _check_signalled()
-            train.set_epoch(epoch)
-            seen, total_loss, waited = 0, 0.0, 0.0
-            start = time.perf_counter()
-            fetch = time.perf_counter()
-            for images, labels in train:
-                waited += time.perf_counter() - fetch
-                loss = loss_fn(model(images), labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                seen += len(labels)
-                total_loss += loss.item() * len(labels)
-                fetch = time.perf_counter()
-                _check_signalled()
-            elapsed = time.perf_counter() - start
-            print(f"{epoch:>5} {seen / elapsed:>9.0f} {waited / elapsed:>8.0%} {total_loss / seen:>7.3f}", flush=True)
-        correct = total = 0
-        model.eval()
-        with torch.no_grad():
-            for images, labels in evaluate:
-                _check_signalled()
-                correct += (model(images).argmax(1) == labels).sum().item()
-                total += len(labels)
+        _train(model, train, args.epochs)
+        correct, total = _accuracy(model, evaluate)
         print(f"accuracy (eval pipeline, {total} images): {correct / total:.1%}")
     return 0
+
+
+def _start_servers(stack: contextlib.ExitStack, args: argparse.Namespace) -> str:
+    """Writes the dataset (into a temporary folder without ``--data``) and starts a server per
+    shard, each stopped when ``stack`` unwinds; returns their addresses."""
+    from remoteloader.tools.local import LocalServer
+
+    root = pathlib.Path(args.data or stack.enter_context(tempfile.TemporaryDirectory()))
+    servers = []
+    for shard in _write_shards(root, args):
+        server = LocalServer(shard, args=["--workers", str(args.workers), "--log-level", "WARNING"])
+        stack.callback(server.stop)
+        servers.append(server.start())
+    return ",".join(s.address for s in servers)
+
+
+def _loaders(stack: contextlib.ExitStack, addresses: str, args: argparse.Namespace, device: str):
+    """The train and eval loaders, closed when ``stack`` unwinds."""
+    from remoteloader.client import RemoteLoader
+
+    try:
+        train = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
+                                                 image_size=args.image_size, pipeline="train", seed=args.seed,
+                                                 normalize=(MEAN, STD), device=device))
+        evaluate = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
+                                                    image_size=args.image_size, pipeline="eval", shuffle=False,
+                                                    drop_last=False, normalize=(MEAN, STD), device=device))
+    except (OSError, ValueError) as exc:  # ConnectionError, a bad address, a server that refuses the setup
+        if not args.connect:
+            raise  # the demo's own servers: a bug, with its traceback
+        raise SystemExit(f"--connect={args.connect}: {exc}") from None
+    return train, evaluate
+
+
+def _train(model, train, epochs: int) -> None:
+    """Trains ``epochs`` epochs, printing a row per epoch: images/s, the share of the time the
+    loop waited for data, and the mean loss."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    print(f"{'epoch':>5} {'images/s':>9} {'data wait':>9} {'loss':>7}")
+    for epoch in range(epochs):
+        signals.raise_if_stopped()
+        train.set_epoch(epoch)
+        seen, total_loss, waited = 0, 0.0, 0.0
+        start = time.perf_counter()
+        fetch = time.perf_counter()
+        for images, labels in train:
+            waited += time.perf_counter() - fetch
+            loss = loss_fn(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            seen += len(labels)
+            total_loss += loss.item() * len(labels)
+            fetch = time.perf_counter()
+            signals.raise_if_stopped()
+        elapsed = time.perf_counter() - start
+        print(f"{epoch:>5} {seen / elapsed:>9.0f} {waited / elapsed:>8.0%} {total_loss / seen:>7.3f}", flush=True)
+
+
+def _accuracy(model, evaluate) -> tuple[int, int]:
+    """(correct, total) over one pass of the eval loader."""
+    import torch
+
+    correct = total = 0
+    model.eval()
+    with torch.no_grad():
+        for images, labels in evaluate:
+            signals.raise_if_stopped()
+            correct += (model(images).argmax(1) == labels).sum().item()
+            total += len(labels)
+    return correct, total
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -162,24 +194,8 @@ def _check_folder(root) -> None:
                          f"which the demo did not write; give it a new or empty folder")
 
 
-_signalled: list[int] = []
-
-
-def _interrupt(signum, _frame):
-    # Unwinds the ExitStack: loaders, servers, temp dataset. Python swallows an exception
-    # raised while a finalizer runs (any library's), so the signal is also remembered and
-    # raised again at the next batch.
-    _signalled.append(signum)
-    raise KeyboardInterrupt
-
-
-def _check_signalled() -> None:
-    if _signalled:
-        raise KeyboardInterrupt
-
-
 def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.Path]:
-    from remoteloader.server.synthetic import make_imagefolder
+    from remoteloader.tools.textures import make_imagefolder
 
     classes = CLASSES[:args.classes]
     shards = []

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import io
 import multiprocessing
@@ -31,7 +30,7 @@ import re
 import signal
 import sys
 import tarfile
-import threading
+from collections.abc import Iterator
 
 import numpy as np
 import simplejpeg
@@ -39,6 +38,7 @@ import simplejpeg
 from remoteloader.server.catalog import CLASSES_FILE, INDEX_SUFFIX, ImageFolderShard, TarShard
 from remoteloader.server.config import default_workers
 from remoteloader.server.decode import DecodeError, _jpeg, read_size
+from remoteloader.tools import signals
 
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
 TRANSCODE_MAX_PIXELS = 64_000_000
@@ -84,7 +84,11 @@ class PackReport:
     rewritten_after: int = 0
 
 
-def prepare(path: str, transcode: bool = True) -> tuple[bytes | None, str, str, int]:
+# What prepare() makes of a file: its bytes for the shard (None: leave it out), its outcome, why, its size as read.
+Prepared = tuple[bytes | None, str, str, int]
+
+
+def prepare(path: str, transcode: bool = True) -> Prepared:
     """A file's bytes for the shard (None: leave it out), its outcome (one of OUTCOMES), why,
     and its size as read."""
     try:
@@ -113,34 +117,14 @@ def prepare(path: str, transcode: bool = True) -> tuple[bytes | None, str, str, 
     return rewritten, "rewritten", "", len(data)
 
 
-def _prepare_all(paths: list[str], transcode: bool) -> list[tuple[bytes | None, str, str, int]]:
+def _prepare_all(paths: list[str], transcode: bool) -> list[Prepared]:
     return [prepare(path, transcode) for path in paths]
 
 
 def _start_worker(parent: int) -> None:
     """Worker processes ignore Ctrl-C and SIGTERM (they are born ignoring them: see _Preparer):
     the main process stops them. They die with it even when it is killed."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # it died before that
-            os._exit(1)
-
-
-@contextlib.contextmanager
-def _signals_ignored():
-    """Clean-up that a second Ctrl-C (or a SIGTERM) must not cut short; also worker start-up,
-    since ignored signals stay ignored in the processes started meanwhile."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    signals.die_with_parent(signal.SIGKILL, parent)
 
 
 class _Preparer:
@@ -153,7 +137,7 @@ class _Preparer:
         self.transcode = transcode
         self.pool = None
         if transcode and _jpeg is not None and workers > 1:
-            with _signals_ignored():
+            with signals.signals_ignored():
                 self.pool = concurrent.futures.ProcessPoolExecutor(
                     workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
                     initargs=(os.getpid(),))
@@ -162,13 +146,13 @@ class _Preparer:
                     started.result()
         self.in_flight = 2 * workers
 
-    def results(self, paths: list[str]):
+    def results(self, paths: list[str]) -> Iterator[Prepared]:
         batches = [paths[i:i + self.BATCH] for i in range(0, len(paths), self.BATCH)]
         if self.pool is None:
             for batch in batches:
                 yield from _prepare_all(batch, self.transcode)
             return
-        pending = collections.deque()
+        pending: collections.deque[concurrent.futures.Future[list[Prepared]]] = collections.deque()
         try:
             for batch in batches:
                 if len(pending) >= self.in_flight:
@@ -220,7 +204,7 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
         preparer = _Preparer(transcode, workers)
         _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, preparer, report)
     except BaseException:
-        with _signals_ignored():
+        with signals.signals_ignored():
             if preparer is not None:
                 preparer.stop()
             for path in report.paths:
@@ -250,7 +234,7 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
     try:
         files = [source.locate(index).path for index in order.tolist()]
         for index, (data, outcome, why, size) in zip(order.tolist(), preparer.results(files)):
-            _raise_stop()
+            signals.raise_if_stopped()
             key = source.key(index)
             counts[outcome] += 1
             if len(named[outcome]) < 5:
@@ -282,6 +266,12 @@ def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, 
     for path in paths:  # the sidecar indexes: servers start without scanning the tars
         TarShard(path, names)
 
+    _warn(counts, named, transcode)
+
+
+def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) -> None:
+    """One line on stderr per outcome that needs saying, naming its first five files."""
+
     def listed(outcome: str) -> str:
         return "; ".join(named[outcome]) + (" ..." if counts[outcome] > 5 else "")
 
@@ -310,47 +300,22 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-class _Stopped(BaseException):
-    """SIGTERM, raised where pack is, so that it cleans up as for Ctrl-C."""
-
-
-_stopped_by: list[int] = []  # the signal that stopped run(), if one did
-
-
-def _stop(signum, _frame):
-    """The first Ctrl-C or SIGTERM stops pack; both are ignored from then on, so that none
-    can cut its clean-up short (not even one that comes before the clean-up begins).
-    Should the exception land in a finalizer, which swallows it, the shard loop raises it."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
-    _stopped_by.append(signum)
-    _raise_stop()
-
-
-def _raise_stop() -> None:
-    if _stopped_by:
-        raise KeyboardInterrupt() if _stopped_by[0] == signal.SIGINT else _Stopped()
-
-
 def run(args: argparse.Namespace) -> int:
-    # A signal its parent made it ignore (a background job's SIGINT) stays ignored.
-    _stopped_by.clear()
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(s) is not signal.SIG_IGN}
+    """The command: 0 when written, 2 on an error (one line), 130 after Ctrl-C and 143 after
+    SIGTERM (what it wrote removed either way)."""
     try:
-        report = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
-                      progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
-    except (KeyboardInterrupt, _Stopped) as exc:
+        # The first Ctrl-C or SIGTERM stops pack; a signal its parent made it ignore (a
+        # background job's SIGINT) stays ignored.
+        with signals.StopSignals(once=True, keep_ignored=True):
+            report = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
+                          progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
+    except (KeyboardInterrupt, signals.Terminated) as exc:
         how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
         print(f"\nremoteloader pack: {how}; removed what it had written to {args.dst}", file=sys.stderr)
         return 130 if isinstance(exc, KeyboardInterrupt) else 143
     except (OSError, ValueError, RuntimeError) as exc:  # CatalogError is a ValueError
         print(f"remoteloader pack: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        if not _stopped_by:  # after a stop the signals stay ignored: there is nothing left to stop
-            for s, handler in previous.items():
-                signal.signal(s, handler)
     total = sum(p.stat().st_size for p in report.paths)
     rewritten = ""
     if not args.verbatim:

@@ -1,0 +1,66 @@
+"""The layers hold: protos imports neither side, the client and the server never import each
+other, and only the tools (and the benchmarks, outside the package) use both.
+
+The contracts are import-linter's, in pyproject.toml ([tool.importlinter]). The repository
+has no remoteloader/ folder (pyproject's package-dir maps client/, server/, protos/ and tools/
+onto it), so the packages are copied under one into a temporary directory and checked there.
+Every import counts, those inside functions too.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("importlinter")
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("client", "server", "protos", "tools")
+LINT = "import sys\nfrom importlinter.cli import lint_imports\nsys.exit(lint_imports(config_filename=sys.argv[1], " \
+       "no_cache=True, no_logo=True))\n"
+
+
+def stage(root: pathlib.Path) -> pathlib.Path:
+    """The sources as the installed ``remoteloader`` package, under ``root``."""
+    package = root / "remoteloader"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, package / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
+    return package
+
+
+def lint(root: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LINT, str(ROOT / "pyproject.toml")], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=100)
+
+
+def test_import_contracts_are_kept(tmp_path):
+    stage(tmp_path)
+    result = lint(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    ("client/plan.py", "from remoteloader.server import config", "remoteloader.client is not allowed to import "
+                                                                 "remoteloader.server"),
+    ("server/metrics.py", "def f():\n    import remoteloader.tools.local", "remoteloader.server is not allowed to "
+                                                                          "import remoteloader.tools"),
+    ("protos/codec.py", "import remoteloader.client", "remoteloader.protos is not allowed to import "
+                                                      "remoteloader.client"),
+])
+def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
+    """The check can fail: one import across a layer, even inside a function, is reported."""
+    path = stage(tmp_path) / module
+    path.write_text(path.read_text() + f"\n\n{line}\n")
+    result = lint(tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert broken in result.stdout, result.stdout
