@@ -89,6 +89,10 @@ class EpochPosition:
         self.epoch = epoch
         self._chosen = True
 
+    def loaded(self, epoch: int) -> Resume | None:
+        """The loaded position, if there is one for ``epoch``."""
+        return self._resume if self._resume is not None and self._resume.epoch == epoch else None
+
     def take_resume(self, epoch: int) -> Resume | None:
         """The loaded position, if it is ``epoch``'s; either way it is used up."""
         resume, self._resume = self._resume, None

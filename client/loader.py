@@ -39,8 +39,8 @@ from remoteloader.client.process_receiver import ProcessReceiver
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.security import TLSConfig
+from remoteloader.client.server_set import ServerSet
 from remoteloader.client.thread_receiver import ThreadReceiver
-from remoteloader.protos import loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
@@ -176,16 +176,14 @@ class RemoteLoader:
             reconnect_timeout=reconnect_timeout, progress_timeout=progress_timeout, tls=tls, token=token,
             receiver=receiver)
         self._position = EpochPosition(self.plan, replayable=sampler is None)
-        self._joined: SampleSpace | None = None  # servers that joined during a resumed epoch, for the next
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
         self._throughput = _Throughput()
         self._keys: dict[tuple[str, int], list[str]] = {}
-        self._servers: list[str] = []
         self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
         _OPEN.add(self)
         self._io, self._delivery = self._open_io(address)
         try:
-            self.catalog: SampleSpace = self._discover(None)
+            self._servers = ServerSet(self._io, self.options.setup)
         except BaseException:
             self.close()
             raise
@@ -228,6 +226,11 @@ class RemoteLoader:
 
     # ---- the public surface ------------------------------------------------------------
     @property
+    def catalog(self) -> SampleSpace:
+        """The global sample space: every server's shards, numbered (``catalog.shards``)."""
+        return self._servers.space
+
+    @property
     def num_samples(self) -> int:
         """Samples in the union of all servers' shards."""
         return self.catalog.num_samples
@@ -238,7 +241,7 @@ class RemoteLoader:
 
     @property
     def servers(self) -> list[str]:
-        return list(self._servers)
+        return list(self._servers.addresses)
 
     def __len__(self) -> int:
         n = self._epoch_samples()
@@ -319,29 +322,16 @@ class RemoteLoader:
         if self._closed:
             raise RuntimeError("RemoteLoader is closed")
         epoch = self._position.epoch
-        space = self._space_for_epoch()
+        loaded = self._position.loaded(epoch)
+        space = self._servers.next_epoch(loaded.space if loaded is not None else None)
         resume = self._position.take_resume(epoch)
-        if resume is not None and space.shard_ids != resume.space.shard_ids:
-            # Servers joined behind the address since the state was loaded: its epoch plays
-            # over the servers it was planned for (its ids mean their samples); they join next.
-            self._joined, space = space, resume.space
-        self.catalog = space
         if resume is not None:  # the plan the state was checked against
             start, done, batches = resume.position, resume.done, resume.batches
         else:
             start, done, batches = 0, frozenset(), self.plan(epoch)
-        token, out = self._io.start_epoch(epoch, batches, start, done, self.catalog)
+        token, out = self._io.start_epoch(epoch, batches, start, done, space)
         self._position.begin(epoch, batches, token, start, done)
         return self._iterate(epoch, out, token)
-
-    def _space_for_epoch(self) -> SampleSpace:
-        """The servers' sample space for the next epoch: as discovered, or the one that was
-        held back for it while a resumed epoch played."""
-        found = self._discover(self.catalog)
-        if self._joined is not None and found is self.catalog:  # nothing new since they joined
-            found = self._joined
-        self._joined = None
-        return found
 
     def _iterate(self, epoch: int, source: queue.Queue[Item], token: int) -> Iterator:
         out = self._delivery.start(source)
@@ -468,59 +458,6 @@ class RemoteLoader:
             self.close()
         except Exception:
             pass
-
-    # ---- servers --------------------------------------------------------------------------
-    def _discover(self, known: SampleSpace | None) -> SampleSpace:
-        """Resolves the address again and describes servers not seen before.
-
-        Called at start-up (``known`` None: every problem is the user's to hear of now) and
-        before every epoch, so servers added behind a DNS name join at the next epoch.
-        Servers that no longer resolve are kept: they may be restarting.
-        """
-        try:
-            describes, new = self._io.discover()
-        except (ConnectionError, OSError) as exc:
-            if known is None:
-                raise
-            # A DNS hiccup or a server still starting: carry on with the servers known, retry next epoch.
-            log.warning("looking for new loader servers failed (%s); continuing with %d known", exc,
-                        len(self._servers))
-            return known
-        if not new and known is not None:
-            return known
-        refused = {}
-        for address in new:
-            try:
-                self._check_offer(address, describes[address])
-            except ValueError as exc:
-                if known is None:
-                    raise
-                refused[address] = exc
-        if refused:  # joined later: training goes on without it; it is asked again next epoch
-            self._io.forget(list(refused))
-            for address, reason in refused.items():
-                log.warning("loader server %s joined but cannot serve this loader (%s); going on without it",
-                            address, reason)
-            describes = {a: d for a, d in describes.items() if a not in refused}
-            if len(describes) == len(self._servers) and known is not None:
-                return known
-        self._servers = list(describes)
-        return SampleSpace(describes)
-
-    def _check_offer(self, address: str, d: loader_pb2.DescribeResponse) -> None:
-        """Raises ValueError if the server cannot serve this loader's pipeline and size."""
-        h, w = self.image_size
-        setup = self.options.setup
-        if setup.pipeline == "custom":
-            if not d.custom_pipelines:
-                raise ValueError(f"loader server {address} does not accept custom albumentations pipelines "
-                                 f"(start it with --allow-custom-pipelines); it offers {', '.join(d.pipelines)}")
-        elif setup.pipeline not in d.pipelines:
-            raise ValueError(f"pipeline={setup.pipeline!r}: loader server {address} offers "
-                             f"{', '.join(d.pipelines)}")
-        if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
-            raise ValueError(f"image_size={h}x{w}: loader server {address} offers sizes "
-                             f"{d.min_image_size}..{d.max_image_size}")
 
 
 @atexit.register
