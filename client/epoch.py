@@ -64,6 +64,8 @@ class Resume:
 class EpochPosition:
     """The epoch the next iteration plays and how far it got.
 
+    Others read ``epoch``, ``position``, ``done`` and ``token``; only its methods change them.
+
     Args:
         plan: This rank's batches of an epoch (the loader's pure plan function).
         replayable: Whether ``plan`` may be called just for a digest (not with a user's
@@ -72,13 +74,13 @@ class EpochPosition:
 
     plan: Callable[[int], list[np.ndarray]]
     replayable: bool
-    epoch: int = 0
-    position: int = 0  # first batch of the current epoch not yet delivered
-    done: set[int] = field(default_factory=set)  # later batches already delivered (ordered=False)
-    token: int | None = None  # the current iteration's epoch token
-    _chosen: bool = False  # set_epoch or load since the last finished epoch: no automatic advance
-    _resume: Resume | None = None
-    _playing: _Plan | None = None
+    epoch: int = field(default=0, init=False)
+    position: int = field(default=0, init=False)  # first batch of the current epoch not yet delivered
+    done: set[int] = field(default_factory=set, init=False)  # later batches already delivered (ordered=False)
+    token: int | None = field(default=None, init=False)  # the iteration that advances the position
+    _chosen: bool = field(default=False, init=False)  # set_epoch or load since the last finished epoch
+    _resume: Resume | None = field(default=None, init=False)  # a loaded position, until its epoch starts
+    _playing: _Plan | None = field(default=None, init=False)  # the plan played (or loaded) last
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next iteration plays. Another epoch than the current one starts

@@ -17,12 +17,13 @@ network is ever unpickled. The child exits when its parent is gone (it watches i
 pid, and EOF on the socket). The messages::
 
     parent -> child   ("init", address, setup bytes, slots, slot_bytes, engine_options, link_options)
-                      ("call", request id, method name, *args)    a Receiver method, answered by
-    child -> parent   ("reply", request id, ok, value or error)   (or "started" for start_epoch)
-                      ("started", request id, token)              then the epoch's batches:
+                      ("call", request id, method name, *args)      a Receiver method
+                      ("consumed", token)  ("free", slot)            never answered
+    child -> parent   ("reply", request id, ok, value or error)
+                      ("started", request id, token)                 start_epoch's reply; its batches follow
                       ("batch", token, seq, slot, ids, labels, failures, nbytes)
-                      ("end" | "error", token, None | error)      ("log", level, logger name, text)
-    parent -> child   ("consumed", token)  ("free", slot)         never answered
+                      ("end" | "error", token, None | error)
+                      ("log", level, logger name, text)
 """
 
 from __future__ import annotations
