@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from remoteloader.client.cuda_delivery import CudaDelivery
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
 from remoteloader.client.epoch import IDENTITY, EpochPosition
 from remoteloader.client.host_delivery import HostDelivery
-from remoteloader.client.options import UINT64, LoaderOptions, check_int
+from remoteloader.client.options import UINT64, LoaderOptions, Option, check_int
 from remoteloader.client.process_receiver import ProcessReceiver
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
@@ -46,27 +46,6 @@ log = logging.getLogger("remoteloader.client")
 
 _OPEN: weakref.WeakSet[RemoteLoader] = weakref.WeakSet()  # closed at exit, while threads still run
 _KEY_BLOCK = 1024
-T = TypeVar("T")
-
-
-class _Option(Generic[T]):
-    """A read-only RemoteLoader attribute: the validated option of the same name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, loader: None, owner: type) -> _Option[T]: ...
-    @overload
-    def __get__(self, loader: RemoteLoader, owner: type) -> T: ...
-
-    def __get__(self, loader: RemoteLoader | None, owner: type) -> T | _Option[T]:
-        if loader is None:
-            return self
-        return getattr(loader.options, self.name)
-
-    def __set__(self, loader: RemoteLoader, value: T) -> None:
-        raise AttributeError(f"RemoteLoader.{self.name} is fixed when it is made: make another loader")
 
 
 @dataclass
@@ -140,22 +119,23 @@ class RemoteLoader:
         token: Bearer token the servers expect (their --token-file); default None.
     """
 
-    batch_size: _Option[int] = _Option()
-    image_size: _Option[tuple[int, int]] = _Option()
-    shuffle: _Option[bool] = _Option()
-    seed: _Option[int] = _Option()
-    drop_last: _Option[bool] = _Option()
-    sampler: _Option[Iterable[int] | None] = _Option()
-    rank: _Option[int] = _Option()
-    world_size: _Option[int] = _Option()
-    device: _Option[torch.device] = _Option()
-    normalize: _Option[tuple[list[float], list[float]] | None] = _Option()
-    dtype: _Option[torch.dtype] = _Option()
-    return_ids: _Option[bool] = _Option()
-    ordered: _Option[bool] = _Option()
-    on_error: _Option[str | Callable[[list[SampleFailure]], None]] = _Option()
-    prefetch: _Option[int] = _Option()
-    receiver: _Option[str] = _Option()
+    # The validated arguments, read-only (options.LoaderOptions holds them).
+    batch_size: Option[int] = Option()
+    image_size: Option[tuple[int, int]] = Option()
+    shuffle: Option[bool] = Option()
+    seed: Option[int] = Option()
+    drop_last: Option[bool] = Option()
+    sampler: Option[Iterable[int] | None] = Option()
+    rank: Option[int] = Option()
+    world_size: Option[int] = Option()
+    device: Option[torch.device] = Option()
+    normalize: Option[tuple[list[float], list[float]] | None] = Option()
+    dtype: Option[torch.dtype] = Option()
+    return_ids: Option[bool] = Option()
+    ordered: Option[bool] = Option()
+    on_error: Option[str | Callable[[list[SampleFailure]], None]] = Option()
+    prefetch: Option[int] = Option()
+    receiver: Option[str] = Option()
 
     def __init__(self, address: str | Iterable[str], *, batch_size: int = 256, image_size: int | Sequence[int] = 224,
                  pipeline: Any = "train", shuffle: bool = True, seed: int = 0, drop_last: bool = True,

@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ ON_ERROR = ("raise", "warn", "skip")
 RECEIVERS = ("thread", "process")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 UINT64 = 1 << 64  # seeds and epochs travel as uint64
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,30 @@ class LoaderOptions:
     def link_options(self) -> LinkOptions:
         return LinkOptions(connect_timeout=self.connect_timeout, max_inflight=self.max_inflight,
                            reconnect_timeout=self.reconnect_timeout, tls=self.tls, metadata=self.metadata)
+
+
+class _HasOptions(Protocol):
+    options: LoaderOptions
+
+
+class Option(Generic[T]):
+    """A read-only attribute of its owner (RemoteLoader): the validated option of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, loader: None, owner: type) -> Option[T]: ...
+    @overload
+    def __get__(self, loader: _HasOptions, owner: type) -> T: ...
+
+    def __get__(self, loader: _HasOptions | None, owner: type) -> T | Option[T]:
+        if loader is None:
+            return self
+        return getattr(loader.options, self.name)
+
+    def __set__(self, loader: _HasOptions, value: T) -> None:
+        raise AttributeError(f"RemoteLoader.{self.name} is fixed when it is made: make another loader")
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
