@@ -1,13 +1,13 @@
 """The training side of remoteloader: ``from remoteloader.client import RemoteLoader``."""
 
-from remoteloader.client.engine import LoaderError, SampleFailure
+from remoteloader.client.batches import LoaderError, SampleFailure
 from remoteloader.client.security import TLSConfig
 
 __all__ = ["LoaderError", "RemoteLoader", "SampleFailure", "TLSConfig"]
 
 
 def __getattr__(name: str):
-    # RemoteLoader imports torch; the receiver process (remoteloader.client.receiver) does not need it.
+    # RemoteLoader imports torch; the receiver process (remoteloader.client.receiver_service) does not need it.
     if name == "RemoteLoader":
         from remoteloader.client.loader import RemoteLoader
         return RemoteLoader

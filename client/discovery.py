@@ -8,7 +8,7 @@ client change.
 from __future__ import annotations
 
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def split_addresses(address: str | Iterable[str]) -> list[str]:

@@ -1,24 +1,44 @@
-"""One loader server as seen from the client: channels, Describe, and the order stream.
+r"""One loader server as seen from the client: its channels, its order stream, and its health.
 
 A Link lives on the client's I/O event loop. It owns a control channel (Describe,
 GetKeys) and a data channel whose receive limit is set from the batch shape, sends
-orders through a writer task and hands every received chunk to its engine. Any stream
-failure is reported once to the engine, which decides between failover and an error.
+orders through a writer task and hands every received chunk to its engine.
+
+It also owns its connection's state machine, with the reconnect back-off and the orders
+in flight, and tells its engine (``LinkEvents``) what happened; the engine decides where
+orders go. The states::
+
+    NEW --open_stream--> UP --fail--> DOWN --reconnected--> UP
+                                       |  \--refused (a fatal status)--> DEAD
+                                       \--reconnect_timeout passed----> DEAD
+    DOWN or DEAD --revive (a new epoch)--> DOWN;   any --close--> CLOSED
+
+A stream that fails again soon, before delivering anything, keeps the first failure's
+time and the back-off reached, so a server that accepts connections but fails (or
+refuses) every stream is retried ever more slowly and still runs out of reconnect_timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 import time
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
 from remoteloader.client.security import TLSConfig
 from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
 
+log = logging.getLogger("remoteloader.client")
+
 _STREAM = "/remoteloader.v1.Loader/Stream"
 MiB = 1 << 20
-RETRY_DELAY = 0.1  # first reconnect attempt after a failure; doubles up to 2 s
+RETRY_DELAY = 0.1  # first reconnect attempt after a failure; doubles up to MAX_RETRY_DELAY
+MAX_RETRY_DELAY = 2.0
+HEALTHY_AFTER = 10.0  # seconds a stream must last to count as working without delivering anything
 
 # Status codes that mean the request itself is wrong: retrying elsewhere cannot help.
 # (RESOURCE_EXHAUSTED is not among them: "too many open streams" passes when others close.)
@@ -28,7 +48,7 @@ FATAL_CODES = frozenset({
 })
 
 
-def channel_options(max_receive: int) -> list[tuple[str, int]]:
+def channel_options(max_receive: int) -> list[tuple[str, str | int]]:
     return [
         ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_send_message_length", 16 * MiB),
@@ -42,63 +62,140 @@ def channel_options(max_receive: int) -> list[tuple[str, int]]:
     ]
 
 
-class Link:
-    """A connection to one loader server and its order stream."""
+class LinkState(enum.Enum):
+    """Where a link's connection stands (its ``value`` is what ``stats()`` reports)."""
 
-    def __init__(self, address: str, engine, connect_timeout: float, max_inflight: int,
-                 tls: TLSConfig | None = None, metadata: tuple = ()):
+    NEW = "new"  # described, no order stream yet
+    UP = "up"  # streaming
+    DOWN = "down"  # failed; reconnecting with back-off until reconnect_timeout
+    DEAD = "dead"  # refused this client, or unreachable past reconnect_timeout (until revived)
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class LinkOptions:
+    """How every link of a loader connects (RemoteLoader's arguments of the same names)."""
+
+    connect_timeout: float
+    max_inflight: int
+    reconnect_timeout: float
+    tls: TLSConfig | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+class Work(Protocol):
+    """What a link needs of an order it carries."""
+
+    order_id: int
+    cancelled: bool  # the engine no longer wants it: a failure does not hand it back
+
+    @property
+    def samples(self) -> int: ...
+
+
+OrderT = TypeVar("OrderT", bound=Work)
+
+
+class LinkEvents(Protocol):
+    """What a link tells its engine; every call comes on the I/O loop."""
+
+    def on_chunk(self, link: Link[Any], chunk: codec.DecodedChunk) -> None:
+        """A chunk arrived on the stream (the engine checks it and calls ``received``/``complete``)."""
+
+    def on_link_down(self, link: Link[Any], orders: list[Any], exc: BaseException) -> None:
+        """The stream failed; ``orders`` were in flight and not cancelled, and are the engine's again."""
+
+    def on_link_up(self, link: Link[Any]) -> None:
+        """The link reconnected and has credits again."""
+
+    def on_link_lost(self, link: Link[Any]) -> None:
+        """The link stopped reconnecting (DEAD, or closed meanwhile): its orders need another owner."""
+
+
+class Link(Generic[OrderT]):
+    """A connection to one loader server: channels, order stream, state, back-off, orders in flight.
+
+    Args:
+        address: ``host:port`` of the server.
+        events: Its engine, told of chunks, failures and reconnections.
+        options: Timeouts, credits and credentials.
+
+    Others read its counters and ``state``; only its own methods change them.
+    """
+
+    def __init__(self, address: str, events: LinkEvents, options: LinkOptions):
         self.address = address
-        self.tls = tls
-        self.metadata = metadata
-        self.engine = engine
-        self.connect_timeout = connect_timeout
-        self.wanted_inflight = max_inflight
-        self.max_inflight = max_inflight
+        self.options = options
+        self._events = events
+        self.max_inflight = options.max_inflight  # lowered to what the server allows by fetch_describe
         self.describe: loader_pb2.DescribeResponse | None = None
-        self.shard_ids: frozenset[str] = frozenset()
-        self.state = "new"  # new | up | down | closed
-        self.inflight: dict[int, object] = {}
+        self.state = LinkState.NEW
         self.orders_sent = 0
         self.samples_received = 0
         self.bytes_received = 0
         self.failures = 0
         self.reconnects = 0
-        self.down_since: float | None = None
-        self.retry_delay = RETRY_DELAY  # the engine's first wait before reconnecting (see _fail)
-        self.last_error = ""
-        self.gave_up = ""  # why the engine stopped trying this server, if it did
-        self.last_progress = 0.0  # its last chunk, or when it was given work while idle
-        self._up_since = 0.0
         self.outstanding = 0  # samples sent and not yet received
         self.rate = 0.0  # samples/s while busy, a moving average (0: not measured yet)
+        self.last_error = ""
+        self.gave_up = ""  # why it is DEAD, if it is
+        self._inflight: dict[int, OrderT] = {}
+        self._down_since: float | None = None  # start of this spell of downtime (reconnect_timeout counts from it)
+        self._retry_delay = RETRY_DELAY  # the next reconnect's first wait
+        self._last_progress = 0.0  # its last chunk, or when it was given work while idle
+        self._up_since = 0.0
+        self._healthy = False  # the current stream has delivered a chunk
+        self._setup: loader_pb2.Setup | None = None
         self._control: grpc.aio.Channel | None = None
         self._data: grpc.aio.Channel | None = None
-        self._call = None
+        self._call: Any = None
         self._tasks: list[asyncio.Task] = []
-        self._outbox: asyncio.Queue | None = None
-        self._healthy = False
+        self._outbox: asyncio.Queue[loader_pb2.StreamRequest] = asyncio.Queue()
+        self._reconnector: asyncio.Task | None = None
 
+    # ---- what the engine reads --------------------------------------------------------
     @property
     def credits(self) -> int:
-        return self.max_inflight - len(self.inflight) if self.state == "up" else 0
+        """Orders it may be sent now."""
+        return self.max_inflight - len(self._inflight) if self.state is LinkState.UP else 0
 
+    @property
+    def hopeful(self) -> bool:
+        """Up, or down and still reconnecting: its shards' work may wait for it."""
+        return self.state is LinkState.UP or (self.state is LinkState.DOWN and self._reconnecting())
+
+    def order(self, order_id: int) -> OrderT | None:
+        """The order in flight with that id, if any."""
+        return self._inflight.get(order_id)
+
+    def orders(self) -> list[OrderT]:
+        """The orders in flight."""
+        return list(self._inflight.values())
+
+    def counters(self) -> dict[str, int | str]:
+        """Its counters and state, as ``stats()["servers"]`` reports them."""
+        return {"orders": self.orders_sent, "samples": self.samples_received, "bytes": self.bytes_received,
+                "failures": self.failures, "reconnects": self.reconnects, "state": self.state.value}
+
+    # ---- control channel --------------------------------------------------------------
     def _channel(self, max_receive: int) -> grpc.aio.Channel:
         options = channel_options(max_receive)
-        if self.tls is None:
+        tls = self.options.tls
+        if tls is None:
             return grpc.aio.insecure_channel(self.address, options=options)
-        if self.tls.server_name:
-            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
-        return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        return grpc.aio.secure_channel(self.address, tls.credentials(), options=options)
 
     async def fetch_describe(self, timeout: float | None = None) -> loader_pb2.DescribeResponse:
         """Connects the control channel and asks what the server holds (bounded in time)."""
-        timeout = self.connect_timeout if timeout is None else timeout
+        timeout = self.options.connect_timeout if timeout is None else timeout
         if self._control is None:
             self._control = self._channel(16 * MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         try:
             describe = await stub.Describe(loader_pb2.DescribeRequest(), timeout=timeout,
-                                           wait_for_ready=True, metadata=self.metadata)
+                                           wait_for_ready=True, metadata=self.options.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
@@ -108,50 +205,68 @@ class Link:
                                   f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
                                   f"{exc.details()}") from None
         self.describe = describe
-        self.shard_ids = frozenset(s.id for s in describe.shards)
-        self.max_inflight = max(1, min(self.wanted_inflight, describe.max_inflight_orders))
+        self.max_inflight = max(1, min(self.options.max_inflight, describe.max_inflight_orders))
         return describe
 
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
         stub = loader_pb2_grpc.LoaderStub(self._control)
         reply = await stub.GetKeys(loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
-                                   timeout=self.connect_timeout, metadata=self.metadata)
+                                   timeout=self.options.connect_timeout, metadata=self.options.metadata)
         return list(reply.keys)
 
+    # ---- the order stream -------------------------------------------------------------
     async def open_stream(self, setup: loader_pb2.Setup) -> None:
-        """Opens the order stream (after fetch_describe) and starts the reader and writer."""
+        """Opens the order stream (after fetch_describe) and starts the reader and writer: UP."""
+        assert self.describe is not None, "open_stream before fetch_describe"
+        self._setup = setup
         sample_bytes = setup.height * setup.width * 3
         limit = max(self.describe.chunk_bytes, sample_bytes) + MiB
         if self._data is None:
             self._data = self._channel(limit)
         method = self._data.stream_stream(_STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
                                           response_deserializer=codec.decode_chunk)
-        self._call = method(metadata=self.metadata)
+        self._call = call = method(metadata=self.options.metadata)
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
-        self.state = "up"
+        self.state = LinkState.UP
         self.gave_up = ""
         self._healthy = False  # until a chunk arrives on this stream
-        self._up_since = self.last_progress = time.monotonic()
-        call = self._call
+        self._up_since = self._last_progress = time.monotonic()
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
 
-    def record(self, samples: int) -> None:
-        """Updates the rate from a chunk's arrival (the gap since the previous one, while busy)."""
+    def send(self, order: OrderT, request: loader_pb2.Order) -> None:
+        """Sends an order (the engine checked ``credits``); it is in flight until ``complete``."""
+        self._inflight[order.order_id] = order
+        self.outstanding += order.samples
+        if len(self._inflight) == 1:  # it was idle: the next gap and the progress clock start now
+            self._last_progress = time.monotonic()
+        self.orders_sent += 1
+        self._outbox.put_nowait(loader_pb2.StreamRequest(order=request))
+
+    def received(self, nbytes: int, samples: int) -> None:
+        """Counts a well-formed chunk and updates the rate from its arrival (the gap since the
+        previous one, while busy)."""
+        self.bytes_received += nbytes
         now = time.monotonic()
-        gap = now - self.last_progress
-        self.last_progress = now
+        gap = now - self._last_progress
+        self._last_progress = now
         if 0 < gap < 5.0:  # a longer gap means the server was idle, not slow
             weight = min(1.0, gap)  # about a one-second memory
             self.rate = (1 - weight) * self.rate + weight * (samples / gap) if self.rate else samples / gap
 
-    def send(self, order: loader_pb2.Order) -> None:
-        if len(self.inflight) == 1:  # it was idle: the next gap and the progress clock start now
-            self.last_progress = time.monotonic()
-        self.orders_sent += 1
-        self._outbox.put_nowait(loader_pb2.StreamRequest(order=order))
+    def complete(self, order: OrderT) -> None:
+        """All of an order's samples arrived: it is no longer in flight."""
+        del self._inflight[order.order_id]
+        self.outstanding -= order.samples
+        self.samples_received += order.samples
 
-    async def _write(self, call) -> None:
+    def check_progress(self, timeout: float) -> None:
+        """Fails the stream if it holds orders but sent nothing for ``timeout`` seconds (stuck)."""
+        if self.state is LinkState.UP and self._inflight and time.monotonic() - self._last_progress > timeout:
+            self.fail(TimeoutError(f"no data for progress_timeout={timeout:g}s with "
+                                   f"{len(self._inflight)} order(s) in flight"))
+
+    async def _write(self, call: Any) -> None:
         try:
             while True:
                 request = await self._outbox.get()
@@ -163,38 +278,91 @@ class Link:
             # only report here if it does not within a moment.
             await asyncio.sleep(1.0)
             if call is self._call:
-                self._fail(exc)
+                self.fail(exc)
 
-    async def _read(self, call) -> None:
+    async def _read(self, call: Any) -> None:
         try:
             async for chunk in call:
                 if call is not self._call:
                     return
-                if not self._healthy:
-                    self._healthy = True
-                    self.down_since = None
-                self.engine.on_chunk(self, chunk)  # which calls record(): progress and rate
+                self._healthy = True
+                self._events.on_chunk(self, chunk)
             raise ConnectionError("the server closed the stream")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if call is self._call:
-                self._fail(exc)
+                self.fail(exc)
 
-    def _fail(self, exc: Exception) -> None:
-        if self.state != "up":
+    # ---- failure and reconnection -----------------------------------------------------
+    def fail(self, exc: BaseException) -> None:
+        """The stream failed (or the engine found it malformed or stuck): DOWN and reconnecting,
+        or DEAD when the server refused this client; its unfinished orders go back to the engine."""
+        if self.state is not LinkState.UP:
             return
-        self.state = "down"
         self.failures += 1
-        # A stream that failed again soon, before delivering anything, keeps the first
-        # failure's time and the reconnect back-off reached, so a server that accepts
-        # connections but fails (or refuses) every stream is retried ever more slowly and
-        # still runs out of reconnect_timeout; one that worked, or lasted, starts afresh.
-        if self.down_since is None or self._healthy or time.monotonic() - self._up_since > 10.0:
-            self.down_afresh()
+        if self._down_since is None or self._healthy or time.monotonic() - self._up_since > HEALTHY_AFTER:
+            self._down_afresh()
+        self.state = LinkState.DOWN
         self.last_error = describe_error(exc)
         self._stop_stream()
-        self.engine.on_link_down(self, exc)
+        orders = [o for o in self._inflight.values() if not o.cancelled]
+        self._inflight.clear()
+        self.outstanding = 0
+        if is_fatal(exc):  # the request itself is refused: retrying this server cannot help
+            self.state = LinkState.DEAD
+            self.gave_up = f"refused: {describe_error(exc)}"
+        else:
+            self._start_reconnecting()
+        self._events.on_link_down(self, orders, exc)
+
+    def revive(self) -> None:
+        """A link given up on (or refused) earlier gets another reconnect_timeout, from now."""
+        if self.state is LinkState.DEAD or (self.state is LinkState.DOWN and not self._reconnecting()):
+            self._down_afresh()
+            self.state = LinkState.DOWN
+            self._start_reconnecting()
+
+    def _down_afresh(self) -> None:
+        """Starts a new spell of downtime: reconnect_timeout and the back-off count from now."""
+        self._down_since = time.monotonic()
+        self._retry_delay = RETRY_DELAY
+
+    def _reconnecting(self) -> bool:
+        return self._reconnector is not None and not self._reconnector.done()
+
+    def _start_reconnecting(self) -> None:
+        if not self._reconnecting():
+            self._reconnector = asyncio.ensure_future(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Retries with back-off until the stream is open again or reconnect_timeout has passed."""
+        # The back-off carries over when a server fails again before sending anything
+        # (one that refuses each new stream, e.g. RESOURCE_EXHAUSTED): no tight retry loop.
+        delay = self._retry_delay
+        reconnect_timeout = self.options.reconnect_timeout
+        deadline = (self._down_since or time.monotonic()) + reconnect_timeout
+        while time.monotonic() < deadline and self.state is LinkState.DOWN:
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, MAX_RETRY_DELAY)
+            try:
+                await self._reset_channels()
+                await self.fetch_describe(max(0.5, min(self.options.connect_timeout, deadline - time.monotonic())))
+                assert self._setup is not None, "a link goes down only after open_stream"
+                await self.open_stream(self._setup)
+            except Exception as exc:  # still down; try again until the deadline
+                self.last_error = describe_error(exc)
+                continue
+            self.reconnects += 1
+            self._retry_delay = delay  # the next failure's first wait, unless this stream works
+            log.info("loader server %s is back", self.address)
+            self._events.on_link_up(self)
+            return
+        if self.state is LinkState.DOWN:
+            self.state = LinkState.DEAD
+            self.gave_up = f"unreachable for more than reconnect_timeout={reconnect_timeout:g}s ({self.last_error})"
+        self._reconnector = None  # no longer hopeful: the engine checks what that strands
+        self._events.on_link_lost(self)
 
     def _stop_stream(self) -> None:
         for task in self._tasks:
@@ -205,22 +373,20 @@ class Link:
             self._call.cancel()
             self._call = None
 
-    def down_afresh(self) -> None:
-        """Starts a new spell of downtime: reconnect_timeout and the back-off from now."""
-        self.state = "down"
-        self.down_since = time.monotonic()
-        self.retry_delay = RETRY_DELAY
-
-    async def reset_channels(self) -> None:
+    async def _reset_channels(self) -> None:
         for channel in (self._control, self._data):
             if channel is not None:
                 await channel.close(grace=None)
         self._control = self._data = None
 
     async def close(self) -> None:
-        self.state = "closed"
+        """Stops reconnecting, the stream and the channels: CLOSED."""
+        self.state = LinkState.CLOSED
+        if self._reconnector is not None and self._reconnector is not asyncio.current_task():
+            self._reconnector.cancel()
+        self._reconnector = None
         self._stop_stream()
-        await self.reset_channels()
+        await self._reset_channels()
 
 
 def describe_error(exc: BaseException) -> str:

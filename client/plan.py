@@ -10,7 +10,7 @@ left without any remainder sample repeats one (as DistributedSampler pads).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

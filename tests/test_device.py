@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from remoteloader.client.device import HOST_CHUNK, HostDelivery, HostPool, normalize_host, normalize_images
+from remoteloader.client.batches import Batch
+from remoteloader.client.host_delivery import HostDelivery, HostPool
+from remoteloader.client.normalize import HOST_CHUNK, normalize_host, normalize_images
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -50,8 +51,8 @@ def test_host_normalize_matches_the_formula_across_pieces(dtype, atol):
 def _received(delivery, seq, rng, n=16):
     images = delivery.allocate(n, 224, 224)
     images.copy_(torch.from_numpy(rng.integers(0, 256, (n, 224, 224, 3), dtype=np.uint8)))
-    return SimpleNamespace(seq=seq, images=images, labels=np.zeros(n, np.int64), ids=np.arange(n),
-                           failures=[], nbytes=images.numel()), images.clone()
+    return Batch(seq, np.arange(n), images, images.numpy(), np.zeros(n, np.int64), 0, [], images.numel()), \
+        images.clone()
 
 
 def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
@@ -62,13 +63,13 @@ def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
         return _received(delivery, seq, rng)
 
     first, _ = batch(0)
-    out = delivery.convert(first).images
+    out = delivery.finish(first).images
     address = out.data_ptr()
     out.fill_(float("nan"))  # what the user left in it must not survive
     del out, first
     second, raw = batch(1)
     reused = delivery.out_pool.reused
-    again = delivery.convert(second).images
+    again = delivery.finish(second).images
     assert delivery.out_pool.reused > reused and again.data_ptr() == address
     torch.testing.assert_close(again.double(), reference(raw), atol=1e-5, rtol=0)
 
@@ -76,7 +77,7 @@ def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
 def test_spare_normalized_batches_are_bounded_apart_from_the_receive_buffers():
     delivery = HostDelivery((MEAN, STD), torch.float32, prefetch=8)
     rng = np.random.default_rng(3)
-    held = [delivery.convert(_received(delivery, seq, rng, n=32)[0]).images for seq in range(6)]
+    held = [delivery.finish(_received(delivery, seq, rng, n=32)[0]).images for seq in range(6)]
     # One uint8 buffer, free again once normalized, received into six times.
     assert delivery.pool.free_batches() == 1 and delivery.pool.reused == 5
     del held  # six float32 batches, each 4x a uint8 one: two are kept for reuse

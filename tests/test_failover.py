@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from remoteloader.client import LoaderError, RemoteLoader
-from remoteloader.client import receiver as receiver_module
+from remoteloader.client import thread_receiver
 from remoteloader.tools.textures import make_imagefolder
 
 from conftest import Cluster
@@ -156,8 +156,8 @@ def test_server_added_behind_the_address_joins_at_the_next_epoch(servers, monkey
     # A DNS name cannot gain addresses on 127.0.0.1, so the resolver is made to grow instead.
     up(servers, (A, B))
     listed = [servers.address(A)]
-    real = receiver_module.discover
-    monkeypatch.setattr(receiver_module, "discover", lambda address: real(list(listed)))
+    real = thread_receiver.discover
+    monkeypatch.setattr(thread_receiver, "discover", lambda address: real(list(listed)))
     with make_loader("loader.invalid:50051") as loader:
         assert loader.servers == [servers.address(A)]
         first = epoch(loader, 0)
@@ -175,8 +175,8 @@ def test_a_resumed_epoch_plays_over_the_servers_it_was_planned_for(servers, monk
     other samples over the grown catalog, so the epoch finishes as planned; it joins next."""
     up(servers, (A, B))
     listed = [servers.address(A)]
-    real = receiver_module.discover
-    monkeypatch.setattr(receiver_module, "discover", lambda address: real(list(listed)))
+    real = thread_receiver.discover
+    monkeypatch.setattr(thread_receiver, "discover", lambda address: real(list(listed)))
     with make_loader("loader.invalid:50051") as first:
         reference = epoch(first, 2)
         first.set_epoch(2)

@@ -26,7 +26,7 @@ import torch
 
 from conftest import outcome_in_fork, pixels_by_id
 from remoteloader.client import LoaderError, RemoteLoader
-from remoteloader.client import receiver as receiver_module
+from remoteloader.client import process_receiver, thread_receiver
 from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
@@ -213,13 +213,13 @@ def test_a_close_that_runs_on_the_receiver_thread_still_frees_everything(shards,
     loader = make(cluster, first, indices=(0,), receiver="process")
     io = loader._io
 
-    class ClosingOnTheReader(receiver_module.Future):
+    class ClosingOnTheReader(process_receiver.Future):
         def set_result(self, value):
             super().set_result(value)
             if threading.current_thread() is io._reader:
                 loader.close()
 
-    monkeypatch.setattr(receiver_module, "Future", ClosingOnTheReader)
+    monkeypatch.setattr(process_receiver, "Future", ClosingOnTheReader)
     started = time.monotonic()
     bounded(loader.stats, 30)  # its reply's set_result closes the loader on the reader thread
     io._reader.join(10)
@@ -296,8 +296,8 @@ def test_a_server_that_cannot_serve_and_joins_later_is_left_out_with_a_warning(s
     small = cluster.add(make_imagefolder(tmp_path / "small", ["zebra"], 4, size=(32, 32), seed=9),
                         "--max-image-size", "16")
     listed = [cluster.address(first)]
-    real = receiver_module.discover
-    monkeypatch.setattr(receiver_module, "discover", lambda address: real(list(listed)))
+    real = thread_receiver.discover
+    monkeypatch.setattr(thread_receiver, "discover", lambda address: real(list(listed)))
     try:
         with make(cluster, first, receiver="thread") as loader:
             before = [tuple(b) for b in loader]
@@ -316,7 +316,7 @@ def test_a_server_that_cannot_serve_and_joins_later_is_left_out_with_a_warning(s
             joined = [tuple(b) for b in loader]
             assert loader.num_samples == 37 and len(joined) == 37 // BATCH
             assert sorted(loader.servers) == sorted([cluster.address(first), cluster.address(first + 1)])
-            assert loader._io.engine.catalog is loader.catalog  # the epoch ran on the loader's catalog
+            assert loader._io.engine.space is loader.catalog  # the epoch ran on the loader's catalog
     finally:
         cluster.stop(small)
 
@@ -333,7 +333,7 @@ def test_a_copy_of_the_loader_in_another_process_closes_nothing(shards):
         started = time.monotonic()
         loader.close()
         assert time.monotonic() - started < 0.5
-        assert loader._io.alive(), "the parent's I/O thread must be left alone"
+        assert loader._io.stopped() is None, "the parent's I/O thread must be left alone"
         loader._pid = os.getpid()
         assert sum(len(b[1]) for b in loader) > 0  # still the parent's working loader
 
@@ -346,7 +346,7 @@ def test_a_loader_used_in_a_forked_child_is_a_clear_error_and_the_parents_link_i
         expected = len(list(loader))
         outcome = outcome_in_fork(lambda: next(iter(loader)))
         assert outcome.startswith("RuntimeError") and "fork" in outcome, outcome
-        assert loader._io.alive()
+        assert loader._io.stopped() is None
         assert len(list(loader)) == expected  # the parent's loader still works
 
 

@@ -323,7 +323,7 @@ def _io_threads() -> int:
 
 
 def _tasks_on_the_io_loop() -> int:
-    from remoteloader.client.receiver import io_loop
+    from remoteloader.client.thread_receiver import io_loop
 
     async def count():
         return len(asyncio.all_tasks()) - 1  # less this one
@@ -378,7 +378,7 @@ def test_a_loader_collected_on_the_io_thread_closes_without_stalling_it(data):
     # thread runs it: often the shared I/O thread, which must not wait for itself (10 s).
     import gc
 
-    from remoteloader.client.receiver import io_loop
+    from remoteloader.client.thread_receiver import io_loop
 
     tasks = _tasks_on_the_io_loop()
     with loader_for(data, seed=3) as keeper:

@@ -3,13 +3,19 @@
 Global sample ids number the distinct shards sorted by id, so they depend only on which
 data exists, not on which servers are up or in what order they were listed. Labels are
 remapped from each shard's own class list onto the sorted union of class names.
+
+(Not to be confused with the server's catalog, which indexes the files of its own shards:
+this is the client's map from every server's shards to global sample ids.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from remoteloader.protos import loader_pb2
 
 
 @dataclass
@@ -23,8 +29,14 @@ class ShardInfo:
     label_map: np.ndarray | None = None  # shard-local label -> global label
 
 
-class Catalog:
-    def __init__(self, describes: dict[str, object]):
+class SampleSpace:
+    """Every shard the servers describe, numbered: global ids, owners and a label map.
+
+    Raises ValueError when two servers report one shard id with different sample counts,
+    or when the servers hold no shards at all.
+    """
+
+    def __init__(self, describes: Mapping[str, loader_pb2.DescribeResponse]):
         shards: dict[str, ShardInfo] = {}
         for address, describe in describes.items():
             for s in describe.shards:
@@ -55,12 +67,14 @@ class Catalog:
         return np.searchsorted(self._starts, ids, side="right") - 1
 
     def locate(self, global_id: int) -> tuple[ShardInfo, int]:
+        """The shard holding ``global_id`` and the sample's index within it (IndexError if none)."""
         if not 0 <= global_id < self.num_samples:
             raise IndexError(f"sample id {global_id} out of range 0..{self.num_samples - 1}")
         s = self.shards[int(self.shard_of(np.asarray([global_id]))[0])]
         return s, global_id - s.offset
 
     def global_labels(self, shard: ShardInfo, local: np.ndarray) -> np.ndarray:
+        """A shard's own labels as indices into ``class_names`` (-1 for a label it does not list)."""
         if shard.label_map is None:
             return local
         out = np.full(local.shape, -1, dtype=np.int64)

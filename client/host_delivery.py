@@ -1,0 +1,159 @@
+"""Delivery on the CPU: batches handed to the user in the memory they were received into.
+
+Each batch is received into its own buffer (huge-page backed, ``HostPool``) that is handed
+to the user as is, and reused for a later batch once the user has dropped it.
+Normalization, when asked for, runs in the consumer's thread, in one pass over cache-sized
+pieces into an output buffer from a pool of its own (``normalize.normalize_host``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import queue
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from remoteloader.client.batches import Batch, Item
+from remoteloader.client.delivery import Delivered, Output, Readable
+from remoteloader.client.normalize import Normalize, normalize_host
+from remoteloader.client.process_receiver import ProcessReceiver
+
+
+class HostPool:
+    """Batches handed to the user, their memory reused once the user drops them.
+
+    Each batch of 4 MiB or more lives in its own anonymous mapping backed by transparent
+    huge pages. A fresh mapping costs the kernel a page fault and a zeroed page for every
+    byte received into it: measured in ``benchmarks/wire.py``, zeroing fresh huge pages was
+    a fifth of the receiving process's CPU. So when the last tensor using a batch's memory
+    is gone (tracked on the numpy array that the tensor keeps alive), the mapping goes back
+    to a free list and the next batch of that size is received into memory already mapped.
+
+    Dropping a batch runs no code: the pool holds a plain weak reference to each batch it
+    handed out and takes back, whenever it is asked for memory, the mappings whose batch
+    is gone. (A finalizer would run inside whatever the dropping thread was doing: a
+    garbage collection under this pool's lock, which deadlocked, or a Ctrl-C, which Python
+    then swallows.)
+
+    Memory: at most ``keep`` free batches are held; the batches the user still holds, and
+    those being received (``prefetch``), are the user's and in flight. A dropped batch's
+    mapping stays until the pool is next asked for memory (or cleared).
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lent: list[tuple[weakref.ref, mmap.mmap, int]] = []  # (batch array, its mapping, bytes)
+        self._lock = threading.Lock()
+        self.reused = 0  # batches received into recycled memory (for tests and stats)
+
+    def take(self, n: int, h: int, w: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """An (n, h, w, 3) tensor of ``dtype``: recycled memory when a batch of its size is free."""
+        size = torch.empty((), dtype=dtype).element_size()
+        nbytes = n * h * w * 3 * size
+        if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty((n, h, w, 3), dtype=dtype)
+        with self._lock:
+            self._collect()
+            spare = self._free.get(nbytes)
+            region = spare.pop() if spare else None
+        if region is None:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                region.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        else:
+            self.reused += 1
+        array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3 * size)
+        # The tensor holds the array until its storage is freed (views and .numpy() included).
+        with self._lock:
+            self._lent.append((weakref.ref(array), region, nbytes))
+        return torch.from_numpy(array).view(dtype)
+
+    def _collect(self) -> None:
+        """Takes back the mappings of dropped batches, up to ``keep`` free; under _lock."""
+        count = sum(len(v) for v in self._free.values())
+        lent = []
+        for entry in self._lent:
+            ref, region, nbytes = entry
+            if ref() is not None:
+                lent.append(entry)
+            elif count < self.keep:
+                self._free.setdefault(nbytes, []).append(region)
+                count += 1
+            # otherwise the mapping is unmapped when its last reference (region) goes
+        self._lent = lent
+
+    def free_batches(self) -> int:
+        with self._lock:
+            self._collect()
+            return sum(len(v) for v in self._free.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._collect()
+            self._free.clear()
+
+
+class HostDelivery:
+    """CPU: batches handed to the user as received; optional normalization in the consumer thread.
+
+    With a receiver process (``receiver``), batches arrive in its shared slots: each is
+    copied out once (or normalized straight out of it) and its slot is given back.
+
+    Normalized batches come from a pool of their own that keeps at most two free: a
+    training loop holds one or two at a time, and each is 2-8x the bytes of a uint8 batch.
+    """
+
+    def __init__(self, normalize: Normalize | None, dtype: torch.dtype, prefetch: int,
+                 receiver: ProcessReceiver | None = None):
+        self.normalize = normalize
+        self.dtype = dtype
+        self.pool = HostPool(keep=prefetch + 2)
+        self.out_pool = HostPool(keep=2)
+        self.receiver = receiver
+
+    def allocate(self, n: int, h: int, w: int) -> torch.Tensor:
+        return self.pool.take(n, h, w)
+
+    def release(self, images: Any) -> None:
+        pass  # once the last reference to it is gone, the pool takes the memory back
+
+    def start(self, source: queue.Queue[Item]) -> Readable[Output]:
+        return source  # no transfer thread: the consumer converts each batch in finish()
+
+    def finish(self, item: Batch | Delivered) -> Delivered:
+        """Copies the batch out of the receiver's slot (or normalizes it), in the consumer's thread."""
+        assert isinstance(item, Batch), "the host delivery has no transfer thread"
+        batch = item
+        images: torch.Tensor
+        if self.receiver is not None:  # batch.pixels is the receiver's slot: copy out, give back
+            if self.normalize is None:
+                images = self.pool.take(*batch.pixels.shape[:3])
+                # numpy's copy: one thread; torch's copy_ woke OpenMP threads that then spun,
+                # which tripled the training process's CPU per GB (perf, benchmarks/wire.py).
+                np.copyto(images.numpy(), batch.pixels)
+            else:
+                images = self._normalize(batch.pixels, self.normalize)
+            self.receiver.free(batch.pixels)
+        elif self.normalize is not None:
+            images = self._normalize(batch.pixels, self.normalize)
+        else:
+            assert isinstance(batch.images, torch.Tensor), "allocate() lends tensors"
+            images = batch.images
+        return Delivered(batch.seq, images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids),
+                         batch.failures, batch.nbytes)
+
+    def _normalize(self, images: np.ndarray, normalize: Normalize) -> torch.Tensor:
+        n, h, w = images.shape[:3]
+        out = self.out_pool.take(n, h, w, dtype=self.dtype)
+        return normalize_host(images, out, normalize)
+
+    def close(self, final: bool = False) -> None:
+        self.pool.clear()
+        self.out_pool.clear()

@@ -1,0 +1,226 @@
+"""RemoteLoader's options as data: validated once, into one frozen ``LoaderOptions``.
+
+``LoaderOptions.from_arguments`` takes RemoteLoader's keyword arguments as the user wrote
+them (defaults live on RemoteLoader's signature), checks each in the order they are
+listed, and returns the normalized values; its ValueErrors name the argument, the value
+and what was expected. Everything after it reads the options and checks nothing again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
+
+import numpy as np
+import torch
+
+from remoteloader.client.batches import SampleFailure
+from remoteloader.client.engine import EngineOptions
+from remoteloader.client.link import LinkOptions
+from remoteloader.client.normalize import Normalize
+from remoteloader.client.security import TLSConfig, tls_config, token_metadata
+from remoteloader.protos import loader_pb2
+
+ON_ERROR = ("raise", "warn", "skip")
+RECEIVERS = ("thread", "process")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+UINT64 = 1 << 64  # seeds and epochs travel as uint64
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """A RemoteLoader's validated options; the fields are documented on RemoteLoader."""
+
+    batch_size: int
+    image_size: tuple[int, int]
+    setup: loader_pb2.Setup  # the pipeline and the output size, as the servers are told
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    sampler: Iterable[int] | None
+    rank: int
+    world_size: int
+    device: torch.device
+    normalize: tuple[list[float], list[float]] | None
+    dtype: torch.dtype
+    return_ids: bool
+    ordered: bool
+    on_error: str | Callable[[list[SampleFailure]], None]
+    prefetch: int
+    max_inflight: int
+    connect_timeout: float
+    reconnect_timeout: float
+    progress_timeout: float
+    receiver: Literal["thread", "process"]
+    tls: TLSConfig | None
+    metadata: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def from_arguments(cls, *, batch_size: Any, image_size: Any, pipeline: Any, shuffle: Any, seed: Any,
+                       drop_last: Any, sampler: Any, rank: Any, world_size: Any, device: Any, normalize: Any,
+                       dtype: Any, return_ids: Any, ordered: Any, on_error: Any, prefetch: Any, max_inflight: Any,
+                       connect_timeout: Any, reconnect_timeout: Any, progress_timeout: Any, tls: Any, token: Any,
+                       receiver: Any) -> LoaderOptions:
+        """Validates RemoteLoader's arguments (ValueError naming the first bad one)."""
+        batch_size = check_int("batch_size", batch_size, 1)
+        size = _size(image_size)
+        setup = _setup(pipeline, size)
+        shuffle = bool(shuffle)
+        seed = check_int("seed", seed, 0, UINT64)
+        drop_last = bool(drop_last)
+        rank, world_size = _rank_world(rank, world_size)
+        device = _device(device)
+        normal = _normalize(normalize)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype}: expected torch.float32, bfloat16, float16 or float64")
+        if not callable(on_error) and on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: expected one of {', '.join(ON_ERROR)} or a callable")
+        prefetch, max_inflight = check_int("prefetch", prefetch, 1), check_int("max_inflight", max_inflight, 1)
+        for name, value in (("connect_timeout", connect_timeout), ("reconnect_timeout", reconnect_timeout),
+                            ("progress_timeout", progress_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name}={value!r}: expected seconds >= 0")
+        if progress_timeout == 0:
+            raise ValueError("progress_timeout=0: expected seconds > 0")
+        return cls(batch_size=batch_size, image_size=size, setup=setup, shuffle=shuffle, seed=seed,
+                   drop_last=drop_last, sampler=sampler, rank=rank, world_size=world_size, device=device,
+                   normalize=normal, dtype=dtype, return_ids=bool(return_ids), ordered=bool(ordered),
+                   on_error=on_error, prefetch=prefetch, max_inflight=max_inflight,
+                   connect_timeout=connect_timeout, reconnect_timeout=reconnect_timeout,
+                   progress_timeout=progress_timeout, receiver=_receiver(receiver, device), tls=tls_config(tls),
+                   metadata=token_metadata(token))
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of one received batch (uint8 NHWC)."""
+        h, w = self.image_size
+        return self.batch_size * h * w * 3
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(seed=self.seed, prefetch=self.prefetch, ordered=self.ordered,
+                             progress_timeout=self.progress_timeout)
+
+    def link_options(self) -> LinkOptions:
+        return LinkOptions(connect_timeout=self.connect_timeout, max_inflight=self.max_inflight,
+                           reconnect_timeout=self.reconnect_timeout, tls=self.tls, metadata=self.metadata)
+
+
+class _HasOptions(Protocol):
+    options: LoaderOptions
+
+
+class Option(Generic[T]):
+    """A read-only attribute of its owner (RemoteLoader): the validated option of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, loader: None, owner: type) -> Option[T]: ...
+    @overload
+    def __get__(self, loader: _HasOptions, owner: type) -> T: ...
+
+    def __get__(self, loader: _HasOptions | None, owner: type) -> T | Option[T]:
+        if loader is None:
+            return self
+        return getattr(loader.options, self.name)
+
+    def __set__(self, loader: _HasOptions, value: T) -> None:
+        raise AttributeError(f"RemoteLoader.{self.name} is fixed when it is made: make another loader")
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high) (numpy ints too; not bools, floats or strings)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r}: expected an int")
+    value = int(value)
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in {low}..{high - 1}"
+        raise ValueError(f"{name}={value!r}: expected an int {bound}")
+    return value
+
+
+def _size(image_size: Any) -> tuple[int, int]:
+    size = (image_size, image_size) if isinstance(image_size, (int, np.integer)) else image_size
+    if not isinstance(size, Sequence) or len(size) != 2 or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 < v <= 65535 for v in size):
+        raise ValueError(f"image_size={image_size!r}: expected an int or (height, width), 1..65535 each")
+    return int(size[0]), int(size[1])
+
+
+def _setup(pipeline: Any, size: tuple[int, int]) -> loader_pb2.Setup:
+    h, w = size
+    if isinstance(pipeline, str):
+        if pipeline == "custom":
+            raise ValueError("pipeline='custom': pass the albumentations pipeline itself (A.Compose or A.to_dict)")
+        return loader_pb2.Setup(pipeline=pipeline, height=h, width=w)
+    if isinstance(pipeline, dict):
+        document = pipeline
+    elif type(pipeline).__module__.startswith("albumentations"):
+        import albumentations as A  # only when the user already uses it
+
+        document = A.to_dict(pipeline)
+    else:
+        raise ValueError(f"pipeline={pipeline!r}: expected 'train', 'eval', an albumentations pipeline or its "
+                         f"A.to_dict() dictionary")
+    return loader_pb2.Setup(pipeline="custom", height=h, width=w, albumentations_json=json.dumps(document))
+
+
+def _rank_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    world_size = check_int("world_size", world_size, 1)
+    return check_int("rank", rank, 0, world_size), world_size
+
+
+def _device(device: Any) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} but torch.cuda.is_available() is False: this torch build "
+                             f"({torch.__version__}) has no usable GPU here; pass device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r}: expected 'cpu' or 'cuda'")
+    return device
+
+
+def _normalize(normalize: Normalize | None) -> tuple[list[float], list[float]] | None:
+    if normalize is None:
+        return None
+    try:
+        mean, std = normalize
+        mean, std = [float(v) for v in mean], [float(v) for v in std]
+    except (TypeError, ValueError):
+        raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each") from None
+    if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std) or not all(map(math.isfinite, mean + std)):
+        raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each, std > 0")
+    if any(abs(v) > 1 for v in mean) or any(v > 1 for v in std):
+        raise ValueError(f"normalize={normalize!r}: mean and std are on the 0..1 scale (images are divided "
+                         f"by 255 first), e.g. ImageNet's ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)); "
+                         f"divide 0..255 figures by 255")
+    return mean, std
+
+
+def _receiver(receiver: Any, device: torch.device) -> Literal["thread", "process"]:
+    """The receiver kind: "process" by default on CUDA (where Linux allows it), else "thread"."""
+    if receiver is None:
+        receiver = "process" if device.type == "cuda" and hasattr(os, "memfd_create") else "thread"
+    if receiver not in RECEIVERS:
+        raise ValueError(f"receiver={receiver!r}: expected one of {', '.join(RECEIVERS)}")
+    if receiver == "process" and not hasattr(os, "memfd_create"):
+        raise ValueError("receiver='process' needs Linux (os.memfd_create); use receiver='thread'")
+    return "process" if receiver == "process" else "thread"

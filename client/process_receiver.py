@@ -1,0 +1,340 @@
+"""``receiver="process"``, the training process's side: a child process receives the batches.
+
+``ProcessReceiver`` keeps the ``Receiver`` contract (``receiver.py``) by asking a child
+process (a fresh interpreter running ``receiver_service.main``) to run a ThreadReceiver that
+receives the pixels straight into batch slots of shared memory (``SharedSlots``); the
+training process then only exchanges small messages with it (which slot holds which batch,
+which slot is free again) and copies each batch out of its slot once, to the GPU when on
+CUDA. Receiving costs gRPC about 0.5 CPU-seconds per GB (Python grpcio copies every message
+twice before we see it), which in the training process would be ~0.1 core-s per 1000 224-px
+images and would contend for its GIL; in the receiver process it costs the training process
+nothing.
+
+The two processes talk over a socketpair with ``multiprocessing.connection`` (pickled tuples
+of plain values, numpy arrays and the sample space; errors as (type name, message)), which
+is safe here because both ends are this library in processes it started; nothing from the
+network is ever unpickled. The child exits when its parent is gone (it watches its parent
+pid, and EOF on the socket). The messages::
+
+    parent -> child   ("init", address, setup bytes, slots, slot_bytes, engine_options, link_options)
+                      ("call", request id, method name, *args)      a Receiver method
+                      ("consumed", token)  ("free", slot)            never answered
+    child -> parent   ("reply", request id, ok, value or error)
+                      ("started", request id, token)                 start_epoch's reply; its batches follow
+                      ("batch", token, seq, slot, ids, labels, failures, nbytes)
+                      ("end" | "error", token, None | error)
+                      ("log", level, logger name, text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import mmap
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from remoteloader.client.batches import END, Batch, Item, LoaderError
+from remoteloader.client.engine import EngineOptions
+from remoteloader.client.link import LinkOptions
+from remoteloader.client.sample_space import SampleSpace
+from remoteloader.protos import loader_pb2
+
+log = logging.getLogger("remoteloader.client")
+
+
+class SharedSlots:
+    """Batch slots in one shared memory file (memfd) that both processes map."""
+
+    def __init__(self, count: int, slot_bytes: int, fd: int | None = None):
+        self.count = count
+        self.slot_bytes = slot_bytes
+        if fd is None:
+            fd = os.memfd_create("remoteloader-batches", getattr(os, "MFD_CLOEXEC", 1))
+            try:
+                os.posix_fallocate(fd, 0, count * slot_bytes)  # fail here, not with SIGBUS later
+            except OSError as exc:
+                os.close(fd)
+                raise OSError(f"cannot reserve {count * slot_bytes / 2**20:.0f} MiB of shared memory for "
+                              f"{count} batches: {exc}") from None
+        self.fd = fd
+        self.memory = mmap.mmap(fd, count * slot_bytes)
+        try:
+            self.memory.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
+        self.array = np.frombuffer(self.memory, dtype=np.uint8)
+
+    def view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
+        start = slot * self.slot_bytes
+        return self.array[start:start + n * h * w * 3].reshape(n, h, w, 3)
+
+    def slot_of(self, address: int) -> int:
+        return (address - self.array.ctypes.data) // self.slot_bytes
+
+
+class ProcessReceiver:
+    """A ``Receiver`` whose ThreadReceiver runs in a child process, writing into shared slots.
+
+    Batches come out of ``start_epoch``'s queue as engine Batches whose ``images`` is the
+    uint8 NHWC view of their slot in this process; ``free(images)`` gives the slot back
+    once the batch has been copied out (the consumer's delivery decides when).
+    """
+
+    def __init__(self, address: str | Iterable[str], setup: loader_pb2.Setup, slots: int, slot_bytes: int,
+                 engine_options: EngineOptions, link_options: LinkOptions):
+        self._setup_hw = (setup.height, setup.width)
+        self._pid = os.getpid()
+        self.slots = SharedSlots(slots, slot_bytes)
+        parent, child = socket.socketpair()
+        self._socket = parent  # kept to wake the reader with shutdown() before its fd is closed
+        self._conn = Connection(os.dup(parent.fileno()))
+        # The parent's import path goes after the child's own, never ahead of the stdlib: the
+        # child finds remoteloader as the parent did (also when it came from PYTHONPATH or a
+        # folder added at run time) and a training script's folder cannot shadow a module.
+        paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str)]
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-c", BOOTSTRAP, json.dumps(paths), str(child.fileno()), str(self.slots.fd),
+                 str(os.getpid())],
+                pass_fds=(child.fileno(), self.slots.fd), stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, Future[Any]] = {}
+        self._queues: dict[int, queue.Queue[Item]] = {}  # the running epoch's, by token
+        self._queues_lock = threading.Lock()  # a batch is either put where cancel drains it, or freed
+        self._current: int | None = None
+        self._dead: str | None = None
+        self._close_when_read = False
+        self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
+        self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
+        self._reader.start()
+
+    # ---- the Receiver contract --------------------------------------------------------------
+    def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
+        describes, new = self._request("discover")
+        return {a: loader_pb2.DescribeResponse.FromString(d) for a, d in describes.items()}, new
+
+    def forget(self, addresses: list[str]) -> None:
+        self._request("forget", addresses)
+
+    def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
+        return self._request("get_keys", owners, shard_id, start, count)
+
+    def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
+        return self._request("server_stats", timeout=timeout)
+
+    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int],
+                    space: SampleSpace) -> tuple[int, queue.Queue[Item]]:
+        token = self._request("start_epoch", epoch, batches, first_seq, skip, space)
+        return token, self._queues[token]  # made by the reader before any of the epoch's batches
+
+    @property
+    def token(self) -> int | None:
+        return self._current
+
+    def cancel_epoch(self, token: int) -> None:
+        if self._dead is None:
+            self._request("cancel_epoch", token, timeout=30)
+        with self._queues_lock:
+            out = self._queues.pop(token, None)
+        if self._current == token:
+            self._current = None
+        if out is not None:
+            self._drain(out)
+
+    def _drain(self, out: queue.Queue[Item]) -> None:
+        """Frees the slots of batches that reached this process but not the consumer."""
+        while True:
+            try:
+                item = out.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Batch):
+                self.free(item.images)
+
+    def consumed(self, token: int) -> None:
+        self._post(("consumed", token))
+
+    def free(self, images: Any) -> None:
+        """Gives a batch's slot back to the receiver (``images`` is the slot's view or tensor)."""
+        address = images.data_ptr() if hasattr(images, "data_ptr") else images.ctypes.data
+        self._post(("free", self.slots.slot_of(address)))
+
+    def buffer_freed(self) -> None:
+        pass  # the deliveries give slots back through free(), never a buffer of their own pool
+
+    def stopped(self) -> str | None:
+        return self._dead
+
+    def close(self) -> None:
+        if os.getpid() != self._pid:  # a forked copy: the child and the link are the parent's
+            return
+        if sys.is_finalizing() or threading.current_thread() is self._reader:
+            # At exit no thread runs any more; on the reader itself (a finalizer that ran
+            # there) nothing would answer: stop the child; the reader reads EOF and closes.
+            self._close_when_read = True
+            if self.process.poll() is None:
+                self.process.kill()
+            return
+        if self.process.poll() is None:
+            try:
+                self._request("close", timeout=15)
+            except Exception:
+                pass
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with self._queues_lock:
+            self._queues = {}
+        # The link's fd is closed only once the reader has stopped reading it: closed under a
+        # blocked read, its number would be reused by the next file or socket this process
+        # opens (another loader's link), which the old reader would then read from.
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # the reader's read returns EOF
+        except OSError:
+            pass
+        self._reader.join(timeout=15)
+        if self._reader.is_alive():
+            log.warning("the RemoteLoader's receiver thread did not stop; its socket is left open")
+            return
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        with self._send_lock:  # never under a send
+            self._conn.close()
+        self._socket.close()
+        fd, self.slots.fd = self.slots.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    # ---- messages ---------------------------------------------------------------------------
+    def _request(self, *message: Any, timeout: float | None = None) -> Any:
+        if os.getpid() != self._pid:  # its reader thread did not survive fork; the parent's reads the link
+            raise RuntimeError(f"this RemoteLoader was made in process {self._pid}; after a fork its receiver "
+                               f"process still serves that one only: use the loader in the process that made it")
+        if self._dead is not None:
+            raise LoaderError(self._dead)
+        if threading.current_thread() is self._reader:  # a finalizer that ran there: nothing would answer
+            raise RuntimeError("RemoteLoader: a call on its own receiver thread would wait forever")
+        request_id = next(self._ids)
+        future: Future[Any] = Future()
+        self._replies[request_id] = future
+        try:
+            self._send(("call", request_id, *message))
+        except OSError:  # the child is gone; the reader says why
+            self._replies.pop(request_id, None)
+            self._reader.join(timeout=5)
+            raise LoaderError(self._dead or "the RemoteLoader's receiver process is gone") from None
+        return future.result(timeout)
+
+    def _post(self, message: tuple) -> None:
+        if self._dead is None and os.getpid() == self._pid:
+            try:
+                self._send(message)
+            except OSError:
+                pass  # the reader reports the death
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        h, w = self._setup_hw
+        try:
+            while True:
+                kind, *rest = self._conn.recv()
+                if kind == "reply":
+                    request_id, ok, value = rest
+                    future = self._replies.pop(request_id)
+                    future.set_result(value) if ok else future.set_exception(rebuild_error(value))
+                elif kind == "started":  # before any of the epoch's batches, on this same thread
+                    request_id, token = rest
+                    with self._queues_lock:
+                        superseded = list(self._queues.values())
+                        self._queues = {token: queue.Queue()}  # one epoch at a time
+                    self._current = token
+                    for out in superseded:  # as the engine drains its own queue on a new epoch
+                        self._drain(out)
+                    self._replies.pop(request_id).set_result(token)
+                elif kind == "batch":
+                    token, seq, slot, ids, labels, failures, nbytes = rest
+                    images = self.slots.view(slot, len(ids), h, w)
+                    with self._queues_lock:
+                        epoch_out = self._queues.get(token)
+                        if epoch_out is not None:
+                            epoch_out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes))
+                    if epoch_out is None:  # an epoch that was cancelled meanwhile
+                        self._post(("free", slot))
+                elif kind in ("end", "error"):
+                    token, item = rest
+                    with self._queues_lock:
+                        epoch_out = self._queues.get(token)
+                        if epoch_out is not None:
+                            epoch_out.put(END if kind == "end" else rebuild_error(item))
+                elif kind == "log":
+                    level, name, text = rest
+                    logging.getLogger(name).log(level, "%s", text)
+        except (EOFError, OSError):
+            reason = None
+        except BaseException as exc:  # a bug here must not leave requests waiting forever
+            reason = f"the RemoteLoader's receiver link failed: {type(exc).__name__}: {exc}"
+            self.process.kill()
+        try:  # the child closes its end only by exiting; a link that ended under a live child broke
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+            reason = reason or "the RemoteLoader's receiver link broke; its process was stopped"
+        self._dead = reason or f"the RemoteLoader's receiver process exited (code {code})"
+        for future in list(self._replies.values()):
+            future.set_exception(LoaderError(self._dead))
+        self._replies.clear()
+        with self._queues_lock:
+            for out in self._queues.values():
+                out.put(LoaderError(self._dead))
+        if self._close_when_read:  # close() ran on this thread, which alone reads the link
+            self._close_fds()
+
+
+# Errors that cross from the child keep their type when it is one the loader's callers
+# handle (the message is kept either way); no exception object itself is sent.
+_ERRORS = {c.__name__: c for c in (LoaderError, ConnectionError, PermissionError, TimeoutError, ValueError,
+                                   RuntimeError, OSError)}
+
+
+def portable_error(exc: BaseException) -> tuple[str, str]:
+    """(type name, message) of an error to send to the parent; see rebuild_error."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _ERRORS and _ERRORS[cls.__name__] is cls:
+            return cls.__name__, str(exc)
+    return "LoaderError", f"{type(exc).__name__}: {exc}"
+
+
+def rebuild_error(error: tuple[str, str]) -> BaseException:
+    """The parent's copy of an error the child sent with portable_error."""
+    name, text = error
+    return _ERRORS[name](text)
+
+
+# Run with -I (no current folder, no PYTHON* variables on the path), then the parent's path
+# after the child's own; addsitedir also runs .pth files (e.g. an editable install's finder).
+BOOTSTRAP = ("import json, site, sys\n"
+             "for p in json.loads(sys.argv[1]):\n"
+             "    if p not in sys.path: site.addsitedir(p)\n"
+             "from remoteloader.client.receiver_service import main; main(sys.argv[2:])")

@@ -1,0 +1,185 @@
+"""``receiver="thread"``: the links and the engine on the process's I/O event loop.
+
+``ThreadReceiver`` keeps the ``Receiver`` contract (``receiver.py``) from the consumer's
+thread by running coroutines on one asyncio loop per process (``io_loop``) and waiting for
+them. The receiver process (``receiver_service.py``) runs one of these too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from remoteloader.client.batches import Item, LoaderError
+from remoteloader.client.discovery import discover
+from remoteloader.client.engine import BatchBuffers, Engine, EngineOptions, _Order
+from remoteloader.client.link import Link, LinkOptions, LinkState
+from remoteloader.client.sample_space import SampleSpace
+from remoteloader.protos import codec, loader_pb2
+
+T = TypeVar("T")
+
+_shared: tuple[int, asyncio.AbstractEventLoop, threading.Thread] | None = None
+_shared_lock = threading.Lock()
+
+
+def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """The process's one I/O event loop and its daemon thread ("remoteloader-io").
+
+    Every RemoteLoader of a process runs on this loop, and it is never closed. grpc.aio ties
+    all the loops that make calls to one process-wide completion queue, and one loop's
+    callback may hand a completion to another loop: when a closed loader had closed its own
+    loop, a late completion of its cancelled calls raised "Event loop is closed" inside a
+    live loader's callback (a training loader beside short-lived evaluation loaders). A
+    forked child gets a loop of its own.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid() or not _shared[2].is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="remoteloader-io", daemon=True)
+            thread.start()
+            _shared = (os.getpid(), loop, thread)
+        return _shared[1], _shared[2]
+
+
+class ThreadReceiver:
+    """Links, engine and the asyncio thread they run on, in this process (a ``Receiver``).
+
+    Args:
+        address: As RemoteLoader's; resolved again by every ``discover()``.
+        setup: The stream's Setup message.
+        buffers: Where batches are received (the consumer's delivery, or the receiver
+            process's shared slots).
+        engine_options: Scheduling options.
+        link_options: Connection options.
+    """
+
+    def __init__(self, address: str | Iterable[str], setup: loader_pb2.Setup, buffers: BatchBuffers,
+                 engine_options: EngineOptions, link_options: LinkOptions):
+        codec.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
+        self._address = address
+        self._link_options = link_options
+        self.links: dict[str, Link[_Order]] = {}
+        self._loop, self._thread = io_loop()
+        self._pid = os.getpid()
+        self._closed = False
+        self.engine = Engine(self.links, setup, engine_options, buffers)
+
+    # ---- servers ------------------------------------------------------------------------
+    def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
+        new = [a for a in discover(self._address) if a not in self.links]
+        if new:
+            links = [Link[_Order](a, self.engine, self._link_options) for a in new]
+            self._call(self._describe_all(links), timeout=self._link_options.connect_timeout + 5)
+        return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
+
+    async def _describe_all(self, links: list[Link[_Order]]) -> None:
+        results = await asyncio.gather(*(link.fetch_describe() for link in links), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+            raise errors[0]
+        self.links.update((link.address, link) for link in links)  # on the loop thread, which reads it
+
+    def forget(self, addresses: list[str]) -> None:
+        self._call(self._forget(addresses), timeout=10)
+
+    async def _forget(self, addresses: list[str]) -> None:
+        for address in addresses:
+            link = self.links.pop(address, None)
+            if link is not None:
+                await link.close()
+
+    def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
+        links = [self.links[o] for o in owners if o in self.links]
+        live = ([link for link in links if link.state is LinkState.UP]
+                or [link for link in links if link.describe is not None])
+        if not live:
+            raise LoaderError(f"no server holding shard {shard_id} is reachable to look up keys")
+        return self._call(live[0].get_keys(shard_id, start, count), timeout=30)
+
+    def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
+        return {a: link.counters() for a, link in self.links.items()}
+
+    # ---- epochs -------------------------------------------------------------------------
+    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int],
+                    space: SampleSpace) -> tuple[int, queue.Queue[Item]]:
+        token = self._call(self.engine.start_epoch(epoch, batches, first_seq, space, skip), timeout=None)
+        return token, self.engine.out
+
+    @property
+    def token(self) -> int | None:
+        return self.engine.token
+
+    def cancel_epoch(self, token: int) -> None:
+        if self._on_loop_thread():  # a generator finalized by a collection on the I/O thread
+            self._loop.call_soon(self.engine.cancel_epoch, token)
+            return
+        self._call(_run(self.engine.cancel_epoch, token), timeout=10)
+
+    def consumed(self, token: int) -> None:
+        self._soon(self.engine.consumed, token)
+
+    def buffer_freed(self) -> None:
+        self._soon(self.engine.buffer_freed)
+
+    def stopped(self) -> str | None:
+        # It stops only when closed; its thread ends only with the interpreter.
+        return None if not self._closed and self._thread.is_alive() else "the RemoteLoader's receiver stopped"
+
+    def close(self) -> None:
+        """Ends this loader's streams, tasks and channels; the shared loop runs on."""
+        if self._closed or sys.is_finalizing() or os.getpid() != self._pid:  # at exit the loop is frozen
+            return
+        if self._on_loop_thread():
+            # Garbage collection of a loader in a reference cycle can run on the I/O thread
+            # itself, which must not wait for work only it can do: schedule it.
+            self._closed = True
+            self._loop.create_task(self.engine.close())
+            return
+        try:
+            self._call(self.engine.close(), timeout=10)
+        except Exception:
+            pass
+        self._closed = True
+
+    def _on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Runs a coroutine on the loop and waits for it (RuntimeError once closed)."""
+        if self._closed or self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("RemoteLoader is closed")
+        if os.getpid() != self._pid:
+            coro.close()
+            raise RuntimeError(f"this RemoteLoader was made in process {self._pid}; its connections do not "
+                               f"survive fork (gRPC is not fork-safe): use it in the process that made it")
+        if self._on_loop_thread():
+            coro.close()
+            raise RuntimeError("RemoteLoader: a blocking call on its own I/O thread would wait forever")
+        return asyncio.run_coroutine_threadsafe(_wrap(coro), self._loop).result(timeout)
+
+    def _soon(self, function: Callable[..., object], *args: object) -> None:
+        if self._closed or os.getpid() != self._pid:
+            return
+        try:
+            self._loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the loop closed meanwhile (interpreter shutdown): nothing to do
+            pass
+
+
+async def _wrap(coro: Awaitable[T]) -> T:
+    return await coro
+
+
+async def _run(function: Callable[..., T], *args: object) -> T:
+    return function(*args)
