@@ -130,7 +130,8 @@ def _write_one(job: tuple[str, int, int, int]) -> int:
     return len(buf)
 
 
-def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int = 90, processes: int = 1) -> pathlib.Path:
+def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int = 90,
+                   processes: int = 1) -> pathlib.Path:
     """Creates or updates ``root`` to hold exactly images 0..count-1 (deterministic per index).
 
     Images are a pure function of (generator version, seed, quality, index), so a cached

@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fast-rate", type=float, default=600.0, help="--max-rate of the fast replica (img/s)")
     p.add_argument("--slow-rate", type=float, default=300.0, help="--max-rate of the slow replica (img/s)")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per configuration (default 3)")
-    p.add_argument("--prefetch", type=int, default=8, help="RemoteLoader prefetch, in batches (default 8, as RemoteLoader)")
+    p.add_argument("--prefetch", type=int, default=8,
+                   help="RemoteLoader prefetch, in batches (default 8, as RemoteLoader)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1, help="decode workers per server (default 1)")

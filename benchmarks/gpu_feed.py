@@ -136,8 +136,8 @@ def main() -> int:
             images = torch.randint(0, 256, (args.batch_size, 3, 224, 224), dtype=torch.uint8, device=device)
             labels = torch.randint(0, 1000, (args.batch_size,), device=device)
             ready = gpu_normalize(images)
-            results[source] = train(iter(lambda: (ready, labels), None), args.steps, args.warmup, model, optimizer,
-                                    lambda x: x)
+            batches = iter(lambda ready=ready, labels=labels: (ready, labels), None)
+            results[source] = train(batches, args.steps, args.warmup, model, optimizer, lambda x: x)
         elif source in ("remote", "remote-thread"):
             per = max(1, (cores - 2) // args.servers)
             servers = [LocalServer(root, args=["--workers", str(per), "--log-level", "WARNING"]).start()
@@ -165,7 +165,8 @@ def main() -> int:
     print(f"ResNet-50, batch {args.batch_size}, 224x224, bf16 autocast, channels_last; {torch.cuda.get_device_name()}"
           f", {cores} CPUs; {args.steps} timed steps")
     base_cpu = results.get("ceiling", {}).get("cpu_s_per_1000")
-    print("| source | images/s | step ms | vs ceiling | data wait | trainer CPU-s / 1000 img | input CPU-s / 1000 img |")
+    print("| source | images/s | step ms | vs ceiling | data wait | trainer CPU-s / 1000 img "
+          "| input CPU-s / 1000 img |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         versus = f"{r['step_ms'] / ceiling:.3f}x" if ceiling else ""

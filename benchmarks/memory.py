@@ -114,7 +114,7 @@ def main() -> None:
         with LocalServer(data, args=["--workers", "2", "--log-level", "WARNING"]) as server, \
                 RemoteLoader(server.address, batch_size=50, image_size=96) as loader:
             readings = []
-            for epoch in range(args.epochs):
+            for _epoch in range(args.epochs):
                 for _images, _labels in loader:
                     pass
                 readings.append((rss_mb(server.process.pid), tree_rss_mb(server.process.pid),

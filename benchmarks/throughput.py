@@ -54,7 +54,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
 from remoteloader.tools.local import LocalServer  # noqa: E402
 
 LOADERS = ("remote", "pil", "opencv")
-TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL", "opencv": "DataLoader + OpenCV/albumentations"}
+TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL",
+          "opencv": "DataLoader + OpenCV/albumentations"}
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as in torchvision's example
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
           f"{load[2]:.2f}; python {platform.python_version()}, torch {torch.__version__}, "
           f"Pillow {Image.__version__}, OpenCV {cv2.__version__}, albumentations {A.__version__}")
     print(f"config: batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.workers} workers per loader, "
-          f"{args.output} output, {args.warmup} warm-up + {args.epochs} timed epochs per loader, loaders {', '.join(args.loaders)}")
+          f"{args.output} output, {args.warmup} warm-up + {args.epochs} timed epochs per loader, "
+          f"loaders {', '.join(args.loaders)}")
     if load[0] > 0.5 * cores:
         print(f"warning: load average {load[0]:.1f} on {cores} cores: other processes compete; "
               f"images/s will be noisy (CPU ms/img much less so)")
@@ -368,7 +370,8 @@ def main(argv=None) -> int:
                                              *args.server_args],
                                  env={"NO_ALBUMENTATIONS_UPDATE": "1"}, log_path=pathlib.Path(log_dir) / "server.log")
             server.start(timeout=120)
-            print(f"server: {server.address} (pid {server.process.pid}, {args.workers} workers, reading {served}), ready in "
+            print(f"server: {server.address} (pid {server.process.pid}, {args.workers} workers, "
+                  f"reading {served}), ready in "
                   f"{time.perf_counter() - started:.1f}s; log {server.log_path}", flush=True)
         server_pid = server.process.pid if server else None
         expect = args.batch_size
@@ -377,7 +380,8 @@ def main(argv=None) -> int:
             dataloaders["pil"] = make_dataloader(PILTrainSet(samples, args.image_size, args.output), args.batch_size,
                                                  args.workers)
         if "opencv" in args.loaders:
-            dataloaders["opencv"] = make_dataloader(OpenCVTrainSet(samples, args.image_size, args.output), args.batch_size,
+            dataloaders["opencv"] = make_dataloader(OpenCVTrainSet(samples, args.image_size, args.output),
+                                                    args.batch_size,
                                                     args.workers)
         loaders: dict[str, object] = dict(dataloaders)
         # Warm-up. The DataLoaders fork their (persistent) workers here, before the
@@ -440,7 +444,8 @@ def main(argv=None) -> int:
             print(f"server log kept: {server.log_path}", file=sys.stderr)
 
     summary = {name: summarize([r for r in records if r["loader"] == name], cores) for name in order}
-    print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} {args.output}, {args.workers} workers "
+    print(f"\n## Throughput ({args.batch_size}x{args.image_size}x{args.image_size} {args.output}, "
+          f"{args.workers} workers "
           f"per loader, {cores} cores; median of {args.epochs} epochs)\n")
     print(markdown_table(summary, order))
     print("\nCPU ms per image, by process (median over epochs):\n")
@@ -454,8 +459,9 @@ def main(argv=None) -> int:
     if "remote" in summary:
         for other in ("pil", "opencv"):
             if other in summary and summary[other]["median_images_per_s"] > 0:
-                ratios[f"remote/{other}"] = summary["remote"]["median_images_per_s"] / summary[other]["median_images_per_s"]
-                cpu = summary["remote"]["median_cpu_ms_per_image"] / max(summary[other]["median_cpu_ms_per_image"], 1e-9)
+                remote, theirs = summary["remote"], summary[other]
+                ratios[f"remote/{other}"] = remote["median_images_per_s"] / theirs["median_images_per_s"]
+                cpu = remote["median_cpu_ms_per_image"] / max(theirs["median_cpu_ms_per_image"], 1e-9)
                 ratios[f"cpu remote/{other}"] = cpu
                 ratios[f"full-cpu remote/{other}"] = 1 / cpu
                 print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s "

@@ -30,7 +30,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 
 from remoteloader.client.security import TLSConfig
-from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
+from remoteloader.protos import codec, limits, loader_pb2, loader_pb2_grpc
 
 log = logging.getLogger("remoteloader.client")
 
@@ -219,8 +219,7 @@ class Link(Generic[OrderT]):
         """Opens the order stream (after fetch_describe) and starts the reader and writer: UP."""
         assert self.describe is not None, "open_stream before fetch_describe"
         self._setup = setup
-        sample_bytes = setup.height * setup.width * 3
-        limit = max(self.describe.chunk_bytes, sample_bytes) + MiB
+        limit = limits.max_message_bytes(self.describe.chunk_bytes, limits.sample_bytes(setup.height, setup.width))
         if self._data is None:
             self._data = self._channel(limit)
         method = self._data.stream_stream(_STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,

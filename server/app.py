@@ -1,8 +1,8 @@
 """Build, run and stop a loader server: ``create_server``, ``serve`` and ``run``.
 
-``create_server`` indexes the shards, starts the ``Engine`` (decode workers, shared memory,
-pipeline checks) and binds the port; the ``LoaderServer`` it returns owns the engine and
-closes it in ``stop``, after the service has drained. Nothing else closes any part of it.
+``create_server`` indexes the shards, starts the ``RenderResources`` (decode workers, shared memory,
+pipeline checks) and binds the port; the ``LoaderServer`` it returns owns them and
+closes them in ``stop``, after the service has drained. Nothing else closes any part of it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class JsonFormatter(logging.Formatter):
 
 
 @dataclass
-class Engine:
+class RenderResources:
     """What a server renders with, and must close when it stops: the decode workers, the shared
     memory they write into and read from, and the threads that check pipelines."""
 
@@ -57,7 +57,7 @@ class Engine:
     checks: PipelineChecks
 
     @classmethod
-    def start(cls, config: ServerConfig, shards: list[Shard], indexed_ns: int) -> Engine:
+    def start(cls, config: ServerConfig, shards: list[Shard], indexed_ns: int) -> RenderResources:
         """Creates them for ``config`` (the workers start when there is data to decode)."""
         with contextlib.ExitStack() as undo:  # on failure, closes what was made
             arena = Arena(config.slots, config.slot_bytes)
@@ -90,20 +90,20 @@ class Engine:
 
 
 class LoaderServer:
-    """A started loader server: the gRPC server, its service, its engine and bound address.
+    """A started loader server: the gRPC server, its service, its resources and bound address.
 
-    It owns the engine (workers, shared memory, pipeline checks): ``stop`` closes it once the
+    It owns the render resources (workers, shared memory, pipeline checks): ``stop`` closes them once the
     service has drained.
     """
 
     def __init__(self, config: ServerConfig, grpc_server: grpc.aio.Server, service: LoaderService,
-                 health_servicer: health.aio.HealthServicer, port: int, engine: Engine):
+                 health_servicer: health.aio.HealthServicer, port: int, resources: RenderResources):
         self.config = config
         self.grpc_server = grpc_server
         self.service = service
         self.health = health_servicer
         self.port = port
-        self.engine = engine
+        self.resources = resources
         self._stopped = False
 
     @property
@@ -119,7 +119,7 @@ class LoaderServer:
         await self.health.enter_graceful_shutdown()
         self.service.drain()
         await self.grpc_server.stop(grace)
-        self.engine.close()
+        self.resources.close()
 
 
 async def create_server(config: ServerConfig) -> LoaderServer:
@@ -132,11 +132,11 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     shards = open_shards(list(config.data))
     if config.synthetic:
         shards.append(SyntheticShard(config.synthetic))
-    engine = Engine.start(config, shards, indexed_ns)
+    resources = RenderResources.start(config, shards, indexed_ns)
     try:
-        return await _serve_on(config, shards, engine, token, credentials, started)
+        return await _serve_on(config, shards, resources, token, credentials, started)
     except BaseException:
-        engine.close()
+        resources.close()
         raise
 
 
@@ -161,9 +161,9 @@ def sample_layout(shards, count: int = 16) -> tuple[int, int]:
     return jpegs, packed
 
 
-async def _serve_on(config: ServerConfig, shards: list[Shard], engine: Engine, token: bytes | None,
+async def _serve_on(config: ServerConfig, shards: list[Shard], resources: RenderResources, token: bytes | None,
                     credentials: grpc.ServerCredentials | None, started: float) -> LoaderServer:
-    service = LoaderService(config, shards, engine.pool, engine.arena, engine.cache, engine.checks)
+    service = LoaderService(config, shards, resources.pool, resources.arena, resources.cache, resources.checks)
     limit = config.max_message_bytes
     interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
@@ -199,7 +199,7 @@ async def _serve_on(config: ServerConfig, shards: list[Shard], engine: Engine, t
     for name in (SERVICE, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _log_start(config, shards, started, metrics_port)
-    return LoaderServer(config, server, service, health_servicer, port, engine)
+    return LoaderServer(config, server, service, health_servicer, port, resources)
 
 
 def _log_start(config: ServerConfig, shards: list[Shard], started: float, metrics_port: int) -> None:

@@ -70,7 +70,7 @@ def test_reusing_pinned_buffers_right_after_release_never_tears_a_batch(server, 
 
         delivery.release = scribble_then_release
         sums = []
-        for images, labels, ids in loader:
+        for images, _labels, ids in loader:
             busy = torch.randn(2048, 2048, device="cuda")
             for _ in range(8):  # hold the consumer stream while the next copies run
                 busy = busy @ busy / 2048
@@ -88,7 +88,7 @@ def test_no_pinned_or_device_memory_growth_over_epochs(server, receiver):
                       receiver=receiver, prefetch=2) as loader:
         pool = loader._delivery.pool  # thread: the pinned pool; process: the receiver's slots
         readings = []
-        for epoch_index in range(6):
+        for _ in range(6):
             count = sum(len(labels) for _images, labels in loader)
             assert count == loader.num_samples // 16 * 16, "a full epoch after an abandoned one"
             torch.cuda.synchronize()

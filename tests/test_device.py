@@ -18,7 +18,8 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 def reference(images: torch.Tensor) -> torch.Tensor:
     x = images.permute(0, 3, 1, 2).double() / 255
-    return (x - torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
+    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1) for v in (MEAN, STD))
+    return (x - mean) / std
 
 
 def test_normalize_matches_the_formula_in_nchw_channels_last():

@@ -16,12 +16,10 @@ import time
 
 import pytest
 import torch
-
-from remoteloader.client import LoaderError, RemoteLoader
-from remoteloader.client import thread_receiver
-from remoteloader.tools.textures import make_imagefolder
-
 from conftest import Cluster
+
+from remoteloader.client import LoaderError, RemoteLoader, thread_receiver
+from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +48,7 @@ class Watchdog:
         self.fired.set()
         self.loader.close()
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         self._timer.start()
         return self
 

@@ -272,8 +272,8 @@ def test_packed_jpegs_keep_every_pixel_at_every_scale():
         assert b"\xff\xdd\x00\x04\x00\x01" in packed[:packed.index(b"\xff\xda")], f"{name}: no DRI of 1 MCU"
         assert dec._jpeg.cuts(packed) and not dec._jpeg.cuts(original), name  # what the server's log counts
         _, segments = entropy_segments(packed)
-        mcu = (8, 8) if name in ("444", "grey") else {"420": (16, 16), "422": (16, 8), "411": (32, 8), "440": (8, 16)}.get(
-            name, (16, 16))
+        mcus = {"444": (8, 8), "grey": (8, 8), "420": (16, 16), "422": (16, 8), "411": (32, 8), "440": (8, 16)}
+        mcu = mcus.get(name, (16, 16))
         assert len(segments) == math.ceil(413 / mcu[0]) * math.ceil(301 / mcu[1]), name
         for min_h, min_w in ((0, 0), (150, 200), (75, 1), (1, 1)):
             whole = dec.decode(original, "jpeg", min_h, min_w, 301, 413)
@@ -920,7 +920,7 @@ def test_synthetic_mode_serves_generated_pixels(servers, run_bounded):
         assert classes > 0
         got = collect(run_bounded, ld)
         assert sorted(got) == list(range(SYNTHETIC))
-        for i, (image, label) in got.items():
+        for image, label in got.values():
             assert 0 <= label < classes
             assert image.shape == (24, 24, 3)
         pixels = np.stack([image for image, _ in got.values()])

@@ -277,7 +277,8 @@ def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounde
     before = _epoch_pixels(address, run_bounded)
 
     with grpc.insecure_channel(address) as channel:
-        describe = channel.unary_unary(SERVICE + "Describe", response_deserializer=loader_pb2.DescribeResponse.FromString)
+        describe = channel.unary_unary(SERVICE + "Describe",
+                                       response_deserializer=loader_pb2.DescribeResponse.FromString)
         shard_id = describe(b"", timeout=10).shards[0].id
         fuzzers = [Fuzzer(channel, shard_id, random.Random(FUZZ_SEED + i)) for i in range(FUZZ_THREADS)]
         deadline = time.monotonic() + FUZZ_SECONDS

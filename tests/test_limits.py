@@ -18,9 +18,9 @@ import urllib.request
 
 import grpc
 import pytest
+from conftest import _run_bounded
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import _run_bounded
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import codec, loader_pb2
 from remoteloader.tools.textures import make_imagefolder

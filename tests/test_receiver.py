@@ -23,10 +23,9 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 import torch
-
 from conftest import outcome_in_fork, pixels_by_id
-from remoteloader.client import LoaderError, RemoteLoader
-from remoteloader.client import process_receiver, thread_receiver
+
+from remoteloader.client import LoaderError, RemoteLoader, process_receiver, thread_receiver
 from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)

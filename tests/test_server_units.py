@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import tarfile
-import io
 
 import pytest
 

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import outcome_in_fork, pixels_by_id
+
 from remoteloader.client import RemoteLoader
 from remoteloader.tools.textures import make_imagefolder
 

@@ -551,7 +551,8 @@ def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, ser
         if not path.name.endswith(".index.npz"):
             (folder / path.name).write_bytes(path.read_bytes())
     before = sorted(os.listdir(folder))
-    argv = [*READ_ONLY_MOUNT, str(folder), *server_command(), "--data", str(folder), "--host", "127.0.0.1", "--port", "0", *DEFAULT_ARGS]
+    argv = [*READ_ONLY_MOUNT, str(folder), *server_command(), "--data", str(folder), "--host", "127.0.0.1",
+            "--port", "0", *DEFAULT_ARGS]
     server = ServerProcess(argv, tmp_path / "ro-server.log")
     try:
         port = server.wait_ready(60)
