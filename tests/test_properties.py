@@ -4,6 +4,8 @@
   gets the same number of batches, the ranks' batches are disjoint and together cover the
   epoch (all of it, or all but the remainder with ``drop_last``), and the plan is a pure
   function of its arguments.
+* The state_dict: a position saved anywhere in an epoch, and loaded into a fresh loader,
+  resumes exactly the batches not yet delivered, and is refused by a loader of another plan.
 * The chunk codec: whatever header and pixels, encoding then decoding gives them back, and
   on any message protobuf itself accepts (fields in another order, repeated, unknown ones
   between them) ``decode_chunk`` reads what protobuf reads, or refuses a truncated one.
@@ -11,7 +13,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -181,3 +186,54 @@ def test_a_cut_message_is_refused_or_read_as_protobuf_reads_it(data, draw):
         return
     assert parsed is not None, "decode_chunk read a message protobuf refuses"
     assert decoded.header == parsed.header and bytes(decoded.pixels) == parsed.pixels
+
+
+# ---- the state_dict ------------------------------------------------------------------------
+
+
+@st.composite
+def positions(draw):
+    """A plan, and a position in it reached by delivering some batches in any order (ordered=False)."""
+    args = draw(plan_arguments())
+    rank = draw(st.integers(0, args["world_size"] - 1))
+    identity = {"seed": args["seed"], "num_samples": args["num_samples"], "batch_size": args["batch_size"],
+                "world_size": args["world_size"], "rank": rank, "shuffle": args["shuffle"],
+                "drop_last": args["drop_last"]}
+    options = {k: args[k] for k in ("shuffle", "seed", "world_size", "drop_last")}
+
+    def plan_of(epoch: int) -> list[np.ndarray]:
+        return plan.epoch_plan(args["num_samples"], args["batch_size"], epoch=epoch, rank=rank, **options)
+
+    epoch = args["epoch"]
+    batches = plan_of(epoch)
+    delivered = draw(st.lists(st.sampled_from(range(len(batches))), unique=True)) if batches else []
+    return identity, plan_of, epoch, batches, delivered
+
+
+@SETTINGS
+@given(positions())
+def test_a_state_dict_resumes_exactly_the_batches_not_yet_delivered(case):
+    from remoteloader.client.epoch import EpochPosition
+
+    identity, plan_of, epoch, batches, delivered = case
+    playing = EpochPosition(plan_of, replayable=True)
+    playing.set_epoch(epoch)
+    playing.begin(epoch, batches, token=1, start=0, done=frozenset())
+    for seq in delivered:
+        playing.delivered(seq)
+    state = playing.state_dict(identity)
+    assert json.loads(json.dumps(state)) == state  # what a checkpoint holds
+
+    fresh = EpochPosition(plan_of, replayable=True)
+    fresh.load(json.loads(json.dumps(state)), identity, space=None)
+    assert fresh.state_dict(identity) == state
+    resume = fresh.take_resume(epoch)
+    assert resume is not None and resume.epoch == epoch
+    remaining = [seq for seq in range(resume.position, len(resume.batches)) if seq not in resume.done]
+    assert remaining == [seq for seq in range(len(batches)) if seq not in delivered]
+    assert all(np.array_equal(a, b) for a, b in zip(resume.batches, batches))
+
+    for key, other in (("seed", (identity["seed"] + 1) % 2**64), ("batch_size", identity["batch_size"] + 1),
+                       ("rank", identity["rank"] + 1), ("num_samples", identity["num_samples"] + 1)):
+        with pytest.raises(ValueError, match=f"{key}="):
+            EpochPosition(plan_of, replayable=True).load(state, {**identity, key: other}, space=None)

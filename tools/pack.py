@@ -37,7 +37,7 @@ import simplejpeg
 
 from remoteloader.server.catalog import CLASSES_FILE, INDEX_SUFFIX, ImageFolderShard, TarShard
 from remoteloader.server.config import default_workers
-from remoteloader.server.decode import DecodeError, _jpeg, read_size
+from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
 from remoteloader.tools import signals
 
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
@@ -109,7 +109,7 @@ def prepare(path: str, transcode: bool = True) -> Prepared:
         return data, "copied", (f"{width}x{height}: rewriting one over {TRANSCODE_MAX_PIXELS // 1_000_000} MP "
                                 f"would take too much memory"), len(data)
     try:
-        rewritten = _jpeg.transcode(data)
+        rewritten = _jpeg.transcode(data, TRANSCODE_MAX_PIXELS, MAX_SCANS)
     except ValueError as exc:
         return data, "not rewritten", f"libjpeg: {exc}", len(data)
     if rewritten is None:
