@@ -10,5 +10,6 @@ def __getattr__(name: str):
     # RemoteLoader imports torch; the receiver process (remoteloader.client.receiver_service) does not need it.
     if name == "RemoteLoader":
         from remoteloader.client.loader import RemoteLoader
+
         return RemoteLoader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,8 +63,16 @@ class CudaDelivery:
             here (cudaHostRegister) in place of the pool, and go back to it after the copy.
     """
 
-    def __init__(self, device: torch.device, normalize: Normalize | None, dtype: torch.dtype, batch_bytes: int,
-                 prefetch: int, on_free: Callable[[], None], receiver: ProcessReceiver | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        normalize: Normalize | None,
+        dtype: torch.dtype,
+        batch_bytes: int,
+        prefetch: int,
+        on_free: Callable[[], None],
+        receiver: ProcessReceiver | None = None,
+    ):
         self.device = device
         self.normalize = normalize
         self.dtype = dtype
@@ -82,7 +90,7 @@ class CudaDelivery:
         base = self.pool.take()
         if base is None:
             return None  # the engine waits for on_free
-        view = base[:n * h * w * 3].view(n, h, w, 3)
+        view = base[: n * h * w * 3].view(n, h, w, 3)
         self._owner[view.data_ptr()] = base
         return view
 
@@ -101,8 +109,9 @@ class CudaDelivery:
         self.close()
         self._stop = threading.Event()
         out: queue.Queue[Output] = queue.Queue(maxsize=GPU_AHEAD)
-        self._thread = threading.Thread(target=self._run, args=(source, out, self._stop),
-                                        name="remoteloader-cuda", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(source, out, self._stop), name="remoteloader-cuda", daemon=True
+        )
         self._thread.start()
         return out
 
@@ -138,8 +147,7 @@ class CudaDelivery:
         # The pinned buffer may be refilled only once the copy out of it has finished.
         copied.synchronize()
         self.release(host)
-        return Delivered(batch.seq, images, labels, torch.from_numpy(batch.ids), batch.failures, batch.nbytes,
-                         ready)
+        return Delivered(batch.seq, images, labels, torch.from_numpy(batch.ids), batch.failures, batch.nbytes, ready)
 
     @staticmethod
     def _put(out: queue.Queue[Output], item: Output, stop: threading.Event) -> None:
@@ -196,8 +204,11 @@ def register_pinned(array: np.ndarray, device: torch.device) -> int | None:
     thread.join()
     error = result[0] if result else "no answer"
     if int(getattr(error, "value", error if isinstance(error, int) else -1)) != 0:
-        warnings.warn(f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed ({error}): "
-                      f"host-to-device copies will not overlap compute; receiver='thread' uses torch's own "
-                      f"pinned memory instead", stacklevel=3)
+        warnings.warn(
+            f"cudaHostRegister of the receiver's {nbytes / 2**20:.0f} MiB of batch slots failed ({error}): "
+            f"host-to-device copies will not overlap compute; receiver='thread' uses torch's own "
+            f"pinned memory instead",
+            stacklevel=3,
+        )
         return None
     return address

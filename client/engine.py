@@ -85,8 +85,9 @@ class Engine:
         buffers: Where batches are received.
     """
 
-    def __init__(self, links: dict[str, Link[_Order]], setup: loader_pb2.Setup, options: EngineOptions,
-                 buffers: BatchBuffers):
+    def __init__(
+        self, links: dict[str, Link[_Order]], setup: loader_pb2.Setup, options: EngineOptions, buffers: BatchBuffers
+    ):
         self.links = links
         self.setup = setup
         self.options = options
@@ -101,8 +102,14 @@ class Engine:
         self._watchdog: asyncio.Task | None = None
 
     # ---- epochs ---------------------------------------------------------------------
-    async def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace,
-                          skip: frozenset[int] = frozenset()) -> int:
+    async def start_epoch(
+        self,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        space: SampleSpace,
+        skip: frozenset[int] = frozenset(),
+    ) -> int:
         """Starts an epoch at batch ``first_seq`` (leaving out the batches in ``skip``); returns its token."""
         self.cancel_epoch()
         self.space = space
@@ -191,8 +198,9 @@ class Engine:
                 local = ids[positions] - shard.offset
                 for start in range(0, len(positions), self.order_size):
                     part = slice(start, start + self.order_size)
-                    self._pending.append(_Order(next(self._order_ids), batch, shard, positions[part], local[part],
-                                                run.epoch))
+                    self._pending.append(
+                        _Order(next(self._order_ids), batch, shard, positions[part], local[part], run.epoch)
+                    )
         self._pump()
 
     # ---- scheduling -----------------------------------------------------------------
@@ -205,13 +213,15 @@ class Engine:
         it sooner (by more than half again).
         """
         for order in list(self._pending):
-            owners = [link for link in (self.links.get(a) for a in order.shard.owners)
-                      if link is not None and link.state is LinkState.UP]
+            owners = [
+                link
+                for link in (self.links.get(a) for a in order.shard.owners)
+                if link is not None and link.state is LinkState.UP
+            ]
             if not owners:
                 continue
             default_rate = max((link.rate for link in owners if link.rate), default=1000.0)
-            finish = {link.address: (link.outstanding + order.samples) / (link.rate or default_rate)
-                      for link in owners}
+            finish = {link.address: (link.outstanding + order.samples) / (link.rate or default_rate) for link in owners}
             ready = [link for link in owners if link.credits > 0]
             if not ready:
                 continue
@@ -226,8 +236,16 @@ class Engine:
         order.received = 0
         order.failures = []
         order.nbytes = 0
-        link.send(order, loader_pb2.Order(order_id=order.order_id, shard_id=order.shard.id,
-                                          indices=order.local.tolist(), seed=self.options.seed, epoch=order.epoch))
+        link.send(
+            order,
+            loader_pb2.Order(
+                order_id=order.order_id,
+                shard_id=order.shard.id,
+                indices=order.local.tolist(),
+                seed=self.options.seed,
+                epoch=order.epoch,
+            ),
+        )
 
     # ---- receiving (LinkEvents) -----------------------------------------------------
     def on_chunk(self, link: Link[_Order], chunk: codec.DecodedChunk) -> None:
@@ -236,22 +254,32 @@ class Engine:
         order = link.order(header.order_id)
         h, w = self.setup.height, self.setup.width
         expected = header.count * h * w * 3
-        if (order is None or header.start != order.received or header.start + header.count > order.samples
-                or header.count == 0 or header.height != h
-                or header.width != w or header.channels != 3 or len(pixels) != expected
-                or len(header.labels) != header.count):
-            link.fail(ConnectionError(
-                f"malformed chunk from {link.address} (order {header.order_id}, start {header.start}, "
-                f"count {header.count}, {len(pixels)} pixel bytes, expected {expected})"))
+        if (
+            order is None
+            or header.start != order.received
+            or header.start + header.count > order.samples
+            or header.count == 0
+            or header.height != h
+            or header.width != w
+            or header.channels != 3
+            or len(pixels) != expected
+            or len(header.labels) != header.count
+        ):
+            link.fail(
+                ConnectionError(
+                    f"malformed chunk from {link.address} (order {header.order_id}, start {header.start}, "
+                    f"count {header.count}, {len(pixels)} pixel bytes, expected {expected})"
+                )
+            )
             return
         link.received(len(pixels), header.count)
         if not order.cancelled:
             assert self.space is not None, "orders are only sent while an epoch runs"
             batch = order.batch
-            rows = order.positions[header.start:header.start + header.count]
+            rows = order.positions[header.start : header.start + header.count]
             block = np.frombuffer(pixels, dtype=np.uint8).reshape(header.count, h, w, 3)
             if rows[-1] - rows[0] == len(rows) - 1:  # contiguous rows: one slice copy
-                batch.pixels[rows[0]:rows[-1] + 1] = block
+                batch.pixels[rows[0] : rows[-1] + 1] = block
             else:
                 batch.pixels[rows] = block
             batch.labels[rows] = self.space.global_labels(order.shard, np.asarray(header.labels, dtype=np.int64))
@@ -279,8 +307,12 @@ class Engine:
         if link.state is LinkState.DEAD:
             log.error("loader server %s refused this client: %s", link.address, describe_error(exc))
         else:
-            log.warning("loader server %s failed (%s); %d order(s) go back to the queue",
-                        link.address, describe_error(exc), len(orders))
+            log.warning(
+                "loader server %s failed (%s); %d order(s) go back to the queue",
+                link.address,
+                describe_error(exc),
+                len(orders),
+            )
         self._pump()
 
     def on_link_up(self, link: Link[_Order]) -> None:
@@ -297,13 +329,17 @@ class Engine:
         for order in self._pending:
             if not any(owner in hopeful for owner in order.shard.owners):
                 owners = [self.links[o] for o in order.shard.owners if o in self.links]
-                detail = "; ".join(f"{link.address}: {link.gave_up or link.last_error or link.state.value}"
-                                   for link in owners)
+                detail = "; ".join(
+                    f"{link.address}: {link.gave_up or link.last_error or link.state.value}" for link in owners
+                )
                 ids = order.batch.ids[order.positions]
-                self.fail(LoaderError(
-                    f"no loader server can serve shard {order.shard.name} ({order.shard.id}): {detail}; "
-                    f"{len(ids)} sample(s) of batch {order.batch.seq} could not be served, ids "
-                    f"{_abbrev(ids.tolist())}"))
+                self.fail(
+                    LoaderError(
+                        f"no loader server can serve shard {order.shard.name} ({order.shard.id}): {detail}; "
+                        f"{len(ids)} sample(s) of batch {order.batch.seq} could not be served, ids "
+                        f"{_abbrev(ids.tolist())}"
+                    )
+                )
                 return
 
     async def _watch_progress(self) -> None:
@@ -333,8 +369,15 @@ class _Run:
     """One epoch's batches from ``first_seq`` on, less ``skip`` (already delivered before a resume):
     what is dispatched, what is ready, and the order batches go out in."""
 
-    def __init__(self, token: int, epoch: int, batches: list[np.ndarray], first_seq: int, out: queue.Queue[Item],
-                 skip: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        token: int,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        out: queue.Queue[Item],
+        skip: frozenset[int] = frozenset(),
+    ):
         self.token = token
         self.epoch = epoch
         self.batches = batches

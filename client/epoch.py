@@ -128,11 +128,20 @@ class EpochPosition:
     # ---- state_dict -----------------------------------------------------------------
     def state_dict(self, identity: Mapping[str, Any]) -> dict:
         """The position as a small JSON-serializable dict (see RemoteLoader.state_dict)."""
-        return {"version": STATE_VERSION, "seed": identity["seed"], "epoch": self.epoch, "position": self.position,
-                "delivered_after": sorted(self.done), "num_samples": identity["num_samples"],
-                "batch_size": identity["batch_size"], "world_size": identity["world_size"], "rank": identity["rank"],
-                "shuffle": identity["shuffle"], "drop_last": identity["drop_last"],
-                "plan": self._plan_digest(self.epoch)}
+        return {
+            "version": STATE_VERSION,
+            "seed": identity["seed"],
+            "epoch": self.epoch,
+            "position": self.position,
+            "delivered_after": sorted(self.done),
+            "num_samples": identity["num_samples"],
+            "batch_size": identity["batch_size"],
+            "world_size": identity["world_size"],
+            "rank": identity["rank"],
+            "shuffle": identity["shuffle"],
+            "drop_last": identity["drop_last"],
+            "plan": self._plan_digest(self.epoch),
+        }
 
     def load(self, state: Any, identity: Mapping[str, Any], space: SampleSpace) -> None:
         """Continues at a saved position, after checking it belongs to this loader's plan.
@@ -145,8 +154,10 @@ class EpochPosition:
         state = json.loads(json.dumps(state))
         missing = [k for k in ("version", "epoch", "position") if k not in state]
         if missing or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
-                             f"version {state.get('version')!r}")
+            raise ValueError(
+                f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
+                f"version {state.get('version')!r}"
+            )
         # shuffle and drop_last are left to the plan's digest, which also sees when they change
         # nothing (a sampler; an even split); a state saved before the digest existed compares them.
         keys = ["seed", "num_samples", "batch_size", "world_size", "rank"]
@@ -155,8 +166,10 @@ class EpochPosition:
         for key in keys:
             mine = identity[key]
             if state.get(key) != mine:
-                raise ValueError(f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
-                                 f"a resumed epoch is only identical with the same {key}")
+                raise ValueError(
+                    f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
+                    f"a resumed epoch is only identical with the same {key}"
+                )
         epoch = check_int("state_dict epoch", state["epoch"], 0, UINT64)
         position = check_int("state_dict position", state["position"], 0)
         done = state.get("delivered_after", [])
@@ -165,14 +178,19 @@ class EpochPosition:
         later = {check_int("state_dict delivered_after", seq, position + 1) for seq in done}
         batches = self.plan(epoch)
         if state.get("plan") and state["plan"] != digest(batches):
-            differ = [f"{k}={state[k]!r} there" for k in ("shuffle", "drop_last") if k in state and
-                      state[k] != identity[k]]
+            differ = [
+                f"{k}={state[k]!r} there" for k in ("shuffle", "drop_last") if k in state and state[k] != identity[k]
+            ]
             why = ", ".join(differ) or "a different sampler, or one whose order is not a function of the epoch"
-            raise ValueError(f"state_dict was saved from another plan of epoch {epoch} than this loader's ({why}); "
-                             f"resuming would play other batches")
+            raise ValueError(
+                f"state_dict was saved from another plan of epoch {epoch} than this loader's ({why}); "
+                f"resuming would play other batches"
+            )
         if position > len(batches) or (later and max(later) >= len(batches)):
-            raise ValueError(f"state_dict position={position} delivered_after={sorted(later)}: epoch {epoch} has "
-                             f"{len(batches)} batches here")
+            raise ValueError(
+                f"state_dict position={position} delivered_after={sorted(later)}: epoch {epoch} has "
+                f"{len(batches)} batches here"
+            )
         self.epoch, self.position, self.done = epoch, position, later
         self._resume = Resume(epoch, position, frozenset(later), batches, space)
         self._playing = _Plan(epoch, batches)  # for state_dict() before the first batch

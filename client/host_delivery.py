@@ -110,8 +110,9 @@ class HostDelivery:
     training loop holds one or two at a time, and each is 2-8x the bytes of a uint8 batch.
     """
 
-    def __init__(self, normalize: Normalize | None, dtype: torch.dtype, prefetch: int,
-                 receiver: ProcessReceiver | None = None):
+    def __init__(
+        self, normalize: Normalize | None, dtype: torch.dtype, prefetch: int, receiver: ProcessReceiver | None = None
+    ):
         self.normalize = normalize
         self.dtype = dtype
         self.pool = HostPool(keep=prefetch + 2)
@@ -146,8 +147,9 @@ class HostDelivery:
         else:
             assert isinstance(batch.images, torch.Tensor), "allocate() lends tensors"
             images = batch.images
-        return Delivered(batch.seq, images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids),
-                         batch.failures, batch.nbytes)
+        return Delivered(
+            batch.seq, images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids), batch.failures, batch.nbytes
+        )
 
     def _normalize(self, images: np.ndarray, normalize: Normalize) -> torch.Tensor:
         n, h, w = images.shape[:3]

@@ -42,10 +42,16 @@ HEALTHY_AFTER = 10.0  # seconds a stream must last to count as working without d
 
 # Status codes that mean the request itself is wrong: retrying elsewhere cannot help.
 # (RESOURCE_EXHAUSTED is not among them: "too many open streams" passes when others close.)
-FATAL_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-})
+FATAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 
 
 def channel_options(max_receive: int) -> list[tuple[str, str | int]]:
@@ -174,8 +180,14 @@ class Link(Generic[OrderT]):
 
     def counters(self) -> dict[str, int | str]:
         """Its counters and state, as ``stats()["servers"]`` reports them."""
-        return {"orders": self.orders_sent, "samples": self.samples_received, "bytes": self.bytes_received,
-                "failures": self.failures, "reconnects": self.reconnects, "state": self.state.value}
+        return {
+            "orders": self.orders_sent,
+            "samples": self.samples_received,
+            "bytes": self.bytes_received,
+            "failures": self.failures,
+            "reconnects": self.reconnects,
+            "state": self.state.value,
+        }
 
     # ---- control channel --------------------------------------------------------------
     def _channel(self, max_receive: int) -> grpc.aio.Channel:
@@ -194,24 +206,31 @@ class Link(Generic[OrderT]):
             self._control = self._channel(16 * MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         try:
-            describe = await stub.Describe(loader_pb2.DescribeRequest(), timeout=timeout,
-                                           wait_for_ready=True, metadata=self.options.metadata)
+            describe = await stub.Describe(
+                loader_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True, metadata=self.options.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
-                raise PermissionError(f"loader server {self.address} refused this client: {exc.code().name}: "
-                                      f"{exc.details()}{hint}") from None
-            raise ConnectionError(f"loader server {self.address} did not answer within {timeout:g}s "
-                                  f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
-                                  f"{exc.details()}") from None
+                raise PermissionError(
+                    f"loader server {self.address} refused this client: {exc.code().name}: {exc.details()}{hint}"
+                ) from None
+            raise ConnectionError(
+                f"loader server {self.address} did not answer within {timeout:g}s "
+                f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
+                f"{exc.details()}"
+            ) from None
         self.describe = describe
         self.max_inflight = max(1, min(self.options.max_inflight, describe.max_inflight_orders))
         return describe
 
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
         stub = loader_pb2_grpc.LoaderStub(self._control)
-        reply = await stub.GetKeys(loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
-                                   timeout=self.options.connect_timeout, metadata=self.options.metadata)
+        reply = await stub.GetKeys(
+            loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
+            timeout=self.options.connect_timeout,
+            metadata=self.options.metadata,
+        )
         return list(reply.keys)
 
     # ---- the order stream -------------------------------------------------------------
@@ -222,8 +241,11 @@ class Link(Generic[OrderT]):
         limit = limits.max_message_bytes(self.describe.chunk_bytes, limits.sample_bytes(setup.height, setup.width))
         if self._data is None:
             self._data = self._channel(limit)
-        method = self._data.stream_stream(_STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
-                                          response_deserializer=codec.decode_chunk)
+        method = self._data.stream_stream(
+            _STREAM,
+            request_serializer=loader_pb2.StreamRequest.SerializeToString,
+            response_deserializer=codec.decode_chunk,
+        )
         self._call = call = method(metadata=self.options.metadata)
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
@@ -262,8 +284,9 @@ class Link(Generic[OrderT]):
     def check_progress(self, timeout: float) -> None:
         """Fails the stream if it holds orders but sent nothing for ``timeout`` seconds (stuck)."""
         if self.state is LinkState.UP and self._inflight and time.monotonic() - self._last_progress > timeout:
-            self.fail(TimeoutError(f"no data for progress_timeout={timeout:g}s with "
-                                   f"{len(self._inflight)} order(s) in flight"))
+            self.fail(
+                TimeoutError(f"no data for progress_timeout={timeout:g}s with {len(self._inflight)} order(s) in flight")
+            )
 
     async def _write(self, call: Any) -> None:
         try:

@@ -137,24 +137,61 @@ class RemoteLoader:
     prefetch: Option[int] = Option()
     receiver: Option[str] = Option()
 
-    def __init__(self, address: str | Iterable[str], *, batch_size: int = 256, image_size: int | Sequence[int] = 224,
-                 pipeline: Any = "train", shuffle: bool = True, seed: int = 0, drop_last: bool = True,
-                 sampler: Iterable[int] | None = None, rank: int | None = None, world_size: int | None = None,
-                 device: str | torch.device = "cpu", normalize: tuple[Sequence[float], Sequence[float]] | None = None,
-                 dtype: torch.dtype = torch.float32, return_ids: bool = False, ordered: bool = True,
-                 on_error: str | Callable[[list[SampleFailure]], None] = "raise", prefetch: int = 8,
-                 max_inflight: int = 4, connect_timeout: float = 10.0, reconnect_timeout: float = 60.0,
-                 progress_timeout: float = 60.0, tls: str | TLSConfig | None = None, token: str | None = None,
-                 receiver: str | None = None):
+    def __init__(
+        self,
+        address: str | Iterable[str],
+        *,
+        batch_size: int = 256,
+        image_size: int | Sequence[int] = 224,
+        pipeline: Any = "train",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        sampler: Iterable[int] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        device: str | torch.device = "cpu",
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        dtype: torch.dtype = torch.float32,
+        return_ids: bool = False,
+        ordered: bool = True,
+        on_error: str | Callable[[list[SampleFailure]], None] = "raise",
+        prefetch: int = 8,
+        max_inflight: int = 4,
+        connect_timeout: float = 10.0,
+        reconnect_timeout: float = 60.0,
+        progress_timeout: float = 60.0,
+        tls: str | TLSConfig | None = None,
+        token: str | None = None,
+        receiver: str | None = None,
+    ):
         self._close_lock = threading.Lock()
         self._closed = False
         self.options = LoaderOptions.from_arguments(
-            batch_size=batch_size, image_size=image_size, pipeline=pipeline, shuffle=shuffle, seed=seed,
-            drop_last=drop_last, sampler=sampler, rank=rank, world_size=world_size, device=device,
-            normalize=normalize, dtype=dtype, return_ids=return_ids, ordered=ordered, on_error=on_error,
-            prefetch=prefetch, max_inflight=max_inflight, connect_timeout=connect_timeout,
-            reconnect_timeout=reconnect_timeout, progress_timeout=progress_timeout, tls=tls, token=token,
-            receiver=receiver)
+            batch_size=batch_size,
+            image_size=image_size,
+            pipeline=pipeline,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            sampler=sampler,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            normalize=normalize,
+            dtype=dtype,
+            return_ids=return_ids,
+            ordered=ordered,
+            on_error=on_error,
+            prefetch=prefetch,
+            max_inflight=max_inflight,
+            connect_timeout=connect_timeout,
+            reconnect_timeout=reconnect_timeout,
+            progress_timeout=progress_timeout,
+            tls=tls,
+            token=token,
+            receiver=receiver,
+        )
         self._position = EpochPosition(self.plan, replayable=sampler is None)
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
         self._throughput = _Throughput()
@@ -179,11 +216,17 @@ class RemoteLoader:
             if o.receiver == "process":
                 # Batches arrive in its shared slots; the delivery copies them out (to the GPU
                 # on CUDA) and gives the slots back.
-                process = ProcessReceiver(address, o.setup, o.prefetch + 2, o.batch_bytes, engine_options,
-                                          link_options)
+                process = ProcessReceiver(address, o.setup, o.prefetch + 2, o.batch_bytes, engine_options, link_options)
             if o.device.type == "cuda":
-                delivery = CudaDelivery(o.device, o.normalize, o.dtype, o.batch_bytes, o.prefetch,
-                                        on_free=self._buffer_freed, receiver=process)
+                delivery = CudaDelivery(
+                    o.device,
+                    o.normalize,
+                    o.dtype,
+                    o.batch_bytes,
+                    o.prefetch,
+                    on_free=self._buffer_freed,
+                    receiver=process,
+                )
             else:
                 delivery = HostDelivery(o.normalize, o.dtype, o.prefetch, receiver=process)
             if process is not None:
@@ -199,10 +242,13 @@ class RemoteLoader:
     def _warn_if_epochs_are_empty(self) -> None:
         n = self._epoch_samples()
         if n and plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last) == 0:
-            warnings.warn(f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
-                          f"of the {n} samples {'the sampler gives' if self.sampler is not None else 'it serves'} "
-                          f"for each of {self.world_size} rank(s): every epoch is empty (pass drop_last=False or "
-                          f"a smaller batch_size)", stacklevel=3)
+            warnings.warn(
+                f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
+                f"of the {n} samples {'the sampler gives' if self.sampler is not None else 'it serves'} "
+                f"for each of {self.world_size} rank(s): every epoch is empty (pass drop_last=False or "
+                f"a smaller batch_size)",
+                stacklevel=3,
+            )
 
     # ---- the public surface ------------------------------------------------------------
     @property
@@ -226,8 +272,7 @@ class RemoteLoader:
     def __len__(self) -> int:
         n = self._epoch_samples()
         if n is None:
-            raise TypeError("len(RemoteLoader) is unknown: its sampler has no __len__ (as DataLoader, len() "
-                            "needs one)")
+            raise TypeError("len(RemoteLoader) is unknown: its sampler has no __len__ (as DataLoader, len() needs one)")
         return plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last)
 
     def _epoch_samples(self) -> int | None:
@@ -250,9 +295,17 @@ class RemoteLoader:
 
     def plan(self, epoch: int | None = None) -> list[np.ndarray]:
         """This rank's batches of global sample ids for an epoch (a pure function)."""
-        return plan_module.epoch_plan(self.num_samples, self.batch_size, shuffle=self.shuffle, seed=self.seed,
-                                      epoch=self._position.epoch if epoch is None else epoch, rank=self.rank,
-                                      world_size=self.world_size, drop_last=self.drop_last, sampler=self.sampler)
+        return plan_module.epoch_plan(
+            self.num_samples,
+            self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=self._position.epoch if epoch is None else epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            sampler=self.sampler,
+        )
 
     def sample_key(self, sample_id: int) -> str:
         """The sample's key on its server, e.g. ``"dog/0001.jpg"``."""
@@ -291,11 +344,17 @@ class RemoteLoader:
         s = self._throughput
         elapsed = (time.perf_counter() - s.start) if s.start else 0.0
         per_server = self._final_servers if self._closed else self._io.server_stats()
-        return {"batches": s.batches, "images": s.images, "bytes": s.bytes, "elapsed_s": elapsed,
-                "images_per_s": s.images / elapsed if elapsed else 0.0,
-                "bytes_per_s": s.bytes / elapsed if elapsed else 0.0,
-                "wait_s": s.wait_s, "wait_fraction": s.wait_s / elapsed if elapsed else 0.0,
-                "servers": per_server}
+        return {
+            "batches": s.batches,
+            "images": s.images,
+            "bytes": s.bytes,
+            "elapsed_s": elapsed,
+            "images_per_s": s.images / elapsed if elapsed else 0.0,
+            "bytes_per_s": s.bytes / elapsed if elapsed else 0.0,
+            "wait_s": s.wait_s,
+            "wait_fraction": s.wait_s / elapsed if elapsed else 0.0,
+            "servers": per_server,
+        }
 
     # ---- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
@@ -354,8 +413,9 @@ class RemoteLoader:
                 if stopped is not None:
                     raise LoaderError(stopped) from None
                 if self._io.token != token:
-                    raise RuntimeError("this iteration was superseded: iter(loader) was called again, "
-                                       "which starts the epoch anew") from None
+                    raise RuntimeError(
+                        "this iteration was superseded: iter(loader) was called again, which starts the epoch anew"
+                    ) from None
 
     def _abandon(self, token: int) -> None:
         """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
@@ -380,10 +440,12 @@ class RemoteLoader:
                 keep_on = keep.to(images.device)
                 images, labels, ids = images[keep_on], labels[keep_on], ids[keep]
                 if len(ids) == 0:
-                    warnings.warn(f"batch {delivered.seq}: none of its {len(keep)} samples could be served, so it "
-                                  f"is left out and this rank yields fewer batches than len(loader); under DDP the "
-                                  f"ranks then disagree (on_error='raise' or a callable keeps every batch)",
-                                  stacklevel=4)
+                    warnings.warn(
+                        f"batch {delivered.seq}: none of its {len(keep)} samples could be served, so it "
+                        f"is left out and this rank yields fewer batches than len(loader); under DDP the "
+                        f"ranks then disagree (on_error='raise' or a callable keeps every batch)",
+                        stacklevel=4,
+                    )
                     return None
         self._throughput.batches += 1
         self._throughput.images += len(ids)
@@ -400,8 +462,10 @@ class RemoteLoader:
         text = "; ".join(f"id {f.sample_id} {f.key!r} on {f.server}: {f.reason}" for f in failures[:10])
         more = f" (and {len(failures) - 10} more)" if len(failures) > 10 else ""
         if on_error == "raise":
-            raise LoaderError(f"{len(failures)} sample(s) of batch {batch.seq} could not be served: {text}{more}. "
-                              f"Pass on_error='skip' or 'warn' to train without them.")
+            raise LoaderError(
+                f"{len(failures)} sample(s) of batch {batch.seq} could not be served: {text}{more}. "
+                f"Pass on_error='skip' or 'warn' to train without them."
+            )
         if on_error == "warn":
             warnings.warn(f"skipping {len(failures)} sample(s) that could not be served: {text}{more}", stacklevel=4)
         bad = {f.sample_id for f in failures}

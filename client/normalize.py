@@ -44,8 +44,10 @@ def normalize_host(images: np.ndarray, out: torch.Tensor, normalize: Normalize) 
     and OpenMP threads that spin). Returns ``out`` viewed as NCHW (channels_last strides).
     """
     if not (images.flags.c_contiguous and out.is_contiguous() and out.shape == images.shape):
-        raise ValueError(f"normalize_host: expected contiguous {images.shape} input and output, got "
-                         f"{out.shape} {'' if out.is_contiguous() else 'non-'}contiguous output")
+        raise ValueError(
+            f"normalize_host: expected contiguous {images.shape} input and output, got "
+            f"{out.shape} {'' if out.is_contiguous() else 'non-'}contiguous output"
+        )
     dtype = np.float64 if out.dtype == torch.float64 else np.float32
     scale, shift = _host_affine(tuple(normalize[0]), tuple(normalize[1]), dtype)
     src = images.reshape(-1)
@@ -54,19 +56,20 @@ def normalize_host(images: np.ndarray, out: torch.Tensor, normalize: Normalize) 
     dst = out.numpy().reshape(-1) if direct else None
     scratch = np.empty(0 if direct else HOST_CHUNK, np.float32)
     for start in range(0, src.size, HOST_CHUNK):
-        piece = src[start:start + HOST_CHUNK]
+        piece = src[start : start + HOST_CHUNK]
         n = piece.size
-        target = dst[start:start + n] if dst is not None else scratch[:n]
+        target = dst[start : start + n] if dst is not None else scratch[:n]
         np.multiply(piece, scale[:n], out=target, dtype=target.dtype)
         np.add(target, shift[:n], out=target)
         if dst is None:
-            out.view(-1)[start:start + n].copy_(torch.from_numpy(target))
+            out.view(-1)[start : start + n].copy_(torch.from_numpy(target))
     return out.permute(0, 3, 1, 2)
 
 
 @functools.lru_cache(maxsize=16)
-def _host_affine(mean: tuple[float, ...], std: tuple[float, ...], dtype: type[np.floating]
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _host_affine(
+    mean: tuple[float, ...], std: tuple[float, ...], dtype: type[np.floating]
+) -> tuple[np.ndarray, np.ndarray]:
     scale, shift = _affine_terms(mean, std)
     return np.tile(np.array(scale, dtype), HOST_CHUNK // 3), np.tile(np.array(shift, dtype), HOST_CHUNK // 3)
 
@@ -75,8 +78,10 @@ def _host_affine(mean: tuple[float, ...], std: tuple[float, ...], dtype: type[np
 def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / 255 - mean) / std as x * scale + shift, built once per device (no copy per batch)."""
     scale, shift = _affine_terms(mean, std)
-    return (torch.tensor(scale, dtype=torch.float32, device=device),
-            torch.tensor(shift, dtype=torch.float32, device=device))
+    return (
+        torch.tensor(scale, dtype=torch.float32, device=device),
+        torch.tensor(shift, dtype=torch.float32, device=device),
+    )
 
 
 def _affine_terms(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[list[float], list[float]]:

@@ -61,11 +61,33 @@ class LoaderOptions:
     metadata: tuple[tuple[str, str], ...]
 
     @classmethod
-    def from_arguments(cls, *, batch_size: Any, image_size: Any, pipeline: Any, shuffle: Any, seed: Any,
-                       drop_last: Any, sampler: Any, rank: Any, world_size: Any, device: Any, normalize: Any,
-                       dtype: Any, return_ids: Any, ordered: Any, on_error: Any, prefetch: Any, max_inflight: Any,
-                       connect_timeout: Any, reconnect_timeout: Any, progress_timeout: Any, tls: Any, token: Any,
-                       receiver: Any) -> LoaderOptions:
+    def from_arguments(
+        cls,
+        *,
+        batch_size: Any,
+        image_size: Any,
+        pipeline: Any,
+        shuffle: Any,
+        seed: Any,
+        drop_last: Any,
+        sampler: Any,
+        rank: Any,
+        world_size: Any,
+        device: Any,
+        normalize: Any,
+        dtype: Any,
+        return_ids: Any,
+        ordered: Any,
+        on_error: Any,
+        prefetch: Any,
+        max_inflight: Any,
+        connect_timeout: Any,
+        reconnect_timeout: Any,
+        progress_timeout: Any,
+        tls: Any,
+        token: Any,
+        receiver: Any,
+    ) -> LoaderOptions:
         """Validates RemoteLoader's arguments (ValueError naming the first bad one)."""
         batch_size = check_int("batch_size", batch_size, 1)
         size = _size(image_size)
@@ -81,19 +103,40 @@ class LoaderOptions:
         if not callable(on_error) and on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {', '.join(ON_ERROR)} or a callable")
         prefetch, max_inflight = check_int("prefetch", prefetch, 1), check_int("max_inflight", max_inflight, 1)
-        for name, value in (("connect_timeout", connect_timeout), ("reconnect_timeout", reconnect_timeout),
-                            ("progress_timeout", progress_timeout)):
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("reconnect_timeout", reconnect_timeout),
+            ("progress_timeout", progress_timeout),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name}={value!r}: expected seconds >= 0")
         if progress_timeout == 0:
             raise ValueError("progress_timeout=0: expected seconds > 0")
-        return cls(batch_size=batch_size, image_size=size, setup=setup, shuffle=shuffle, seed=seed,
-                   drop_last=drop_last, sampler=sampler, rank=rank, world_size=world_size, device=device,
-                   normalize=normal, dtype=dtype, return_ids=bool(return_ids), ordered=bool(ordered),
-                   on_error=on_error, prefetch=prefetch, max_inflight=max_inflight,
-                   connect_timeout=connect_timeout, reconnect_timeout=reconnect_timeout,
-                   progress_timeout=progress_timeout, receiver=_receiver(receiver, device), tls=tls_config(tls),
-                   metadata=token_metadata(token))
+        return cls(
+            batch_size=batch_size,
+            image_size=size,
+            setup=setup,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            sampler=sampler,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            normalize=normal,
+            dtype=dtype,
+            return_ids=bool(return_ids),
+            ordered=bool(ordered),
+            on_error=on_error,
+            prefetch=prefetch,
+            max_inflight=max_inflight,
+            connect_timeout=connect_timeout,
+            reconnect_timeout=reconnect_timeout,
+            progress_timeout=progress_timeout,
+            receiver=_receiver(receiver, device),
+            tls=tls_config(tls),
+            metadata=token_metadata(token),
+        )
 
     @property
     def batch_bytes(self) -> int:
@@ -102,12 +145,18 @@ class LoaderOptions:
         return self.batch_size * h * w * 3
 
     def engine_options(self) -> EngineOptions:
-        return EngineOptions(seed=self.seed, prefetch=self.prefetch, ordered=self.ordered,
-                             progress_timeout=self.progress_timeout)
+        return EngineOptions(
+            seed=self.seed, prefetch=self.prefetch, ordered=self.ordered, progress_timeout=self.progress_timeout
+        )
 
     def link_options(self) -> LinkOptions:
-        return LinkOptions(connect_timeout=self.connect_timeout, max_inflight=self.max_inflight,
-                           reconnect_timeout=self.reconnect_timeout, tls=self.tls, metadata=self.metadata)
+        return LinkOptions(
+            connect_timeout=self.connect_timeout,
+            max_inflight=self.max_inflight,
+            reconnect_timeout=self.reconnect_timeout,
+            tls=self.tls,
+            metadata=self.metadata,
+        )
 
 
 class _HasOptions(Protocol):
@@ -147,8 +196,11 @@ def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
 
 def _size(image_size: Any) -> tuple[int, int]:
     size = (image_size, image_size) if isinstance(image_size, (int, np.integer)) else image_size
-    if not isinstance(size, Sequence) or len(size) != 2 or not all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 < v <= 65535 for v in size):
+    if (
+        not isinstance(size, Sequence)
+        or len(size) != 2
+        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 < v <= 65535 for v in size)
+    ):
         raise ValueError(f"image_size={image_size!r}: expected an int or (height, width), 1..65535 each")
     return int(size[0]), int(size[1])
 
@@ -166,8 +218,9 @@ def _setup(pipeline: Any, size: tuple[int, int]) -> loader_pb2.Setup:
 
         document = A.to_dict(pipeline)
     else:
-        raise ValueError(f"pipeline={pipeline!r}: expected 'train', 'eval', an albumentations pipeline or its "
-                         f"A.to_dict() dictionary")
+        raise ValueError(
+            f"pipeline={pipeline!r}: expected 'train', 'eval', an albumentations pipeline or its A.to_dict() dictionary"
+        )
     return loader_pb2.Setup(pipeline="custom", height=h, width=w, albumentations_json=json.dumps(document))
 
 
@@ -187,8 +240,10 @@ def _device(device: Any) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r} but torch.cuda.is_available() is False: this torch build "
-                             f"({torch.__version__}) has no usable GPU here; pass device='cpu'")
+            raise ValueError(
+                f"device={str(device)!r} but torch.cuda.is_available() is False: this torch build "
+                f"({torch.__version__}) has no usable GPU here; pass device='cpu'"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.index >= torch.cuda.device_count():
@@ -209,9 +264,11 @@ def _normalize(normalize: Normalize | None) -> tuple[list[float], list[float]] |
     if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std) or not all(map(math.isfinite, mean + std)):
         raise ValueError(f"normalize={normalize!r}: expected (mean, std), three floats each, std > 0")
     if any(abs(v) > 1 for v in mean) or any(v > 1 for v in std):
-        raise ValueError(f"normalize={normalize!r}: mean and std are on the 0..1 scale (images are divided "
-                         f"by 255 first), e.g. ImageNet's ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)); "
-                         f"divide 0..255 figures by 255")
+        raise ValueError(
+            f"normalize={normalize!r}: mean and std are on the 0..1 scale (images are divided "
+            f"by 255 first), e.g. ImageNet's ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)); "
+            f"divide 0..255 figures by 255"
+        )
     return mean, std
 
 

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 import numpy as np
 
 
-def epoch_order(num_samples: int, *, shuffle: bool, seed: int, epoch: int,
-                sampler: Iterable[int] | None = None) -> np.ndarray:
+def epoch_order(
+    num_samples: int, *, shuffle: bool, seed: int, epoch: int, sampler: Iterable[int] | None = None
+) -> np.ndarray:
     """The epoch's sequence of global sample ids, before splitting into batches and ranks."""
     if sampler is not None:
         if hasattr(sampler, "set_epoch"):
@@ -32,21 +33,23 @@ def epoch_order(num_samples: int, *, shuffle: bool, seed: int, epoch: int,
     return rng.permutation(num_samples).astype(np.int64)
 
 
-def split_batches(order: np.ndarray, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                  drop_last: bool = True) -> list[np.ndarray]:
+def split_batches(
+    order: np.ndarray, batch_size: int, *, rank: int = 0, world_size: int = 1, drop_last: bool = True
+) -> list[np.ndarray]:
     """Deals ``order`` into this rank's batches (equal batch counts on every rank)."""
     per_round = batch_size * world_size
     rounds = len(order) // per_round
-    batches = [order[(k * world_size + rank) * batch_size:(k * world_size + rank + 1) * batch_size]
-               for k in range(rounds)]
-    rest = order[rounds * per_round:]
+    batches = [
+        order[(k * world_size + rank) * batch_size : (k * world_size + rank + 1) * batch_size] for k in range(rounds)
+    ]
+    rest = order[rounds * per_round :]
     if drop_last or rest.size == 0:
         return batches
     if world_size == 1:
         return batches + [rest]
     part = np.array_split(rest, world_size)[rank]
     if part.size == 0:  # fewer leftover samples than ranks: pad so every rank steps equally often
-        part = order[rank % len(order):rank % len(order) + 1]
+        part = order[rank % len(order) : rank % len(order) + 1]
     return batches + [part]
 
 
@@ -55,7 +58,17 @@ def num_batches(num_samples: int, batch_size: int, world_size: int, drop_last: b
     return rounds + (1 if rest and not drop_last else 0)
 
 
-def epoch_plan(num_samples: int, batch_size: int, *, shuffle: bool, seed: int, epoch: int, rank: int = 0,
-               world_size: int = 1, drop_last: bool = True, sampler: Iterable[int] | None = None) -> list[np.ndarray]:
+def epoch_plan(
+    num_samples: int,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = True,
+    sampler: Iterable[int] | None = None,
+) -> list[np.ndarray]:
     order = epoch_order(num_samples, shuffle=shuffle, seed=seed, epoch=epoch, sampler=sampler)
     return split_batches(order, batch_size, rank=rank, world_size=world_size, drop_last=drop_last)

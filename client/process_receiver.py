@@ -66,8 +66,9 @@ class SharedSlots:
                 os.posix_fallocate(fd, 0, count * slot_bytes)  # fail here, not with SIGBUS later
             except OSError as exc:
                 os.close(fd)
-                raise OSError(f"cannot reserve {count * slot_bytes / 2**20:.0f} MiB of shared memory for "
-                              f"{count} batches: {exc}") from None
+                raise OSError(
+                    f"cannot reserve {count * slot_bytes / 2**20:.0f} MiB of shared memory for {count} batches: {exc}"
+                ) from None
         self.fd = fd
         self.memory = mmap.mmap(fd, count * slot_bytes)
         try:
@@ -78,7 +79,7 @@ class SharedSlots:
 
     def view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
         start = slot * self.slot_bytes
-        return self.array[start:start + n * h * w * 3].reshape(n, h, w, 3)
+        return self.array[start : start + n * h * w * 3].reshape(n, h, w, 3)
 
     def slot_of(self, address: int) -> int:
         return (address - self.array.ctypes.data) // self.slot_bytes
@@ -92,8 +93,15 @@ class ProcessReceiver:
     once the batch has been copied out (the consumer's delivery decides when).
     """
 
-    def __init__(self, address: str | Iterable[str], setup: loader_pb2.Setup, slots: int, slot_bytes: int,
-                 engine_options: EngineOptions, link_options: LinkOptions):
+    def __init__(
+        self,
+        address: str | Iterable[str],
+        setup: loader_pb2.Setup,
+        slots: int,
+        slot_bytes: int,
+        engine_options: EngineOptions,
+        link_options: LinkOptions,
+    ):
         self._setup_hw = (setup.height, setup.width)
         self._pid = os.getpid()
         self.slots = SharedSlots(slots, slot_bytes)
@@ -106,9 +114,19 @@ class ProcessReceiver:
         paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str)]
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-I", "-c", BOOTSTRAP, json.dumps(paths), str(child.fileno()), str(self.slots.fd),
-                 str(os.getpid())],
-                pass_fds=(child.fileno(), self.slots.fd), stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-I",
+                    "-c",
+                    BOOTSTRAP,
+                    json.dumps(paths),
+                    str(child.fileno()),
+                    str(self.slots.fd),
+                    str(os.getpid()),
+                ],
+                pass_fds=(child.fileno(), self.slots.fd),
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             child.close()
         self._send_lock = threading.Lock()
@@ -137,8 +155,9 @@ class ProcessReceiver:
     def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
         return self._request("server_stats", timeout=timeout)
 
-    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int],
-                    space: SampleSpace) -> tuple[int, queue.Queue[Item]]:
+    def start_epoch(
+        self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int], space: SampleSpace
+    ) -> tuple[int, queue.Queue[Item]]:
         token = self._request("start_epoch", epoch, batches, first_seq, skip, space)
         return token, self._queues[token]  # made by the reader before any of the epoch's batches
 
@@ -226,8 +245,10 @@ class ProcessReceiver:
     # ---- messages ---------------------------------------------------------------------------
     def _request(self, *message: Any, timeout: float | None = None) -> Any:
         if os.getpid() != self._pid:  # its reader thread did not survive fork; the parent's reads the link
-            raise RuntimeError(f"this RemoteLoader was made in process {self._pid}; after a fork its receiver "
-                               f"process still serves that one only: use the loader in the process that made it")
+            raise RuntimeError(
+                f"this RemoteLoader was made in process {self._pid}; after a fork its receiver "
+                f"process still serves that one only: use the loader in the process that made it"
+            )
         if self._dead is not None:
             raise LoaderError(self._dead)
         if threading.current_thread() is self._reader:  # a finalizer that ran there: nothing would answer
@@ -314,8 +335,10 @@ class ProcessReceiver:
 
 # Errors that cross from the child keep their type when it is one the loader's callers
 # handle (the message is kept either way); no exception object itself is sent.
-_ERRORS = {c.__name__: c for c in (LoaderError, ConnectionError, PermissionError, TimeoutError, ValueError,
-                                   RuntimeError, OSError)}
+_ERRORS = {
+    c.__name__: c
+    for c in (LoaderError, ConnectionError, PermissionError, TimeoutError, ValueError, RuntimeError, OSError)
+}
 
 
 def portable_error(exc: BaseException) -> tuple[str, str]:
@@ -334,7 +357,9 @@ def rebuild_error(error: tuple[str, str]) -> BaseException:
 
 # Run with -I (no current folder, no PYTHON* variables on the path), then the parent's path
 # after the child's own; addsitedir also runs .pth files (e.g. an editable install's finder).
-BOOTSTRAP = ("import json, site, sys\n"
-             "for p in json.loads(sys.argv[1]):\n"
-             "    if p not in sys.path: site.addsitedir(p)\n"
-             "from remoteloader.client.receiver_service import main; main(sys.argv[2:])")
+BOOTSTRAP = (
+    "import json, site, sys\n"
+    "for p in json.loads(sys.argv[1]):\n"
+    "    if p not in sys.path: site.addsitedir(p)\n"
+    "from remoteloader.client.receiver_service import main; main(sys.argv[2:])"
+)

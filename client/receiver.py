@@ -38,8 +38,9 @@ class Receiver(Protocol):
     def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
         """Each server's counters (``Link.counters``), by address."""
 
-    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int],
-                    space: SampleSpace) -> tuple[int, queue.Queue[Item]]:
+    def start_epoch(
+        self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int], space: SampleSpace
+    ) -> tuple[int, queue.Queue[Item]]:
         """Starts an epoch over ``space`` (the one its plan was made from), at ``first_seq`` less
         ``skip``; returns its token and the queue its Batches, then END (or an error), arrive on."""
 

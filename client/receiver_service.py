@@ -78,11 +78,11 @@ class ReceiverService:
         except (EOFError, OSError):
             return
         buffers = SlotBuffers(SharedSlots(slots, slot_bytes, self.slots_fd))
-        receiver = ThreadReceiver(address, loader_pb2.Setup.FromString(setup), buffers, engine_options,
-                                  link_options)
+        receiver = ThreadReceiver(address, loader_pb2.Setup.FromString(setup), buffers, engine_options, link_options)
         calls: queue.Queue[tuple | None] = queue.Queue()
-        worker = threading.Thread(target=self._calls, args=(receiver, buffers, calls), name="remoteloader-calls",
-                                  daemon=True)
+        worker = threading.Thread(
+            target=self._calls, args=(receiver, buffers, calls), name="remoteloader-calls", daemon=True
+        )
         worker.start()
         try:
             while True:

@@ -44,8 +44,10 @@ class SampleSpace:
                 if info is None:
                     info = shards[s.id] = ShardInfo(s.id, s.name, int(s.num_samples), list(s.class_names))
                 elif info.num_samples != s.num_samples:
-                    raise ValueError(f"shard {s.id} ({s.name}) has {s.num_samples} samples on {address} "
-                                     f"but {info.num_samples} on {info.owners[0]}")
+                    raise ValueError(
+                        f"shard {s.id} ({s.name}) has {s.num_samples} samples on {address} "
+                        f"but {info.num_samples} on {info.owners[0]}"
+                    )
                 info.owners.append(address)
         if not shards:
             raise ValueError(f"the servers {', '.join(describes)} hold no shards")

@@ -31,7 +31,7 @@ class TLSConfig:
             path = getattr(self, name)
             if path and not pathlib.Path(path).is_file():
                 raise ValueError(f"TLSConfig.{name}={path!r}: no such file")
-            if path and b"-----BEGIN " not in pathlib.Path(path).read_bytes()[:1 << 20]:
+            if path and b"-----BEGIN " not in pathlib.Path(path).read_bytes()[: 1 << 20]:
                 raise ValueError(f"TLSConfig.{name}={path!r}: not a PEM file (no '-----BEGIN' line)")
 
     def credentials(self) -> grpc.ChannelCredentials:

@@ -59,8 +59,9 @@ class ServerSet:
             if known is None:
                 raise
             # A DNS hiccup or a server still starting: carry on with the servers known, retry next epoch.
-            log.warning("looking for new loader servers failed (%s); continuing with %d known", exc,
-                        len(self.addresses))
+            log.warning(
+                "looking for new loader servers failed (%s); continuing with %d known", exc, len(self.addresses)
+            )
             return known
         if not new and known is not None:
             return known
@@ -75,8 +76,9 @@ class ServerSet:
         if refused:  # joined later: training goes on without it; it is asked again next epoch
             self._receiver.forget(list(refused))
             for address, reason in refused.items():
-                log.warning("loader server %s joined but cannot serve this loader (%s); going on without it",
-                            address, reason)
+                log.warning(
+                    "loader server %s joined but cannot serve this loader (%s); going on without it", address, reason
+                )
             describes = {a: d for a, d in describes.items() if a not in refused}
             if len(describes) == len(self.addresses) and known is not None:
                 return known
@@ -89,11 +91,13 @@ class ServerSet:
         h, w = setup.height, setup.width
         if setup.pipeline == "custom":
             if not d.custom_pipelines:
-                raise ValueError(f"loader server {address} does not accept custom albumentations pipelines "
-                                 f"(start it with --allow-custom-pipelines); it offers {', '.join(d.pipelines)}")
+                raise ValueError(
+                    f"loader server {address} does not accept custom albumentations pipelines "
+                    f"(start it with --allow-custom-pipelines); it offers {', '.join(d.pipelines)}"
+                )
         elif setup.pipeline not in d.pipelines:
-            raise ValueError(f"pipeline={setup.pipeline!r}: loader server {address} offers "
-                             f"{', '.join(d.pipelines)}")
+            raise ValueError(f"pipeline={setup.pipeline!r}: loader server {address} offers {', '.join(d.pipelines)}")
         if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
-            raise ValueError(f"image_size={h}x{w}: loader server {address} offers sizes "
-                             f"{d.min_image_size}..{d.max_image_size}")
+            raise ValueError(
+                f"image_size={h}x{w}: loader server {address} offers sizes {d.min_image_size}..{d.max_image_size}"
+            )

@@ -62,8 +62,14 @@ class ThreadReceiver:
         link_options: Connection options.
     """
 
-    def __init__(self, address: str | Iterable[str], setup: loader_pb2.Setup, buffers: BatchBuffers,
-                 engine_options: EngineOptions, link_options: LinkOptions):
+    def __init__(
+        self,
+        address: str | Iterable[str],
+        setup: loader_pb2.Setup,
+        buffers: BatchBuffers,
+        engine_options: EngineOptions,
+        link_options: LinkOptions,
+    ):
         codec.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._address = address
         self._link_options = link_options
@@ -100,8 +106,9 @@ class ThreadReceiver:
 
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
         links = [self.links[o] for o in owners if o in self.links]
-        live = ([link for link in links if link.state is LinkState.UP]
-                or [link for link in links if link.describe is not None])
+        live = [link for link in links if link.state is LinkState.UP] or [
+            link for link in links if link.describe is not None
+        ]
         if not live:
             raise LoaderError(f"no server holding shard {shard_id} is reachable to look up keys")
         return self._call(live[0].get_keys(shard_id, start, count), timeout=30)
@@ -110,8 +117,9 @@ class ThreadReceiver:
         return {a: link.counters() for a, link in self.links.items()}
 
     # ---- epochs -------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int],
-                    space: SampleSpace) -> tuple[int, queue.Queue[Item]]:
+    def start_epoch(
+        self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int], space: SampleSpace
+    ) -> tuple[int, queue.Queue[Item]]:
         token = self._call(self.engine.start_epoch(epoch, batches, first_seq, space, skip), timeout=None)
         return token, self.engine.out
 
@@ -161,8 +169,10 @@ class ThreadReceiver:
             raise RuntimeError("RemoteLoader is closed")
         if os.getpid() != self._pid:
             coro.close()
-            raise RuntimeError(f"this RemoteLoader was made in process {self._pid}; its connections do not "
-                               f"survive fork (gRPC is not fork-safe): use it in the process that made it")
+            raise RuntimeError(
+                f"this RemoteLoader was made in process {self._pid}; its connections do not "
+                f"survive fork (gRPC is not fork-safe): use it in the process that made it"
+            )
         if self._on_loop_thread():
             coro.close()
             raise RuntimeError("RemoteLoader: a blocking call on its own I/O thread would wait forever")

@@ -77,8 +77,9 @@ def encode_chunk(header: loader_pb2.ChunkHeader, pixels) -> bytes:
     """Serializes a Chunk from its header and a buffer of raw pixels (one copy of the pixels)."""
     head = header.SerializeToString()
     view = memoryview(pixels).cast("B")
-    return b"".join((bytes((_HEADER_TAG,)), _varint(len(head)), head,
-                     bytes((_PIXELS_TAG,)), _varint(view.nbytes), view))
+    return b"".join(
+        (bytes((_HEADER_TAG,)), _varint(len(head)), head, bytes((_PIXELS_TAG,)), _varint(view.nbytes), view)
+    )
 
 
 def decode_chunk(data: bytes) -> DecodedChunk:

@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         generate(pathlib.Path(tmp))
         stale = [n for n in GENERATED if (pathlib.Path(tmp) / n).read_bytes() != (HERE / n).read_bytes()]
     if stale:
-        print(f"stale generated code: {', '.join(stale)}; run python -m remoteloader.protos.generate",
-              file=sys.stderr)
+        print(f"stale generated code: {', '.join(stale)}; run python -m remoteloader.protos.generate", file=sys.stderr)
         return 1
     print("generated code is up to date")
     return 0

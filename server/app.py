@@ -39,8 +39,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message (and the exception)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
-                 "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -65,16 +69,25 @@ class RenderResources:
             cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
             if cache is not None:
                 undo.callback(cache.close)
-            pool = WorkerPool(arena, config.workers, config.allow_custom_pipelines, config.max_pixels, cache,
-                              config.region_decode, indexed_ns)
+            pool = WorkerPool(
+                arena,
+                config.workers,
+                config.allow_custom_pipelines,
+                config.max_pixels,
+                cache,
+                config.region_decode,
+                indexed_ns,
+            )
             undo.callback(pool.close)
-            checks = PipelineChecks(config.allow_custom_pipelines, config.max_pixels, config.min_image_size,
-                                    config.max_image_size)
+            checks = PipelineChecks(
+                config.allow_custom_pipelines, config.max_pixels, config.min_image_size, config.max_image_size
+            )
             undo.callback(checks.close)
             if config.synthetic:
                 # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
                 np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
-                    0, 256, arena.size, dtype=np.uint8)
+                    0, 256, arena.size, dtype=np.uint8
+                )
             if config.data:
                 pool.start()
             undo.pop_all()
@@ -96,8 +109,15 @@ class LoaderServer:
     service has drained.
     """
 
-    def __init__(self, config: ServerConfig, grpc_server: grpc.aio.Server, service: LoaderService,
-                 health_servicer: health.aio.HealthServicer, port: int, resources: RenderResources):
+    def __init__(
+        self,
+        config: ServerConfig,
+        grpc_server: grpc.aio.Server,
+        service: LoaderService,
+        health_servicer: health.aio.HealthServicer,
+        port: int,
+        resources: RenderResources,
+    ):
         self.config = config
         self.grpc_server = grpc_server
         self.service = service
@@ -126,8 +146,7 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     """Indexes the shards, starts the workers and binds the port (``port=0``: a free one)."""
     started = time.perf_counter()
     token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
-    credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-                   if config.tls_cert else None)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
     shards = open_shards(list(config.data))
     if config.synthetic:
@@ -161,20 +180,29 @@ def sample_layout(shards, count: int = 16) -> tuple[int, int]:
     return jpegs, packed
 
 
-async def _serve_on(config: ServerConfig, shards: list[Shard], resources: RenderResources, token: bytes | None,
-                    credentials: grpc.ServerCredentials | None, started: float) -> LoaderServer:
+async def _serve_on(
+    config: ServerConfig,
+    shards: list[Shard],
+    resources: RenderResources,
+    token: bytes | None,
+    credentials: grpc.ServerCredentials | None,
+    started: float,
+) -> LoaderServer:
     service = LoaderService(config, shards, resources.pool, resources.arena, resources.cache, resources.checks)
     limit = config.max_message_bytes
     interceptors = [TokenInterceptor(token)] if token else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", 4 << 20),  # orders are small: max_order_samples x 10 bytes
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ])
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", 4 << 20),  # orders are small: max_order_samples x 10 bytes
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -194,8 +222,10 @@ async def _serve_on(config: ServerConfig, shards: list[Shard], resources: Render
             metrics_port = service.metrics.serve(config.metrics_port, config.host.strip("[]"))
         except OSError as exc:
             await server.stop(None)
-            raise OSError(f"cannot bind the metrics port {config.metrics_port} on {config.host}: "
-                          f"{exc.strerror or exc} (choose another --metrics-port, or 0 for none)") from None
+            raise OSError(
+                f"cannot bind the metrics port {config.metrics_port} on {config.host}: "
+                f"{exc.strerror or exc} (choose another --metrics-port, or 0 for none)"
+            ) from None
     for name in (SERVICE, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _log_start(config, shards, started, metrics_port)
@@ -205,15 +235,26 @@ async def _serve_on(config: ServerConfig, shards: list[Shard], resources: Render
 def _log_start(config: ServerConfig, shards: list[Shard], started: float, metrics_port: int) -> None:
     """What a started server tells its operator: what it serves, how it decodes, how it is reached."""
     samples = sum(len(s) for s in shards)
-    log.info("serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
-             len(shards), samples, config.workers, time.perf_counter() - started)
+    log.info(
+        "serving %d shard(s), %d samples, with %d workers; indexed and started in %.1fs",
+        len(shards),
+        samples,
+        config.workers,
+        time.perf_counter() - started,
+    )
     if not config.synthetic:
         log.info("JPEG crops: %s", region_decoder() if config.region_decode else "whole images (--region-decode off)")
         jpegs, packed = sample_layout(shards) if config.region_decode and _jpeg is not None else (0, 0)
         if jpegs:
-            log.info("%d of %d sampled JPEGs have a restart marker per MCU%s", packed, jpegs,
-                     "" if packed == jpegs else ": `remoteloader pack` would cut the decode CPU of the others "
-                     "by about a quarter (measured on ImageNet-sized photos)")
+            log.info(
+                "%d of %d sampled JPEGs have a restart marker per MCU%s",
+                packed,
+                jpegs,
+                ""
+                if packed == jpegs
+                else ": `remoteloader pack` would cut the decode CPU of the others "
+                "by about a quarter (measured on ImageNet-sized photos)",
+            )
     if metrics_port:
         log.info("Prometheus metrics on http://%s:%d/metrics", bracketed(config.host), metrics_port)
     warning = auth_warning(config)
@@ -221,16 +262,21 @@ def _log_start(config: ServerConfig, shards: list[Shard], started: float, metric
         log.warning(warning)
     else:
         auth = [n for n, on in (("mutual TLS", config.tls_client_ca), ("bearer token", config.token_file)) if on]
-        log.info("transport: %s; authentication: %s", "TLS" if config.tls_cert else "plaintext",
-                 ", ".join(auth) or "none (loopback only)")
+        log.info(
+            "transport: %s; authentication: %s",
+            "TLS" if config.tls_cert else "plaintext",
+            ", ".join(auth) or "none (loopback only)",
+        )
 
 
 def auth_warning(config: ServerConfig) -> str | None:
     """The warning for a server others can reach without authenticating, if that is the case."""
     if _is_loopback(config.host) or config.token_file or config.tls_client_ca:
         return None
-    return (f"bound to {config.host} without authentication (no --token-file, no --tls-client-ca): anyone "
-            f"who can reach this port can read the data")
+    return (
+        f"bound to {config.host} without authentication (no --token-file, no --tls-client-ca): anyone "
+        f"who can reach this port can read the data"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -263,8 +309,11 @@ async def serve(config: ServerConfig) -> None:
 def run(config: ServerConfig) -> None:
     """Blocking entry: runs ``serve`` on uvloop when available."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if config.log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if config.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     codec.tune_malloc()
     try:

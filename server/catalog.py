@@ -83,7 +83,7 @@ class Shard:
 
     def key(self, index: int) -> str:
         start = int(self._key_ends[index - 1]) if index else 0
-        return self._key_blob[start:int(self._key_ends[index])].decode()
+        return self._key_blob[start : int(self._key_ends[index])].decode()
 
     def locate(self, index: int) -> Location:
         raise NotImplementedError
@@ -109,8 +109,11 @@ class ImageFolderShard(Shard):
         for label, cls in enumerate(classes):
             files = [e for e in os.scandir(root / cls) if e.is_file()]
             entries = sorted((e.name, e.stat().st_size) for e in files if e.name.lower().endswith(IMAGE_EXTENSIONS))
-            other.update(repr(os.path.splitext(e.name)[1].lower() or "") for e in files  # dotfiles: .DS_Store
-                         if not e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith("."))
+            other.update(
+                repr(os.path.splitext(e.name)[1].lower() or "")
+                for e in files  # dotfiles: .DS_Store
+                if not e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith(".")
+            )
             before = len(table)
             for name, size in entries:
                 key = f"{cls}/{name}"
@@ -124,16 +127,28 @@ class ImageFolderShard(Shard):
         if skipped:
             log.warning("%s: skipped %d file(s) whose names are not UTF-8, e.g. %r", root, len(skipped), skipped[0])
         if other:  # e.g. .webp or .bmp images, which would otherwise be missing without a word
-            log.warning("%s: left out %d file(s) that are not %s images: %s", root, sum(other.values()),
-                        "/".join(IMAGE_EXTENSIONS), ", ".join(f"{n} {ext}" for ext, n in other.most_common(5)))
+            log.warning(
+                "%s: left out %d file(s) that are not %s images: %s",
+                root,
+                sum(other.values()),
+                "/".join(IMAGE_EXTENSIONS),
+                ", ".join(f"{n} {ext}" for ext, n in other.most_common(5)),
+            )
         if not len(table):
-            raise CatalogError(f"{root} holds no images: expected an ImageFolder tree "
-                               f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}"
-                               f"{', or WebDataset .tar shards' if tars_too else ''}")
+            raise CatalogError(
+                f"{root} holds no images: expected an ImageFolder tree "
+                f"DIR/<class>/<image> with extensions {', '.join(IMAGE_EXTENSIONS)}"
+                f"{', or WebDataset .tar shards' if tars_too else ''}"
+            )
         if empty:  # kept as classes: dropping one would shift the labels of every class after it
-            log.warning("%s: %d class folder(s) hold no %s images: %s; each is still a class (labels follow the "
-                        "sorted folder names), with no samples; remove the folder if it is not one", root, len(empty),
-                        "/".join(IMAGE_EXTENSIONS), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+            log.warning(
+                "%s: %d class folder(s) hold no %s images: %s; each is still a class (labels follow the "
+                "sorted folder names), with no samples; remove the folder if it is not one",
+                root,
+                len(empty),
+                "/".join(IMAGE_EXTENSIONS),
+                ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""),
+            )
         super().__init__(root.name, table, classes, "if-" + digest.hexdigest()[:24])
 
     def locate(self, index: int) -> Location:
@@ -161,14 +176,26 @@ class TarShard(Shard):
             self.index_error = save_index(path, self)
         unlabelled = int(np.count_nonzero(self.labels < 0))
         if unlabelled:  # a tar made by hand: without this, every sample is served as class -1 without a word
-            log.warning("%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
-                        "and are served with label -1: labels come from <key>.cls members holding the class index "
-                        "as decimal text, class names from %s (one per line) beside the shards, as `remoteloader "
-                        "pack` writes them", path, unlabelled, len(self), CLASSES_FILE)
+            log.warning(
+                "%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
+                "and are served with label -1: labels come from <key>.cls members holding the class index "
+                "as decimal text, class names from %s (one per line) beside the shards, as `remoteloader "
+                "pack` writes them",
+                path,
+                unlabelled,
+                len(self),
+                CLASSES_FILE,
+            )
         top = int(self.labels.max()) if len(self) else -1
         if top >= len(class_names):  # no classes.txt, or a short one: class_names[label] fails in training code
-            log.warning("%s: labels go up to %d but %s beside it names %d class(es); clients get no name for the "
-                        "others (class_names[label] fails)", path, top, CLASSES_FILE, len(class_names))
+            log.warning(
+                "%s: labels go up to %d but %s beside it names %d class(es); clients get no name for the "
+                "others (class_names[label] fails)",
+                path,
+                top,
+                CLASSES_FILE,
+                len(class_names),
+            )
 
     def _scan(self, path: pathlib.Path, class_names: list[str]) -> None:
         table = KeyTable()
@@ -264,9 +291,14 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
     ends = np.frombuffer(table.ends, dtype=np.int64)
     offsets, sizes = np.frombuffer(table.offsets, dtype=np.int64), np.frombuffer(table.sizes, dtype=np.int64)
     size = path.stat().st_size
-    consistent = (len(ends) == len(table.labels) == len(offsets) == len(sizes) > 0
-                  and ends[-1] == len(table.blob) and bool(np.all(np.diff(ends) > 0)) and ends[0] > 0
-                  and bool(np.all(offsets >= 0)) and bool(np.all(offsets + sizes <= size)))
+    consistent = (
+        len(ends) == len(table.labels) == len(offsets) == len(sizes) > 0
+        and ends[-1] == len(table.blob)
+        and bool(np.all(np.diff(ends) > 0))
+        and ends[0] > 0
+        and bool(np.all(offsets >= 0))
+        and bool(np.all(offsets + sizes <= size))
+    )
     return (table, digest) if consistent else None
 
 
@@ -280,9 +312,17 @@ def save_index(path: pathlib.Path, shard: TarShard) -> OSError | None:
     partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
     try:
         with open(partial, "wb") as f:
-            np.savez(f, version=_INDEX_VERSION, signature=_tar_signature(path),
-                     index_digest=np.str_(shard.index_digest), blob=np.frombuffer(shard._key_blob, dtype=np.uint8),
-                     ends=shard._key_ends, labels=shard.labels, offsets=shard._offsets, sizes=shard._sizes)
+            np.savez(
+                f,
+                version=_INDEX_VERSION,
+                signature=_tar_signature(path),
+                index_digest=np.str_(shard.index_digest),
+                blob=np.frombuffer(shard._key_blob, dtype=np.uint8),
+                ends=shard._key_ends,
+                labels=shard.labels,
+                offsets=shard._offsets,
+                sizes=shard._sizes,
+            )
         os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
         return None
     except OSError as exc:
@@ -348,11 +388,16 @@ def _warn_unsaved_indexes(shards: list[TarShard]) -> None:
     error = shards[0].index_error
     assert error is not None, "only shards whose index could not be written"
     names = ", ".join(pathlib.Path(s.path).name for s in shards[:3]) + (" ..." if len(shards) > 3 else "")
-    log.warning("%d tar shard(s) have no %s index beside them and it cannot be written there (%s): indexed in "
-                "memory, and scanned again at every start (%s). To start without scanning, run a server once on "
-                "a writable copy of the folder and copy the <tar>%s files it writes beside these tars",
-                len(shards), INDEX_SUFFIX, error.strerror or error, names,
-                INDEX_SUFFIX)
+    log.warning(
+        "%d tar shard(s) have no %s index beside them and it cannot be written there (%s): indexed in "
+        "memory, and scanned again at every start (%s). To start without scanning, run a server once on "
+        "a writable copy of the folder and copy the <tar>%s files it writes beside these tars",
+        len(shards),
+        INDEX_SUFFIX,
+        error.strerror or error,
+        names,
+        INDEX_SUFFIX,
+    )
 
 
 def _read_classes(folder: pathlib.Path) -> list[str]:

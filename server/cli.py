@@ -21,8 +21,10 @@ def missing_server_extra(exc: ModuleNotFoundError, prog: str) -> int:
     is a bug: raised."""
     if (exc.name or "").partition(".")[0] not in SERVER_EXTRA:
         raise exc
-    print(f"{prog} needs the server extra: pip install 'remoteloader[server]' (no module named {exc.name!r})",
-          file=sys.stderr)
+    print(
+        f"{prog} needs the server extra: pip install 'remoteloader[server]' (no module named {exc.name!r})",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -56,24 +56,27 @@ class ServerConfig:
     workers: int = field(default_factory=default_workers, metadata={"help": "decode/augment worker processes"})
     # 2 MiB by measurement (benchmarks/wire.py --chunk-bytes ...): 1.5-2 MiB moved the most per receiver CPU-second.
     chunk_bytes: int = _setting(2 * MiB, "pixel bytes per streamed message")
-    slots: int = _setting(0, "shared chunk buffers (memory = slots x max(chunk_bytes, largest sample)); "
-                             "0: 4 x workers + 4")
+    slots: int = _setting(
+        0, "shared chunk buffers (memory = slots x max(chunk_bytes, largest sample)); 0: 4 x workers + 4"
+    )
     max_order_samples: int = _setting(1024, "most samples in one order")
     max_inflight_orders: int = _setting(16, "most outstanding orders per stream")  # more: RESOURCE_EXHAUSTED
     min_image_size: int = _setting(8, "smallest output side clients may ask for")
     max_image_size: int = _setting(1024, "largest output side clients may ask for")
     max_pixels: int = _setting(100_000_000, "largest image (width x height) the server decodes")
     # Native region decoding when it was built (decode.decode_crop); the pixels are the same either way.
-    region_decode: bool = _setting(True, "after a file decoded whole once, decode only the region a random-resized "
-                                         "crop keeps (same pixels)")
+    region_decode: bool = _setting(
+        True, "after a file decoded whole once, decode only the region a random-resized crop keeps (same pixels)"
+    )
     # Rebuilt from albumentations' registry only (A.from_dict): no client code runs.
     allow_custom_pipelines: bool = _setting(False, "accept albumentations pipelines serialized by clients")
     cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
     # For sharing a machine, and for tests of uneven servers.
     max_rate: float = _setting(0.0, "most images per second this server renders (0: unlimited)")
     # Benchmarking (--data is then not needed)
-    synthetic: int = _setting(0, "serve this many generated samples without decoding, to measure the transport "
-                                 "(0: off)")
+    synthetic: int = _setting(
+        0, "serve this many generated samples without decoding, to measure the transport (0: off)"
+    )
     # Security and limits
     tls_cert: str = _setting("", "PEM certificate: serve TLS")
     tls_key: str = _setting("", "PEM private key of tls_cert")
@@ -83,8 +86,11 @@ class ServerConfig:
     # 16: a train and an eval loader on each of 8 GPU ranks of one host.
     max_streams_per_client: int = _setting(16, "open order streams accepted per client address")
     # Ended with DEADLINE_EXCEEDED and its slots freed; the 10 s is slots.CONTENDED_STALL.
-    stall_timeout: float = _setting(120.0, "seconds a client may leave a chunk unread (or a new stream its Setup) "
-                                           "before the stream is ended; 10 s while a stream waits for a free slot")
+    stall_timeout: float = _setting(
+        120.0,
+        "seconds a client may leave a chunk unread (or a new stream its Setup) "
+        "before the stream is ended; 10 s while a stream waits for a free slot",
+    )
     # Operations
     metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
     grace: float = _setting(30.0, "seconds in-flight work may take to finish after SIGTERM")
@@ -99,11 +105,21 @@ class ServerConfig:
             raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
-        _positive(self, "workers", "chunk_bytes", "max_order_samples", "max_inflight_orders",
-                  "min_image_size", "max_image_size", "max_pixels")
+        _positive(
+            self,
+            "workers",
+            "chunk_bytes",
+            "max_order_samples",
+            "max_inflight_orders",
+            "min_image_size",
+            "max_image_size",
+            "max_pixels",
+        )
         if self.max_image_size > MAX_IMAGE_SIDE:
-            raise ValueError(f"max_image_size={self.max_image_size}: at most {MAX_IMAGE_SIDE} (each of the "
-                             f"slots holds at least one sample of max_image_size^2 x 3 bytes)")
+            raise ValueError(
+                f"max_image_size={self.max_image_size}: at most {MAX_IMAGE_SIDE} (each of the "
+                f"slots holds at least one sample of max_image_size^2 x 3 bytes)"
+            )
         if self.min_image_size > self.max_image_size:
             raise ValueError(f"min_image_size={self.min_image_size} > max_image_size={self.max_image_size}")
         if self.slots < 0:
@@ -171,21 +187,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         env = ENV_PREFIX + f.name.upper()
         doc = f.metadata["help"]
         if f.name == "data":
-            parser.add_argument(flag, nargs="+", default=_env_list(env),
-                                help=f"{doc} [env {env}, space-separated]")
+            parser.add_argument(flag, nargs="+", default=_env_list(env), help=f"{doc} [env {env}, space-separated]")
         elif f.type in (bool, "bool"):
             # A string default goes through type=, so a bad variable is a usage error, not a traceback.
-            parser.add_argument(flag, type=_bool, nargs="?", const=True,
-                                default=os.environ.get(env, getattr(defaults, f.name)),
-                                help=f"{doc} [env {env}]")
+            parser.add_argument(
+                flag,
+                type=_bool,
+                nargs="?",
+                const=True,
+                default=os.environ.get(env, getattr(defaults, f.name)),
+                help=f"{doc} [env {env}]",
+            )
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, type=_typed(kind, env), default=os.environ.get(env),
-                                help=f"{doc} (default {getattr(defaults, f.name)}) [env {env}]")
+            parser.add_argument(
+                flag,
+                type=_typed(kind, env),
+                default=os.environ.get(env),
+                help=f"{doc} (default {getattr(defaults, f.name)}) [env {env}]",
+            )
 
 
 def _typed(kind, env: str):
     """``kind``, with an error that names the variable when the value came from it."""
+
     def convert(text: str):
         try:
             return kind(text)
@@ -204,12 +229,14 @@ def unknown_variables() -> list[str]:
 
 
 def from_args(args: argparse.Namespace) -> ServerConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
-              if getattr(args, f.name, None) is not None}
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ServerConfig)
+        if getattr(args, f.name, None) is not None
+    }
     return ServerConfig(**values)
 
 
 def _env_list(name: str) -> list[str] | None:
     value = os.environ.get(name)
     return value.split() if value else None
-

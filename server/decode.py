@@ -110,7 +110,7 @@ def _frame(data: bytes, max_steps: int = 256) -> tuple[int | None, bool]:
         if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
             i += 2
         else:  # as libjpeg: a length under 2 skips just the length field
-            i += 2 + max(int.from_bytes(data[i + 2:i + 4], "big"), 2)
+            i += 2 + max(int.from_bytes(data[i + 2 : i + 4], "big"), 2)
     return frame, True
 
 
@@ -132,7 +132,7 @@ def _more_scans_than(data: bytes, limit: int) -> bool:
             continue
         if marker == 0xD9:
             break
-        i += 2 if 0xD0 <= marker <= 0xD8 or marker == 0x01 else 2 + max(int.from_bytes(data[i + 2:i + 4], "big"), 2)
+        i += 2 if 0xD0 <= marker <= 0xD8 or marker == 0x01 else 2 + max(int.from_bytes(data[i + 2 : i + 4], "big"), 2)
         if marker == 0xDA:
             scans += 1
             if scans > limit:
@@ -172,8 +172,9 @@ def _decode_factor(fmt: str, height: int, width: int, min_height: int, min_width
     return 1
 
 
-def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, height: int = 0,
-           width: int = 0) -> np.ndarray:
+def decode(
+    data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, height: int = 0, width: int = 0
+) -> np.ndarray:
     """Decodes to RGB uint8 HWC.
 
     For a JPEG of ``height`` x ``width`` (from its header), decodes at 1/2, 1/4 or 1/8
@@ -183,9 +184,15 @@ def decode(data: bytes, fmt: str, min_height: int = 0, min_width: int = 0, heigh
     if fmt in ("jpeg", "jpeg-full"):
         factor = _decode_factor(fmt, height, width, min_height, min_width)
         try:
-            return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=True, fastupsample=True,
-                                          min_height=-(-height // factor) if factor > 1 else 0,
-                                          min_width=-(-width // factor) if factor > 1 else 0, strict=True)
+            return simplejpeg.decode_jpeg(
+                data,
+                colorspace="RGB",
+                fastdct=True,
+                fastupsample=True,
+                min_height=-(-height // factor) if factor > 1 else 0,
+                min_width=-(-width // factor) if factor > 1 else 0,
+                strict=True,
+            )
         except ValueError as exc:
             message = str(exc)
             # simplejpeg before 1.9 cannot convert CMYK/YCCK to RGB; OpenCV can (full-size decode).
@@ -202,13 +209,23 @@ def region_decoder() -> str:
     if _jpeg is None:
         return "whole images (simplejpeg; the native region decoder was not built, see setup.py)"
     v = _jpeg.LIBJPEG_TURBO_VERSION_NUMBER
-    return (f"crop regions only, once a file has decoded whole without error; only the crop's MCUs in "
-            f"JPEGs with a restart marker per MCU, as `remoteloader pack` writes them (native, libjpeg-turbo "
-            f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000})")
+    return (
+        f"crop regions only, once a file has decoded whole without error; only the crop's MCUs in "
+        f"JPEGs with a restart marker per MCU, as `remoteloader pack` writes them (native, libjpeg-turbo "
+        f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000})"
+    )
 
 
-def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, int, int, int],
-                min_height: int, min_width: int, native: bool = False) -> np.ndarray:
+def decode_crop(
+    data: bytes,
+    fmt: str,
+    height: int,
+    width: int,
+    box: tuple[int, int, int, int],
+    min_height: int,
+    min_width: int,
+    native: bool = False,
+) -> np.ndarray:
     """The region ``box`` = (x1, y1, x2, y2) of a ``height`` x ``width`` image (header coordinates).
 
     Decoded at the smallest DCT scale that keeps the whole image at least ``min_height`` x
@@ -235,8 +252,9 @@ def decode_crop(data: bytes, fmt: str, height: int, width: int, box: tuple[int, 
     return image[y1:y2, x1:x2]
 
 
-def _scale_box(box: tuple[int, int, int, int], height: int, width: int, to_height: int,
-               to_width: int) -> tuple[int, int, int, int]:
+def _scale_box(
+    box: tuple[int, int, int, int], height: int, width: int, to_height: int, to_width: int
+) -> tuple[int, int, int, int]:
     """A box in a height x width image, in the same image scaled to to_height x to_width (at least 1 px)."""
     x1, y1, x2, y2 = box
     if (to_height, to_width) == (height, width):

@@ -83,9 +83,20 @@ class OrderStream:
         draining: Set when the server drains: the stream takes no more orders.
     """
 
-    def __init__(self, context: grpc.aio.ServicerContext, peer: str, spec: PipelineSpec, *, config: ServerConfig,
-                 shards: dict[str, Shard], renderer: Renderer, slots: Slots, limiter: RateLimiter | None,
-                 metrics: Metrics, draining: asyncio.Event):
+    def __init__(
+        self,
+        context: grpc.aio.ServicerContext,
+        peer: str,
+        spec: PipelineSpec,
+        *,
+        config: ServerConfig,
+        shards: dict[str, Shard],
+        renderer: Renderer,
+        slots: Slots,
+        limiter: RateLimiter | None,
+        metrics: Metrics,
+        draining: asyncio.Event,
+    ):
         self._context = context
         self._peer = peer
         self._spec = spec
@@ -134,8 +145,12 @@ class OrderStream:
                 done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
                     read.cancel()
-                    self._queue.put_nowait(_End(grpc.StatusCode.UNAVAILABLE, "server is draining (SIGTERM or "
-                                                "SIGINT); send unfinished orders elsewhere"))
+                    self._queue.put_nowait(
+                        _End(
+                            grpc.StatusCode.UNAVAILABLE,
+                            "server is draining (SIGTERM or SIGINT); send unfinished orders elsewhere",
+                        )
+                    )
                     return
                 request = read.result()
                 if request is grpc.aio.EOF:
@@ -163,19 +178,29 @@ class OrderStream:
             return _End(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a stream may be a Setup")
         order = request.order
         if order.shard_id not in self._shards:
-            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id}: no shard {order.shard_id!r} on "
-                        f"this server; it holds {', '.join(self._shards)}")
+            return _End(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"order {order.order_id}: no shard {order.shard_id!r} on "
+                f"this server; it holds {', '.join(self._shards)}",
+            )
         n = len(order.indices)
         if not 0 < n <= c.max_order_samples:
-            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id} has {n} samples; "
-                        f"expected 1..{c.max_order_samples} (max_order_samples)")
+            return _End(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"order {order.order_id} has {n} samples; expected 1..{c.max_order_samples} (max_order_samples)",
+            )
         size = len(self._shards[order.shard_id])
         if max(order.indices) >= size:
-            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id}: index {max(order.indices)} is "
-                        f"out of range for shard {order.shard_id} of {size} samples")
+            return _End(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"order {order.order_id}: index {max(order.indices)} is "
+                f"out of range for shard {order.shard_id} of {size} samples",
+            )
         if self._inflight >= c.max_inflight_orders:
-            return _End(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than max_inflight_orders={c.max_inflight_orders} "
-                        f"orders in flight on one stream")
+            return _End(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"more than max_inflight_orders={c.max_inflight_orders} orders in flight on one stream",
+            )
         return None
 
     async def _start_order(self, order: loader_pb2.Order, per_chunk: int) -> None:
@@ -191,8 +216,9 @@ class OrderStream:
                 await self._limiter.take(count)
             slot = await self._slots.take(self._slot_counts)
             try:
-                future = self._renderer.render(self._spec, shard, indices[start:start + count],
-                                               seeds[start:start + count], slot)
+                future = self._renderer.render(
+                    self._spec, shard, indices[start : start + count], seeds[start : start + count], slot
+                )
             except BaseException:
                 self._slots.give(self._slot_counts, slot)
                 raise
@@ -204,14 +230,26 @@ class OrderStream:
             # Shielded: a cancelled stream must not cancel the chunk's future, which completes
             # only when every worker task is done with the slot.
             errors = await asyncio.shield(item.future)
-            indices = item.indices[item.start:item.start + item.size]
+            indices = item.indices[item.start : item.start + item.size]
             header = loader_pb2.ChunkHeader(
-                order_id=item.order.order_id, start=item.start, count=item.size, order_size=len(item.indices),
-                height=spec.height, width=spec.width, channels=limits.CHANNELS,
+                order_id=item.order.order_id,
+                start=item.start,
+                count=item.size,
+                order_size=len(item.indices),
+                height=spec.height,
+                width=spec.width,
+                channels=limits.CHANNELS,
                 labels=item.shard.labels[indices].tolist(),
-                errors=[loader_pb2.SampleError(position=item.start + pos, index=int(indices[pos]),
-                                               key=item.shard.key(int(indices[pos])), reason=reason)
-                        for pos, reason in errors])
+                errors=[
+                    loader_pb2.SampleError(
+                        position=item.start + pos,
+                        index=int(indices[pos]),
+                        key=item.shard.key(int(indices[pos])),
+                        reason=reason,
+                    )
+                    for pos, reason in errors
+                ],
+            )
             nbytes = item.size * limits.sample_bytes(spec.height, spec.width)
             chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
             await self._slots.send(self._context.write(chunk), self._slot_counts)

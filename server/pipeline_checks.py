@@ -57,8 +57,10 @@ class PipelineChecks:
         """The checked pipeline for a Setup; raises PipelineError for one this server cannot honour."""
         for name, value in (("height", setup.height), ("width", setup.width)):
             if not self.min_image_size <= value <= self.max_image_size:
-                raise PipelineError(f"{name}={value} is outside the sizes this server offers: "
-                                    f"{self.min_image_size}..{self.max_image_size}")
+                raise PipelineError(
+                    f"{name}={value} is outside the sizes this server offers: "
+                    f"{self.min_image_size}..{self.max_image_size}"
+                )
         spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
         pipeline = self._kept.get(spec)
         if pipeline is not None:
@@ -87,8 +89,13 @@ class PipelineChecks:
         started = time.perf_counter()
         pipeline = Pipeline(spec, self.allow_custom, self.max_pixels)
         pipeline.check_output()
-        log.info("pipeline %s %dx%d built and tried in %.2fs", spec.name, spec.height, spec.width,
-                 time.perf_counter() - started)
+        log.info(
+            "pipeline %s %dx%d built and tried in %.2fs",
+            spec.name,
+            spec.height,
+            spec.width,
+            time.perf_counter() - started,
+        )
         return pipeline
 
     def _checked(self, spec: PipelineSpec, check: _Check) -> None:

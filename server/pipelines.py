@@ -52,24 +52,33 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     """Builds the albumentations pipeline for a spec; raises PipelineError for bad requests."""
     h, w = spec.height, spec.width
     if spec.name == "train":
-        return A.Compose([
-            A.RandomResizedCrop(size=(h, w), scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-                                interpolation=cv2.INTER_LINEAR),
-            A.HorizontalFlip(p=0.5),
-        ])
+        return A.Compose(
+            [
+                A.RandomResizedCrop(
+                    size=(h, w), scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation=cv2.INTER_LINEAR
+                ),
+                A.HorizontalFlip(p=0.5),
+            ]
+        )
     if spec.name == "eval":
         # Scale so that both sides cover size / 0.875 (for a square size: the short side).
         cover = (round(h / EVAL_CROP_FRACTION), round(w / EVAL_CROP_FRACTION))
-        return A.Compose([
-            A.SmallestMaxSize(max_size_hw=cover, interpolation=cv2.INTER_LINEAR),
-            A.CenterCrop(height=h, width=w),
-        ])
+        return A.Compose(
+            [
+                A.SmallestMaxSize(max_size_hw=cover, interpolation=cv2.INTER_LINEAR),
+                A.CenterCrop(height=h, width=w),
+            ]
+        )
     if spec.name != CUSTOM:
-        raise PipelineError(f"unknown pipeline {spec.name!r}; this server offers "
-                            f"{', '.join(PRESETS + ((CUSTOM,) if allow_custom else ()))}")
+        raise PipelineError(
+            f"unknown pipeline {spec.name!r}; this server offers "
+            f"{', '.join(PRESETS + ((CUSTOM,) if allow_custom else ()))}"
+        )
     if not allow_custom:
-        raise PipelineError("this server does not accept custom albumentations pipelines "
-                            f"(start it with --allow-custom-pipelines); it offers {', '.join(PRESETS)}")
+        raise PipelineError(
+            "this server does not accept custom albumentations pipelines "
+            f"(start it with --allow-custom-pipelines); it offers {', '.join(PRESETS)}"
+        )
     size = len(spec.albumentations_json.encode("utf-8", "surrogatepass"))
     if size > MAX_PIPELINE_JSON:
         raise PipelineError(f"albumentations_json is {size} bytes, over the limit of {MAX_PIPELINE_JSON}")
@@ -83,8 +92,10 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     limit = 4 * max(spec.height, spec.width, 256)
     for path, value in numbers:
         if abs(value) > limit and path.rsplit(".", 1)[-1] not in ("seed",):
-            raise PipelineError(f"albumentations_json: {path}={value} is over this server's limit of {limit} for "
-                                f"any size-like parameter (4 x the output size, at least 1024)")
+            raise PipelineError(
+                f"albumentations_json: {path}={value} is over this server's limit of {limit} for "
+                f"any size-like parameter (4 x the output size, at least 1024)"
+            )
     try:
         # from_dict only instantiates classes from albumentations' own registry: no code runs.
         compose = A.from_dict(document)
@@ -96,9 +107,11 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     if count > MAX_TRANSFORMS:
         raise PipelineError(f"the pipeline has {count} transforms and composes, over the limit of {MAX_TRANSFORMS}")
     if compose.p < 1:
-        raise PipelineError(f"the pipeline's outer Compose has p={compose.p}: it would pass some images through "
-                            f"untransformed, at their own size; use p=1 there and put the probability on "
-                            f"the transforms inside")
+        raise PipelineError(
+            f"the pipeline's outer Compose has p={compose.p}: it would pass some images through "
+            f"untransformed, at their own size; use p=1 there and put the probability on "
+            f"the transforms inside"
+        )
     return compose
 
 
@@ -126,8 +139,9 @@ def _walk(node):
 class Pipeline:
     """Decode + augment one sample into a fixed-size RGB uint8 array."""
 
-    def __init__(self, spec: PipelineSpec, allow_custom: bool = False, max_pixels: int = 100_000_000,
-                 region_decode: bool = True):
+    def __init__(
+        self, spec: PipelineSpec, allow_custom: bool = False, max_pixels: int = 100_000_000, region_decode: bool = True
+    ):
         self.spec = spec
         self.max_pixels = max_pixels
         self.region_decode = region_decode
@@ -163,8 +177,11 @@ class Pipeline:
             a, b = streams[2 * k + 1], streams[2 * k + 2]
             node.py_random.seed(a)
             node.random_generator.bit_generator.state = {
-                "bit_generator": "PCG64", "state": {"state": (a << 64) | b, "inc": (b << 1) | 1},
-                "has_uint32": 0, "uinteger": 0}
+                "bit_generator": "PCG64",
+                "state": {"state": (a << 64) | b, "inc": (b << 1) | 1},
+                "has_uint32": 0,
+                "uinteger": 0,
+            }
 
     def check_output(self) -> None:
         """Runs the pipeline on a test image and raises PipelineError unless the size is fixed."""
@@ -175,16 +192,19 @@ class Pipeline:
             try:
                 out = self.compose(image=image)["image"]
             except Exception as exc:  # the pipeline cannot handle some image sizes
-                raise PipelineError(f"the pipeline fails on an image of {shape[0]}x{shape[1]} (height x width) "
-                                    f"({type(exc).__name__}: "
-                                    f"{exc}); it must accept any image size, e.g. start with a Resize or "
-                                    f"RandomResizedCrop") from None
+                raise PipelineError(
+                    f"the pipeline fails on an image of {shape[0]}x{shape[1]} (height x width) "
+                    f"({type(exc).__name__}: "
+                    f"{exc}); it must accept any image size, e.g. start with a Resize or "
+                    f"RandomResizedCrop"
+                ) from None
             if out.shape != (self.spec.height, self.spec.width, 3) or out.dtype != np.uint8:
                 raise PipelineError(
                     f"the pipeline turns an image of {shape[0]}x{shape[1]} (height x width) into shape {out.shape} "
                     f"{out.dtype}; it must output uint8 of the requested size "
                     f"{self.spec.height}x{self.spec.width}x3 for every input (end it with a "
-                    f"Resize or a crop of that size)")
+                    f"Resize or a crop of that size)"
+                )
 
     def __call__(self, data: bytes, seed: int, fused: bool = True, verified: bool = False) -> np.ndarray:
         """The sample's pixels; ``verified``: the file has decoded whole without error before,
@@ -214,8 +234,9 @@ class Pipeline:
         # Smallest decode that keeps the crop at least the output size.
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
-        region = dec.decode_crop(data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width),
-                                 native=native)
+        region = dec.decode_crop(
+            data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width), native=native
+        )
         if region.shape[:2] != (out_h, out_w):
             # As albumentations picks it: on the crop's size in the source (area_for_downscale).
             pick = getattr(crop, "_get_interpolation_for_resize", None)

@@ -43,8 +43,9 @@ class Renderer:
         # only as samples are marked.
         self._decoded = {s.id: np.zeros(len(s), np.bool_) for s in shards}
 
-    def render(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int],
-               slot: int) -> asyncio.Future[SampleErrors]:
+    def render(
+        self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int
+    ) -> asyncio.Future[SampleErrors]:
         """Starts rendering samples into a slot; the future gives [(position, reason)] once all are done."""
         if isinstance(shard, SyntheticShard):  # transport benchmark: the slot already holds pixels
             future: asyncio.Future[SampleErrors] = asyncio.get_running_loop().create_future()
@@ -64,8 +65,12 @@ class Renderer:
         size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // (2 * self.pool.size))))
         spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json)
         firsts = range(0, len(locations), size)
-        parts = [self.pool.submit(Task(slot, first, spec_tuple, locations[first:first + size],
-                                       seeds[first:first + size])) for first in firsts]
+        parts = [
+            self.pool.submit(
+                Task(slot, first, spec_tuple, locations[first : first + size], seeds[first : first + size])
+            )
+            for first in firsts
+        ]
         future = _merge(parts, list(firsts))
 
         def done(f: asyncio.Future[SampleErrors]) -> None:

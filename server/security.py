@@ -14,15 +14,20 @@ OPEN_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
     """TLS with the server's certificate; with ``client_ca``, clients must present one it signed."""
     ca = pathlib.Path(client_ca).read_bytes() if client_ca else None
-    return grpc.ssl_server_credentials([(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())],
-                                       root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(pathlib.Path(key).read_bytes(), pathlib.Path(cert).read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
 
 
 def read_token(path: str) -> bytes:
     token = pathlib.Path(path).read_text().strip().encode()
     if len(token) < 16:
-        raise ValueError(f"token_file {path}: the token is {len(token)} bytes; use at least 16 "
-                         f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        raise ValueError(
+            f"token_file {path}: the token is {len(token)} bytes; use at least 16 "
+            f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
     return token
 
 
@@ -33,8 +38,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self._expected = b"Bearer " + token
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong bearer token (send metadata authorization: Bearer <token>)")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token (send metadata authorization: Bearer <token>)",
+            )
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)

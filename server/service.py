@@ -50,8 +50,15 @@ class LoaderService:
         checks: Builds and checks the pipelines Setups ask for.
     """
 
-    def __init__(self, config: ServerConfig, shards: list[Shard], pool: WorkerPool, arena: Arena,
-                 cache: SampleCache | None, checks: PipelineChecks):
+    def __init__(
+        self,
+        config: ServerConfig,
+        shards: list[Shard],
+        pool: WorkerPool,
+        arena: Arena,
+        cache: SampleCache | None,
+        checks: PipelineChecks,
+    ):
         self.config = config
         self.shards = {s.id: s for s in shards}
         self.checks = checks
@@ -65,54 +72,76 @@ class LoaderService:
         self._draining = asyncio.Event()
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Describe": grpc.unary_unary_rpc_method_handler(
-                self.Describe, request_deserializer=loader_pb2.DescribeRequest.FromString,
-                response_serializer=loader_pb2.DescribeResponse.SerializeToString),
-            "GetKeys": grpc.unary_unary_rpc_method_handler(
-                self.GetKeys, request_deserializer=loader_pb2.GetKeysRequest.FromString,
-                response_serializer=loader_pb2.GetKeysResponse.SerializeToString),
-            "Stream": grpc.stream_stream_rpc_method_handler(
-                self.Stream, request_deserializer=loader_pb2.StreamRequest.FromString,
-                response_serializer=serialize_chunk),
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Describe": grpc.unary_unary_rpc_method_handler(
+                    self.Describe,
+                    request_deserializer=loader_pb2.DescribeRequest.FromString,
+                    response_serializer=loader_pb2.DescribeResponse.SerializeToString,
+                ),
+                "GetKeys": grpc.unary_unary_rpc_method_handler(
+                    self.GetKeys,
+                    request_deserializer=loader_pb2.GetKeysRequest.FromString,
+                    response_serializer=loader_pb2.GetKeysResponse.SerializeToString,
+                ),
+                "Stream": grpc.stream_stream_rpc_method_handler(
+                    self.Stream,
+                    request_deserializer=loader_pb2.StreamRequest.FromString,
+                    response_serializer=serialize_chunk,
+                ),
+            },
+        )
 
     def drain(self) -> None:
         """Stops taking new orders; streams finish what they hold, then end UNAVAILABLE."""
         self._draining.set()
 
-    async def Describe(self, request: loader_pb2.DescribeRequest,
-                       context: grpc.aio.ServicerContext) -> loader_pb2.DescribeResponse:
+    async def Describe(
+        self, request: loader_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> loader_pb2.DescribeResponse:
         c = self.config
         return loader_pb2.DescribeResponse(
             version=VERSION,
-            shards=[loader_pb2.Shard(id=s.id, name=s.name, num_samples=len(s), class_names=s.class_names)
-                    for s in self.shards.values()],
-            pipelines=list(PRESETS), custom_pipelines=c.allow_custom_pipelines,
-            min_image_size=c.min_image_size, max_image_size=c.max_image_size,
-            max_order_samples=c.max_order_samples, max_inflight_orders=c.max_inflight_orders,
-            chunk_bytes=c.chunk_bytes)
+            shards=[
+                loader_pb2.Shard(id=s.id, name=s.name, num_samples=len(s), class_names=s.class_names)
+                for s in self.shards.values()
+            ],
+            pipelines=list(PRESETS),
+            custom_pipelines=c.allow_custom_pipelines,
+            min_image_size=c.min_image_size,
+            max_image_size=c.max_image_size,
+            max_order_samples=c.max_order_samples,
+            max_inflight_orders=c.max_inflight_orders,
+            chunk_bytes=c.chunk_bytes,
+        )
 
-    async def GetKeys(self, request: loader_pb2.GetKeysRequest,
-                      context: grpc.aio.ServicerContext) -> loader_pb2.GetKeysResponse:
+    async def GetKeys(
+        self, request: loader_pb2.GetKeysRequest, context: grpc.aio.ServicerContext
+    ) -> loader_pb2.GetKeysResponse:
         shard = self.shards.get(request.shard_id)
         if shard is None:
             await _abort(context, grpc.StatusCode.NOT_FOUND, f"no shard {request.shard_id!r} on this server")
         if request.count > MAX_KEYS_PER_CALL:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"count={request.count} is over the limit of {MAX_KEYS_PER_CALL} keys per call")
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"count={request.count} is over the limit of {MAX_KEYS_PER_CALL} keys per call",
+            )
         end = min(request.start + request.count, len(shard))
         return loader_pb2.GetKeysResponse(keys=[shard.key(i) for i in range(request.start, end)])
 
-    async def Stream(self, request_iterator: AsyncIterator[loader_pb2.StreamRequest],
-                     context: grpc.aio.ServicerContext) -> None:
+    async def Stream(
+        self, request_iterator: AsyncIterator[loader_pb2.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> None:
         peer = context.peer()
         client = client_address(peer)
         refusal = self.admission.refusal(client)
         if refusal is not None:
             self.metrics.refused.inc()
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"too many open streams: this server's limit is {refusal}")
+            await _abort(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many open streams: this server's limit is {refusal}"
+            )
         with self.admission.hold(client):
             setup = await self._read_setup(context)
             if setup is None:
@@ -123,9 +152,18 @@ class LoaderService:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             spec = pipeline.spec
             log.info("stream opened by %s: pipeline %s %dx%d", peer, spec.name, spec.height, spec.width)
-            await OrderStream(context, peer, spec, config=self.config, shards=self.shards, renderer=self.renderer,
-                              slots=self.slots, limiter=self.limiter, metrics=self.metrics,
-                              draining=self._draining).run()
+            await OrderStream(
+                context,
+                peer,
+                spec,
+                config=self.config,
+                shards=self.shards,
+                renderer=self.renderer,
+                slots=self.slots,
+                limiter=self.limiter,
+                metrics=self.metrics,
+                draining=self._draining,
+            ).run()
 
     async def _read_setup(self, context: grpc.aio.ServicerContext) -> loader_pb2.Setup | None:
         """The stream's first message, its Setup; None when the client closes the stream first."""
@@ -133,8 +171,11 @@ class LoaderService:
         try:  # a stream that sends nothing would hold its place among max_streams
             first = await asyncio.wait_for(context.read(), stall)
         except asyncio.TimeoutError:
-            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         f"no Setup within stall_timeout={stall:g}s of opening the stream")
+            await _abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no Setup within stall_timeout={stall:g}s of opening the stream",
+            )
         except DecodeError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}")
         if first is grpc.aio.EOF:

@@ -35,9 +35,11 @@ class SharedFile:
             os.posix_fallocate(self.fd, 0, size)
         except OSError as exc:
             os.close(self.fd)
-            raise OSError(f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory or 'the temp dir'}: "
-                          f"{exc} (slots x max(--chunk-bytes, --max-image-size^2 x 3), plus --cache-bytes; lower "
-                          f"those, or give a container more shm_size)") from None
+            raise OSError(
+                f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory or 'the temp dir'}: "
+                f"{exc} (slots x max(--chunk-bytes, --max-image-size^2 x 3), plus --cache-bytes; lower "
+                f"those, or give a container more shm_size)"
+            ) from None
         except AttributeError:  # not on this platform
             os.ftruncate(self.fd, size)
         self._mmap = mmap.mmap(self.fd, size)
@@ -85,7 +87,7 @@ class Arena(SharedFile):
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = slot * self.slot_bytes
-        return self.buffer[start:start + nbytes]
+        return self.buffer[start : start + nbytes]
 
 
 _RESERVED = -3  # cache index values <= this: reserved at offset (_RESERVED - value), not filled
@@ -128,4 +130,3 @@ class SampleCache(SharedFile):
         """Ends a CACHE_FILL: ``ok`` when the sample read from it rendered without error."""
         # A failed fill keeps its space for the next try, so failures never use up the cache.
         self._where[shard][index] = offset if ok else _RESERVED - offset
-

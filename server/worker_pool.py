@@ -62,13 +62,28 @@ class WorkerPool:
 
     AHEAD = 2
 
-    def __init__(self, arena: Arena, workers: int, allow_custom: bool, max_pixels: int,
-                 cache: SampleCache | None = None, region_decode: bool = True, indexed_ns: int = 0):
+    def __init__(
+        self,
+        arena: Arena,
+        workers: int,
+        allow_custom: bool,
+        max_pixels: int,
+        cache: SampleCache | None = None,
+        region_decode: bool = True,
+        indexed_ns: int = 0,
+    ):
         self.size = workers
         self._arena = arena
         self._cache = cache
-        self._settings = (arena.count, arena.slot_bytes, allow_custom, max_pixels, cache.size if cache else 0,
-                          region_decode, indexed_ns)
+        self._settings = (
+            arena.count,
+            arena.slot_bytes,
+            allow_custom,
+            max_pixels,
+            cache.size if cache else 0,
+            region_decode,
+            indexed_ns,
+        )
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker_process"])
         self._ctx = ctx
@@ -94,8 +109,12 @@ class WorkerPool:
                 log.warning("cannot enlarge a worker's task pipe to %d bytes (%s)", _TASK_PIPE_BYTES, exc)
         result_read, result_write = self._ctx.Pipe(duplex=False)
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)
-        process = self._ctx.Process(target=worker_process.main, args=(task_read, result_write, *fds, *self._settings),
-                                    name="remoteloader-worker", daemon=True)
+        process = self._ctx.Process(
+            target=worker_process.main,
+            args=(task_read, result_write, *fds, *self._settings),
+            name="remoteloader-worker",
+            daemon=True,
+        )
         process.start()
         task_read.close()
         result_write.close()

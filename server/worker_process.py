@@ -45,8 +45,19 @@ def read_sample(path: str, offset: int, length: int) -> tuple[bytes, int]:
     return data, mtime_ns
 
 
-def main(tasks: Connection, results: Connection, arena_fd: int, cache_fd: int | None, slots: int, slot_bytes: int,
-         allow_custom: bool, max_pixels: int, cache_bytes: int, region_decode: bool, indexed_ns: int) -> None:
+def main(
+    tasks: Connection,
+    results: Connection,
+    arena_fd: int,
+    cache_fd: int | None,
+    slots: int,
+    slot_bytes: int,
+    allow_custom: bool,
+    max_pixels: int,
+    cache_bytes: int,
+    region_decode: bool,
+    indexed_ns: int,
+) -> None:
     """Runs the worker until its task pipe closes or sends None (arguments: see WorkerPool._spawn)."""
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,8 +87,12 @@ def main(tasks: Connection, results: Connection, arena_fd: int, cache_fd: int | 
         task_id, slot, first, spec_id, locations, seeds = message
         spec = specs[spec_id]
         _, height, width, _ = spec
-        out = np.ndarray((len(locations), height, width, limits.CHANNELS), np.uint8, buffer=arena,
-                         offset=slot * slot_bytes + first * limits.sample_bytes(height, width))
+        out = np.ndarray(
+            (len(locations), height, width, limits.CHANNELS),
+            np.uint8,
+            buffer=arena,
+            offset=slot * slot_bytes + first * limits.sample_bytes(height, width),
+        )
         errors = _render(pipelines.get(spec), out, locations, seeds, cache, indexed_ns)
         del out
         results.send((task_id, errors))
@@ -108,8 +123,14 @@ class _Pipelines:
         return pipeline
 
 
-def _render(pipeline: Pipeline | str, out: np.ndarray, locations: list, seeds: list[int], cache: mmap.mmap | None,
-            indexed_ns: int) -> list[tuple[int, str]]:
+def _render(
+    pipeline: Pipeline | str,
+    out: np.ndarray,
+    locations: list,
+    seeds: list[int],
+    cache: mmap.mmap | None,
+    indexed_ns: int,
+) -> list[tuple[int, str]]:
     """Renders each located sample into ``out[i]``; returns [(i, reason)] for those that failed (zeros)."""
     errors = []
     for i, ((path, offset, length, cache_mode, cache_offset, verified), seed) in enumerate(zip(locations, seeds)):
@@ -118,7 +139,7 @@ def _render(pipeline: Pipeline | str, out: np.ndarray, locations: list, seeds: l
                 raise DecodeError(pipeline)
             if cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
                 assert cache is not None, "cache modes come only from a server with a cache"
-                data = cache[cache_offset:cache_offset + length]
+                data = cache[cache_offset : cache_offset + length]
             else:
                 data, mtime_ns = read_sample(path, offset, length)
                 # A file written since the server indexed it may differ from the bytes that
@@ -126,7 +147,7 @@ def _render(pipeline: Pipeline | str, out: np.ndarray, locations: list, seeds: l
                 verified = verified and mtime_ns < indexed_ns
                 if cache_mode == CACHE_FILL:
                     assert cache is not None, "cache modes come only from a server with a cache"
-                    cache[cache_offset:cache_offset + length] = data
+                    cache[cache_offset : cache_offset + length] = data
             out[i] = pipeline(data, seed, verified=verified)
         except (DecodeError, OSError) as exc:
             out[i] = 0

@@ -33,15 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=1, help="decode workers per server")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--data", default=None,
-                        help="write the generated dataset here and keep it: a new or empty folder, or one "
-                             "an earlier demo wrote (default: a temp dir, removed at exit)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="write the generated dataset here and keep it: a new or empty folder, or one "
+        "an earlier demo wrote (default: a temp dir, removed at exit)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prepare", metavar="DIR", default=None,
-                        help="only write the dataset as DIR/shard-<i> (one per server) and exit")
-    parser.add_argument("--connect", metavar="ADDRESSES", default=None,
-                        help="train against running loader servers (e.g. loader-0:50051,loader-1:50051) "
-                             "instead of starting local ones")
+    parser.add_argument(
+        "--prepare",
+        metavar="DIR",
+        default=None,
+        help="only write the dataset as DIR/shard-<i> (one per server) and exit",
+    )
+    parser.add_argument(
+        "--connect",
+        metavar="ADDRESSES",
+        default=None,
+        help="train against running loader servers (e.g. loader-0:50051,loader-1:50051) instead of starting local ones",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,8 +70,9 @@ def _run(args: argparse.Namespace) -> int:
     _check(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device={args.device}: this torch ({torch.__version__}) sees no CUDA GPU; "
-                         f"use --device cpu or auto")
+        raise SystemExit(
+            f"--device={args.device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu or auto"
+        )
     torch.manual_seed(args.seed)
     with contextlib.ExitStack() as stack:  # unwound on exit, Ctrl-C and SIGTERM alike
         # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
@@ -75,8 +86,10 @@ def _run(args: argparse.Namespace) -> int:
         model = _model(len(train.class_names)).to(device).to(memory_format=torch.channels_last)
         print(f"{train.num_samples} images, {len(train)} batches of {args.batch_size} per epoch")
         if len(train) == 0:
-            raise SystemExit(f"the servers hold {train.num_samples} images, fewer than --batch-size "
-                             f"{args.batch_size}: no whole batch to train on")
+            raise SystemExit(
+                f"the servers hold {train.num_samples} images, fewer than --batch-size "
+                f"{args.batch_size}: no whole batch to train on"
+            )
         _train(model, train, args.epochs)
         correct, total = _accuracy(model, evaluate)
         print(f"accuracy (eval pipeline, {total} images): {correct / total:.1%}")
@@ -102,12 +115,29 @@ def _loaders(stack: contextlib.ExitStack, addresses: str, args: argparse.Namespa
     from remoteloader.client import RemoteLoader
 
     try:
-        train = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
-                                                 image_size=args.image_size, pipeline="train", seed=args.seed,
-                                                 normalize=(MEAN, STD), device=device))
-        evaluate = stack.enter_context(RemoteLoader(addresses, batch_size=args.batch_size,
-                                                    image_size=args.image_size, pipeline="eval", shuffle=False,
-                                                    drop_last=False, normalize=(MEAN, STD), device=device))
+        train = stack.enter_context(
+            RemoteLoader(
+                addresses,
+                batch_size=args.batch_size,
+                image_size=args.image_size,
+                pipeline="train",
+                seed=args.seed,
+                normalize=(MEAN, STD),
+                device=device,
+            )
+        )
+        evaluate = stack.enter_context(
+            RemoteLoader(
+                addresses,
+                batch_size=args.batch_size,
+                image_size=args.image_size,
+                pipeline="eval",
+                shuffle=False,
+                drop_last=False,
+                normalize=(MEAN, STD),
+                device=device,
+            )
+        )
     except (OSError, ValueError) as exc:  # ConnectionError, a bad address, a server that refuses the setup
         if not args.connect:
             raise  # the demo's own servers: a bug, with its traceback
@@ -174,11 +204,15 @@ def _check(args: argparse.Namespace) -> None:
         return
     per_shard = args.images_per_class // args.servers
     if per_shard < 1:
-        raise SystemExit(f"--images-per-class={args.images_per_class}: each of the {args.servers} shards needs "
-                         f"at least one image per class")
+        raise SystemExit(
+            f"--images-per-class={args.images_per_class}: each of the {args.servers} shards needs "
+            f"at least one image per class"
+        )
     if not args.prepare and args.classes * per_shard * args.servers < args.batch_size:
-        raise SystemExit(f"{args.classes * per_shard * args.servers} images in all, fewer than --batch-size "
-                         f"{args.batch_size}: raise --images-per-class or lower --batch-size")
+        raise SystemExit(
+            f"{args.classes * per_shard * args.servers} images in all, fewer than --batch-size "
+            f"{args.batch_size}: raise --images-per-class or lower --batch-size"
+        )
 
 
 def _check_folder(root) -> None:
@@ -190,14 +224,16 @@ def _check_folder(root) -> None:
         raise SystemExit(f"{root} is not a folder")
     strangers = [p.name for p in root.iterdir() if not re.fullmatch(r"shard-\d+", p.name)] if root.exists() else []
     if strangers:
-        raise SystemExit(f"{root} holds {', '.join(sorted(strangers)[:3])}{' ...' if len(strangers) > 3 else ''}, "
-                         f"which the demo did not write; give it a new or empty folder")
+        raise SystemExit(
+            f"{root} holds {', '.join(sorted(strangers)[:3])}{' ...' if len(strangers) > 3 else ''}, "
+            f"which the demo did not write; give it a new or empty folder"
+        )
 
 
 def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.Path]:
     from remoteloader.tools.textures import make_imagefolder
 
-    classes = CLASSES[:args.classes]
+    classes = CLASSES[: args.classes]
     shards = []
     t0 = time.perf_counter()
     for i in range(args.servers):
@@ -218,8 +254,10 @@ def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.
             make_imagefolder(shard, classes, per, size=(96, 128), seed=args.seed * 1000 + i, jitter=0.2)
             done.write_text(recipe)
         shards.append(shard)
-    print(f"dataset: {args.servers} shard(s) under {root}, {len(classes)} classes "
-          f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    print(
+        f"dataset: {args.servers} shard(s) under {root}, {len(classes)} classes ({time.perf_counter() - t0:.1f}s)",
+        flush=True,
+    )
     return shards
 
 
@@ -227,8 +265,10 @@ def _model(num_classes: int):
     import torch.nn as nn
 
     def block(cin, cout):
-        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-                             nn.MaxPool2d(2))
+        return nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)
+        )
 
-    return nn.Sequential(block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(64, num_classes))
+    return nn.Sequential(
+        block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)
+    )

@@ -63,8 +63,13 @@ class ServerProcess:
             fork instead of a vfork: leave it off where other threads may hold locks (gRPC).
     """
 
-    def __init__(self, argv: list[str], log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, die_with_parent: bool = False):
+    def __init__(
+        self,
+        argv: list[str],
+        log_path: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        die_with_parent: bool = False,
+    ):
         self.argv = list(argv)
         self.log_path = log_path
         self.host: str | None = None  # from the ready line
@@ -74,10 +79,17 @@ class ServerProcess:
         self._ready = threading.Event()
         self._eof = threading.Event()
         # stderr carries the server's log; stdout joins it, so nothing it writes is lost.
-        self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, env=server_env(env), text=True, errors="replace",
-                                      start_new_session=True, preexec_fn=signals.die_with_parent if die_with_parent
-                                      else None)
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=server_env(env),
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=signals.die_with_parent if die_with_parent else None,
+        )
         threading.Thread(target=self._read, name=f"server-output-{self.popen.pid}", daemon=True).start()
 
     def _read(self) -> None:
@@ -151,10 +163,14 @@ class ServerProcess:
                 if self._ready.is_set():
                     assert self.port is not None
                     return self.port
-                raise ServerStartError(f"server exited with code {self.poll()} before listening "
-                                       f"({' '.join(self.argv)}); stderr:\n{self.stderr()}")
-        raise ServerStartError(f"server pid {self.pid} did not log 'listening on' within {timeout:g}s "
-                               f"({' '.join(self.argv)}); stderr:\n{self.stderr()}")
+                raise ServerStartError(
+                    f"server exited with code {self.poll()} before listening "
+                    f"({' '.join(self.argv)}); stderr:\n{self.stderr()}"
+                )
+        raise ServerStartError(
+            f"server pid {self.pid} did not log 'listening on' within {timeout:g}s "
+            f"({' '.join(self.argv)}); stderr:\n{self.stderr()}"
+        )
 
     def wait_for_log(self, pattern: str, timeout: float) -> re.Match:
         """The first line matching ``pattern``, waiting up to ``timeout`` for it (TimeoutError)."""
@@ -167,8 +183,10 @@ class ServerProcess:
                     if match:
                         return match
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"server pid {self.pid} logged nothing matching {pattern!r} within {timeout:g}s; "
-                                   f"stderr:\n{self.stderr()}")
+                raise TimeoutError(
+                    f"server pid {self.pid} logged nothing matching {pattern!r} within {timeout:g}s; "
+                    f"stderr:\n{self.stderr()}"
+                )
             time.sleep(0.05)
 
     # ---- stopping ---------------------------------------------------------------------
@@ -233,9 +251,16 @@ class LocalServer:
         die_with_parent: The server gets SIGTERM if this process dies (Linux); see ``ServerProcess``.
     """
 
-    def __init__(self, data: list[str] | str | os.PathLike, port: int = 0, host: str = "127.0.0.1",
-                 args: list[str] | tuple[str, ...] | None = None, env: dict[str, str] | None = None,
-                 log_path: str | os.PathLike | None = None, die_with_parent: bool = True):
+    def __init__(
+        self,
+        data: list[str] | str | os.PathLike,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        args: list[str] | tuple[str, ...] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        die_with_parent: bool = True,
+    ):
         self.data = [str(data)] if isinstance(data, (str, os.PathLike)) else [str(d) for d in data]
         self.host = host
         self.port = port

@@ -43,8 +43,19 @@ from remoteloader.tools import signals
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
 TRANSCODE_MAX_PIXELS = 64_000_000
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 
 
 def parse_size(text: str) -> int:
@@ -57,15 +68,20 @@ def parse_size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="ImageFolder tree: SRC/<class>/<image>")
     parser.add_argument("dst", help="output folder for shard-NNNNN.tar and classes.txt")
-    parser.add_argument("--shard-size", type=parse_size, default=parse_size("256MB"),
-                        help="target bytes per tar shard (default 256MB)")
+    parser.add_argument(
+        "--shard-size", type=parse_size, default=parse_size("256MB"), help="target bytes per tar shard (default 256MB)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample order (mixes classes across shards)")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the ImageFolder order")
-    parser.add_argument("--verbatim", action="store_true",
-                        help="copy every file byte for byte; by default JPEGs are rewritten losslessly (same "
-                             "pixels) with a restart marker per MCU, so servers decode only a crop's blocks")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="processes rewriting JPEGs (default: the usable cores)")
+    parser.add_argument(
+        "--verbatim",
+        action="store_true",
+        help="copy every file byte for byte; by default JPEGs are rewritten losslessly (same "
+        "pixels) with a restart marker per MCU, so servers decode only a crop's blocks",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="processes rewriting JPEGs (default: the usable cores)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -106,8 +122,12 @@ def prepare(path: str, transcode: bool = True) -> Prepared:
     if simplejpeg.decode_jpeg_header(data)[2] in ("CMYK", "YCCK"):
         return data, "copied", "CMYK, always decoded whole", len(data)
     if height * width > TRANSCODE_MAX_PIXELS:
-        return data, "copied", (f"{width}x{height}: rewriting one over {TRANSCODE_MAX_PIXELS // 1_000_000} MP "
-                                f"would take too much memory"), len(data)
+        return (
+            data,
+            "copied",
+            (f"{width}x{height}: rewriting one over {TRANSCODE_MAX_PIXELS // 1_000_000} MP would take too much memory"),
+            len(data),
+        )
     try:
         rewritten = _jpeg.transcode(data, TRANSCODE_MAX_PIXELS, MAX_SCANS)
     except ValueError as exc:
@@ -139,15 +159,18 @@ class _Preparer:
         if transcode and _jpeg is not None and workers > 1:
             with signals.signals_ignored():
                 self.pool = concurrent.futures.ProcessPoolExecutor(
-                    workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-                    initargs=(os.getpid(),))
+                    workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_start_worker,
+                    initargs=(os.getpid(),),
+                )
                 # A spawn pool starts a process per task submitted while none is idle: all of them now.
                 for started in [self.pool.submit(os.getpid) for _ in range(workers)]:
                     started.result()
         self.in_flight = 2 * workers
 
     def results(self, paths: list[str]) -> Iterator[Prepared]:
-        batches = [paths[i:i + self.BATCH] for i in range(0, len(paths), self.BATCH)]
+        batches = [paths[i : i + self.BATCH] for i in range(0, len(paths), self.BATCH)]
         if self.pool is None:
             for batch in batches:
                 yield from _prepare_all(batch, self.transcode)
@@ -171,8 +194,16 @@ class _Preparer:
             self.pool = None
 
 
-def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = True, progress: bool = True,
-         transcode: bool = True, workers: int | None = None) -> PackReport:
+def pack(
+    src: str,
+    dst: str,
+    shard_size: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    progress: bool = True,
+    transcode: bool = True,
+    workers: int | None = None,
+) -> PackReport:
     """Writes the shards. ``transcode``: rewrite JPEGs losslessly (see above). If it fails or
     is interrupted, what it wrote is removed, folders it made included."""
     if shard_size <= 0:
@@ -186,11 +217,14 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
         where = "the source" if out_dir == source_dir else "inside the source"
         raise ValueError(f"the output folder {dst} is {where} {src}; choose one outside it")
     if out_dir in source_dir.parents:
-        raise ValueError(f"the source {src} is inside the output folder {dst}; choose a new or empty folder "
-                         f"outside the source")
+        raise ValueError(
+            f"the source {src} is inside the output folder {dst}; choose a new or empty folder outside the source"
+        )
     if pathlib.Path(src).is_dir() and any(pathlib.Path(src).glob("*.tar")):
-        raise ValueError(f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>); "
-                         f"servers read tar shards as they are")
+        raise ValueError(
+            f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>); "
+            f"servers read tar shards as they are"
+        )
     source = ImageFolderShard(pathlib.Path(src), tars_too=False)
     out = pathlib.Path(dst)
     if out.exists() and any(out.iterdir()):
@@ -218,8 +252,17 @@ def pack(src: str, dst: str, shard_size: int, seed: int = 0, shuffle: bool = Tru
     return report
 
 
-def _write_shards(source: ImageFolderShard, out: pathlib.Path, shard_size: int, seed: int, shuffle: bool,
-                  progress: bool, transcode: bool, preparer: _Preparer, report: PackReport) -> None:
+def _write_shards(
+    source: ImageFolderShard,
+    out: pathlib.Path,
+    shard_size: int,
+    seed: int,
+    shuffle: bool,
+    progress: bool,
+    transcode: bool,
+    preparer: _Preparer,
+    report: PackReport,
+) -> None:
     order = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
     (out / CLASSES_FILE).write_text("".join(f"{c}\n" for c in source.class_names))
     counts, paths = report.counts, report.paths
@@ -276,21 +319,35 @@ def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) 
         return "; ".join(named[outcome]) + (" ..." if counts[outcome] > 5 else "")
 
     if counts["left out"]:
-        print(f"remoteloader pack: warning: {counts['left out']} file(s) could not be read and are left out: "
-              f"{listed('left out')}", file=sys.stderr)
+        print(
+            f"remoteloader pack: warning: {counts['left out']} file(s) could not be read and are left out: "
+            f"{listed('left out')}",
+            file=sys.stderr,
+        )
     if counts["unreadable"]:
-        print(f"remoteloader pack: warning: {counts['unreadable']} file(s) have no readable image header; they are "
-              f"packed as they are and will fail when served: {listed('unreadable')}", file=sys.stderr)
+        print(
+            f"remoteloader pack: warning: {counts['unreadable']} file(s) have no readable image header; they are "
+            f"packed as they are and will fail when served: {listed('unreadable')}",
+            file=sys.stderr,
+        )
     if counts["not rewritten"]:
-        print(f"remoteloader pack: warning: libjpeg would not rewrite {counts['not rewritten']} JPEG(s), most "
-              f"likely damaged (a server fails those when it decodes them whole); packed as they are: "
-              f"{listed('not rewritten')}", file=sys.stderr)
+        print(
+            f"remoteloader pack: warning: libjpeg would not rewrite {counts['not rewritten']} JPEG(s), most "
+            f"likely damaged (a server fails those when it decodes them whole); packed as they are: "
+            f"{listed('not rewritten')}",
+            file=sys.stderr,
+        )
     if transcode and _jpeg is None:
-        print("remoteloader pack: warning: files copied as they are: the native JPEG module was not built "
-              "(see setup.py), so servers will decode each JPEG's rows down to the crop", file=sys.stderr)
+        print(
+            "remoteloader pack: warning: files copied as they are: the native JPEG module was not built "
+            "(see setup.py), so servers will decode each JPEG's rows down to the crop",
+            file=sys.stderr,
+        )
     elif transcode and counts["copied"]:
-        print(f"remoteloader pack: {counts['copied']} file(s) copied as they are, not rewritten: "
-              f"{listed('copied')}", file=sys.stderr)
+        print(
+            f"remoteloader pack: {counts['copied']} file(s) copied as they are, not rewritten: {listed('copied')}",
+            file=sys.stderr,
+        )
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -307,8 +364,16 @@ def run(args: argparse.Namespace) -> int:
         # The first Ctrl-C or SIGTERM stops pack; a signal its parent made it ignore (a
         # background job's SIGINT) stays ignored.
         with signals.StopSignals(once=True, keep_ignored=True):
-            report = pack(args.src, args.dst, args.shard_size, args.seed, not args.no_shuffle,
-                          progress=not args.quiet, transcode=not args.verbatim, workers=args.workers)
+            report = pack(
+                args.src,
+                args.dst,
+                args.shard_size,
+                args.seed,
+                not args.no_shuffle,
+                progress=not args.quiet,
+                transcode=not args.verbatim,
+                workers=args.workers,
+            )
     except (KeyboardInterrupt, signals.Terminated) as exc:
         how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
         print(f"\nremoteloader pack: {how}; removed what it had written to {args.dst}", file=sys.stderr)
@@ -320,7 +385,9 @@ def run(args: argparse.Namespace) -> int:
     rewritten = ""
     if not args.verbatim:
         growth = report.rewritten_after / report.rewritten_before - 1 if report.rewritten_before else 0.0
-        rewritten = (f"; {report.counts['rewritten']} of {sum(report.counts.values())} files rewritten "
-                     f"losslessly ({growth:+.1%} bytes)")
+        rewritten = (
+            f"; {report.counts['rewritten']} of {sum(report.counts.values())} files rewritten "
+            f"losslessly ({growth:+.1%} bytes)"
+        )
     print(f"wrote {len(report.paths)} shard(s), {total / 1e6:.1f} MB, to {args.dst}{rewritten}")
     return 0

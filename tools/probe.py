@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as exc:
             print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

@@ -33,8 +33,15 @@ def encode_jpeg(image: np.ndarray, quality: int = 90) -> bytes:
     return data.tobytes()
 
 
-def make_imagefolder(root: str | pathlib.Path, classes: list[str], per_class: int, size: tuple[int, int] = (96, 128),
-                     seed: int = 0, quality: int = 90, jitter: float = 0.0) -> pathlib.Path:
+def make_imagefolder(
+    root: str | pathlib.Path,
+    classes: list[str],
+    per_class: int,
+    size: tuple[int, int] = (96, 128),
+    seed: int = 0,
+    quality: int = 90,
+    jitter: float = 0.0,
+) -> pathlib.Path:
     """Writes ``root/<class>/<class>_<i>.jpg``; returns root.
 
     Args:
