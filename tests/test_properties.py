@@ -20,6 +20,7 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_codec import field, varint
 
 from remoteloader.client import plan
 from remoteloader.protos import loader_pb2
@@ -106,35 +107,22 @@ def headers(draw) -> loader_pb2.ChunkHeader:
         errors=errors)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, wire_type: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | wire_type) + payload
-
-
 @st.composite
 def unknown_fields(draw) -> bytes:
     """A field this version does not know, as a newer or other-language server may send."""
     number = draw(st.integers(3, 2000))
     kind = draw(st.sampled_from(["varint", "fixed64", "fixed32", "bytes", "group"]))
     if kind == "varint":
-        return _field(number, 0, _varint(draw(U64)))
+        return field(number, 0, varint(draw(U64)))
     if kind == "fixed64":
-        return _field(number, 1, draw(st.binary(min_size=8, max_size=8)))
+        return field(number, 1, draw(st.binary(min_size=8, max_size=8)))
     if kind == "fixed32":
-        return _field(number, 5, draw(st.binary(min_size=4, max_size=4)))
+        return field(number, 5, draw(st.binary(min_size=4, max_size=4)))
     payload = draw(st.binary(max_size=30))
     if kind == "bytes":
-        return _field(number, 2, _varint(len(payload)) + payload)
-    inner = _field(number + 1, 2, _varint(len(payload)) + payload)
-    return _field(number, 3, inner) + _varint(number << 3 | 4)
+        return field(number, 2, varint(len(payload)) + payload)
+    inner = field(number + 1, 2, varint(len(payload)) + payload)
+    return field(number, 3, inner) + varint(number << 3 | 4)
 
 
 @st.composite
@@ -143,10 +131,10 @@ def foreign_chunks(draw) -> bytes:
     parts = []
     for _ in range(draw(st.integers(1, 3))):
         head = draw(headers()).SerializeToString()
-        parts.append(_field(1, 2, _varint(len(head)) + head))
+        parts.append(field(1, 2, varint(len(head)) + head))
     for _ in range(draw(st.integers(0, 2))):
         pixels = draw(st.binary(max_size=300))
-        parts.append(_field(2, 2, _varint(len(pixels)) + pixels))
+        parts.append(field(2, 2, varint(len(pixels)) + pixels))
     parts += draw(st.lists(unknown_fields(), max_size=3))
     return b"".join(draw(st.permutations(parts)))
 
