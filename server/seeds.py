@@ -19,17 +19,18 @@ _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finalizer mult
 _MASK = (1 << 64) - 1
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 values (wrapping arithmetic)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(_M1)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(_M2)
-    return x ^ (x >> np.uint64(31))
+def _finalize(x):
+    """splitmix64's finalizer, on a Python int or on a uint64 array (the same arithmetic on both)."""
+    x = ((x ^ (x >> 30)) * _M1) & _MASK
+    x = ((x ^ (x >> 27)) * _M2) & _MASK
+    return x ^ (x >> 31)
 
 
-def splitmix64(states: np.ndarray) -> np.ndarray:
-    """The next splitmix64 output of each state (uint64): finalizer of ``state + GOLDEN``."""
+def splitmix64(states):
+    """The next splitmix64 output of each state (a Python int, or a uint64 array): the finalizer of
+    ``state + GOLDEN``, modulo 2^64."""
     with np.errstate(over="ignore"):
-        return _mix(states + np.uint64(GOLDEN))
+        return _finalize((states + GOLDEN) & _MASK)
 
 
 def shard_key(shard_id: str) -> int:
@@ -47,7 +48,14 @@ def sample_seeds(seed: int, epoch: int, shard_key: int, indices: np.ndarray) -> 
 
 def stream_seeds(seed: int, count: int) -> list[int]:
     """The first ``count`` outputs of splitmix64 seeded with ``seed`` (any int, taken modulo 2^64):
-    independent 64-bit streams (one per transform generator) from one sample seed."""
-    with np.errstate(over="ignore"):
-        states = np.uint64(seed & _MASK) + np.uint64(GOLDEN) * np.arange(count, dtype=np.uint64)
-    return [int(v) for v in splitmix64(states)]
+    independent 64-bit streams (one per transform generator) from one sample seed.
+
+    Called for every sample with a handful of transforms: Python ints, which cost a
+    microsecond here where numpy's per-call overhead costs tens.
+    """
+    state = seed & _MASK
+    out = []
+    for _ in range(count):
+        state = (state + GOLDEN) & _MASK
+        out.append(_finalize(state))
+    return out

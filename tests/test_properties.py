@@ -225,3 +225,38 @@ def test_a_state_dict_resumes_exactly_the_batches_not_yet_delivered(case):
                        ("rank", identity["rank"] + 1), ("num_samples", identity["num_samples"] + 1)):
         with pytest.raises(ValueError, match=f"{key}="):
             EpochPosition(plan_of, replayable=True).load(state, {**identity, key: other}, space=None)
+
+
+# ---- seeds ------------------------------------------------------------------------------------
+
+MASK64 = 2**64 - 1
+
+
+def textbook_splitmix64(state: int) -> tuple[int, int]:
+    """(next state, output) of splitmix64 as published (Steele, Lea and Flood 2014)."""
+    state = (state + 0x9E3779B97F4A7C15) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+@SETTINGS
+@given(st.integers(-(2**70), 2**70), st.integers(0, 8), U64, st.integers(0, 2**32), U64,
+       st.lists(st.integers(0, 2**40), max_size=20))
+def test_seeds_are_splitmix64_as_published(seed, count, order_seed, epoch, shard_key, indices):
+    """Every image ever served depends on these numbers: any change to them shows here."""
+    from remoteloader.server.seeds import sample_seeds, stream_seeds
+
+    state, expected = seed & MASK64, []
+    for _ in range(count):
+        state, out = textbook_splitmix64(state)
+        expected.append(out)
+    assert stream_seeds(seed, count) == expected
+
+    mixed = []
+    for index in indices:  # the sample's four numbers, mixed, then two splitmix64 rounds
+        x = (order_seed * 0x9E3779B97F4A7C15 & MASK64) ^ (epoch * 0xBF58476D1CE4E5B9 & MASK64)
+        x = (index * 0x94D049BB133111EB & MASK64) ^ x ^ shard_key
+        mixed.append(textbook_splitmix64(textbook_splitmix64(x)[1])[1])
+    assert sample_seeds(order_seed, epoch, shard_key, np.asarray(indices, dtype=np.int64)) == mixed
