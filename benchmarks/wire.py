@@ -29,7 +29,7 @@ import numpy as np
 
 from remoteloader.client import RemoteLoader
 from remoteloader.client.link import channel_options
-from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc
+from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc, malloc
 from remoteloader.server.config import ServerConfig
 from remoteloader.tools.local import LocalServer
 
@@ -54,7 +54,7 @@ class BareGrpc:
     STREAM = "/remoteloader.v1.Loader/Stream"
 
     def __init__(self, addresses: list[str], args):
-        codec.tune_malloc()  # as RemoteLoader does: without it each message costs page faults
+        malloc.tune_malloc()  # as RemoteLoader does: without it each message costs page faults
         self.args = args
         self.loop = asyncio.new_event_loop()
         self.streams = self.loop.run_until_complete(self._gather(self._open(a) for a in addresses))

@@ -9,7 +9,7 @@ there, and records an event. A pinned buffer returns to the pool only after its 
 event has completed; the consumer's stream waits on the batch's event and the tensors
 are recorded on it, so the caching allocator never hands their memory out early.
 
-Memory: pinned host memory = (prefetch + 2) x batch bytes; GPU memory for batches
+Memory: pinned host memory = ``LoaderOptions.batch_buffers`` x batch bytes; GPU memory for batches
 ready ahead of the loop = GPU_AHEAD (2) x output batch bytes.
 """
 
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from remoteloader.client.batches import Batch, Item
-from remoteloader.client.delivery import Delivered, Output, Readable
+from remoteloader.client.delivery import Delivered, Output, Readable, SlotReceiver
 from remoteloader.client.normalize import Normalize, normalize_images
-from remoteloader.client.process_receiver import ProcessReceiver
+from remoteloader.protos import limits
 
 GPU_AHEAD = 2  # batches converted on the GPU and waiting for the training loop
 
@@ -57,10 +57,11 @@ class CudaDelivery:
         device: The CUDA device.
         normalize / dtype: As in RemoteLoader.
         batch_bytes: Largest batch in bytes (uint8 NHWC).
-        prefetch: Batches in flight from the servers (each holds a pinned buffer).
+        buffers: Pinned buffers in the pool, one per batch received, waiting or being copied
+            (``LoaderOptions.batch_buffers``).
         on_free: Called (from the transfer thread) when a pinned buffer is back in the pool.
-        receiver: A ProcessReceiver: batches arrive in its shared slots, which are pinned
-            here (cudaHostRegister) in place of the pool, and go back to it after the copy.
+        receiver: A receiver process's slots (``SlotReceiver``): batches arrive there, which
+            are pinned here (cudaHostRegister) in place of the pool, and go back after the copy.
     """
 
     def __init__(
@@ -69,16 +70,16 @@ class CudaDelivery:
         normalize: Normalize | None,
         dtype: torch.dtype,
         batch_bytes: int,
-        prefetch: int,
+        buffers: int,
         on_free: Callable[[], None],
-        receiver: ProcessReceiver | None = None,
+        receiver: SlotReceiver | None = None,
     ):
         self.device = device
         self.normalize = normalize
         self.dtype = dtype
         self.receiver = receiver
-        self.pool = PinnedPool(prefetch + 2, batch_bytes) if receiver is None else None
-        self._registered = register_pinned(receiver.slots.array, device) if receiver is not None else None
+        self.pool = PinnedPool(buffers, batch_bytes) if receiver is None else None
+        self._registered = register_pinned(receiver.slot_memory, device) if receiver is not None else None
         self.on_free = on_free
         self._stream = torch.cuda.Stream(device)
         self._stop = threading.Event()
@@ -90,16 +91,16 @@ class CudaDelivery:
         base = self.pool.take()
         if base is None:
             return None  # the engine waits for on_free
-        view = base[: n * h * w * 3].view(n, h, w, 3)
-        self._owner[view.data_ptr()] = base
-        return view
+        images = base[: n * limits.sample_bytes(h, w)].view(n, h, w, limits.CHANNELS)
+        self._owner[images.data_ptr()] = base
+        return images
 
-    def release(self, view: torch.Tensor | np.ndarray) -> None:
+    def release(self, images: torch.Tensor | np.ndarray) -> None:
         if self.receiver is not None:
-            self.receiver.free(view)
+            self.receiver.free(images)
             return
-        assert isinstance(view, torch.Tensor), "allocate() lends tensors"
-        base = self._owner.pop(view.data_ptr(), None)
+        assert isinstance(images, torch.Tensor), "allocate() lends tensors"
+        base = self._owner.pop(images.data_ptr(), None)
         if base is not None and self.pool is not None:
             self.pool.give(base)
             self.on_free()

@@ -4,7 +4,9 @@ Two deliveries keep it: ``HostDelivery`` (the CPU: ``host_delivery.py``) and
 ``CudaDelivery`` (pinned memory and a side stream: ``cuda_delivery.py``). Each lends the
 engine the buffers batches are received into (``allocate``/``release``, the engine's
 ``BatchBuffers``); the loader passes each epoch's queue through ``start`` and every item it
-takes through ``finish``, in the consumer's thread.
+takes through ``finish``, in the consumer's thread. With a receiver process, batches arrive
+in its shared slots instead, and a delivery gives each slot back through the receiver
+(``SlotReceiver``) once it has copied the batch out.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import queue
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from remoteloader.client.batches import Batch, Item, SampleFailure
@@ -42,6 +45,18 @@ class Readable(Protocol[_T_co]):
     """The reading end of a queue (a ``queue.Queue[Item]`` is a ``Readable[Output]``)."""
 
     def get(self, block: bool = True, timeout: float | None = None) -> _T_co: ...
+
+
+class SlotReceiver(Protocol):
+    """What a delivery needs of a receiver whose batches arrive in its shared slots
+    (``ProcessReceiver``)."""
+
+    @property
+    def slot_memory(self) -> np.ndarray:
+        """Every batch slot, as one uint8 array (the CUDA delivery pins it in place)."""
+
+    def free(self, images: Any) -> None:
+        """Gives the slot a batch's ``images`` view is in back to the receiver."""
 
 
 class Delivery(Protocol):

@@ -1,14 +1,16 @@
 """Scheduling and reassembly, on the client's I/O event loop.
 
 Each batch of the plan is split by owning shard into orders. Orders wait in one FIFO and
-go to the least-loaded live server that owns their shard, at most ``max_inflight`` per
-server (credits: the memory bound). Chunks are copied once, straight into their rows of
+each goes to the live server owning its shard that is expected to finish it first (by the
+samples it holds and its measured rate), at most ``max_inflight`` per server (credits: the
+memory bound). Chunks are copied once, straight into their rows of
 the batch buffer. When a server fails, its unfinished orders return to the front of the
 FIFO, for another owner or for the same server once it is back; an order is complete
 only when all its samples have arrived, so nothing is lost or duplicated.
 
-The links own their connections (state, back-off, orders in flight: ``link.py``); the
-engine decides where orders go and puts batches together.
+The links own their connections (state, back-off, orders in flight: ``link.py``) and the
+receiver owns the links (it makes, drops and closes them); the engine decides where orders
+go and puts batches together.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.link import Link, LinkState, describe_error
 from remoteloader.client.sample_space import SampleSpace, ShardInfo
-from remoteloader.protos import codec, loader_pb2
+from remoteloader.protos import codec, limits, loader_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -47,12 +49,12 @@ class BatchBuffers(Protocol):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """RemoteLoader's scheduling arguments of the same names."""
+    """RemoteLoader's scheduling arguments of the same names (no defaults: RemoteLoader's are the ones)."""
 
     seed: int
     prefetch: int
     ordered: bool
-    progress_timeout: float = 60.0
+    progress_timeout: float
 
 
 @dataclass
@@ -76,10 +78,11 @@ class _Order:
 
 
 class Engine:
-    """Owns the links and runs one epoch at a time; lives on the I/O loop thread.
+    """Runs one epoch at a time over the receiver's links; lives on the I/O loop thread.
 
     Args:
-        links: The receiver's links by address (it adds and drops them; the engine reads).
+        links: The receiver's links by address. The receiver owns them: it adds, drops and
+            closes them; the engine opens their streams, sends orders and reads their state.
         setup: The stream's Setup message (output height and width).
         options: Seed, prefetch, ordering and the progress timeout.
         buffers: Where batches are received.
@@ -103,12 +106,7 @@ class Engine:
 
     # ---- epochs ---------------------------------------------------------------------
     async def start_epoch(
-        self,
-        epoch: int,
-        batches: list[np.ndarray],
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int] = frozenset(),
+        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
     ) -> int:
         """Starts an epoch at batch ``first_seq`` (leaving out the batches in ``skip``); returns its token."""
         self.cancel_epoch()
@@ -253,7 +251,7 @@ class Engine:
         header, pixels = chunk
         order = link.order(header.order_id)
         h, w = self.setup.height, self.setup.width
-        expected = header.count * h * w * 3
+        expected = header.count * limits.sample_bytes(h, w)
         if (
             order is None
             or header.start != order.received
@@ -261,7 +259,7 @@ class Engine:
             or header.count == 0
             or header.height != h
             or header.width != w
-            or header.channels != 3
+            or header.channels != limits.CHANNELS
             or len(pixels) != expected
             or len(header.labels) != header.count
         ):
@@ -277,7 +275,7 @@ class Engine:
             assert self.space is not None, "orders are only sent while an epoch runs"
             batch = order.batch
             rows = order.positions[header.start : header.start + header.count]
-            block = np.frombuffer(pixels, dtype=np.uint8).reshape(header.count, h, w, 3)
+            block = np.frombuffer(pixels, dtype=np.uint8).reshape(header.count, h, w, limits.CHANNELS)
             if rows[-1] - rows[0] == len(rows) - 1:  # contiguous rows: one slice copy
                 batch.pixels[rows[0] : rows[-1] + 1] = block
             else:
@@ -357,12 +355,11 @@ class Engine:
             self.cancel_epoch(drain=False)
             run.out.put(error)
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Drops the running epoch and stops the progress watchdog (the receiver closes the links)."""
         self.cancel_epoch()
         if self._watchdog is not None:
             self._watchdog.cancel()
-        for link in list(self.links.values()):  # discovery may add or drop links meanwhile
-            await link.close()
 
 
 class _Run:

@@ -5,7 +5,7 @@
 delivered, with ``ordered=False``), the token of the iteration that advances it, a
 position loaded from a ``state_dict`` until that epoch starts, and the plan being played
 (whose digest a state_dict carries). It changes only through its methods: ``set_epoch``,
-``load``, ``begin``, ``delivered``, ``finished``.
+``load``, ``take_resume``, ``begin``, ``delivered``, ``finished``.
 
 A position is only valid for the plan it was reached in: ``load`` refuses a state saved
 with another seed, sample count, batch size, rank split, or (by the plan's digest) another

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from remoteloader.client.batches import Batch, Item
-from remoteloader.client.delivery import Delivered, Output, Readable
+from remoteloader.client.delivery import Delivered, Output, Readable, SlotReceiver
 from remoteloader.client.normalize import Normalize, normalize_host
-from remoteloader.client.process_receiver import ProcessReceiver
+from remoteloader.protos import limits
 
 
 class HostPool:
@@ -54,9 +54,9 @@ class HostPool:
     def take(self, n: int, h: int, w: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """An (n, h, w, 3) tensor of ``dtype``: recycled memory when a batch of its size is free."""
         size = torch.empty((), dtype=dtype).element_size()
-        nbytes = n * h * w * 3 * size
+        nbytes = n * limits.sample_bytes(h, w) * size
         if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
-            return torch.empty((n, h, w, 3), dtype=dtype)
+            return torch.empty((n, h, w, limits.CHANNELS), dtype=dtype)
         with self._lock:
             self._collect()
             spare = self._free.get(nbytes)
@@ -69,7 +69,7 @@ class HostPool:
                 pass
         else:
             self.reused += 1
-        array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, 3 * size)
+        array = np.frombuffer(region, dtype=np.uint8).reshape(n, h, w, limits.CHANNELS * size)
         # The tensor holds the array until its storage is freed (views and .numpy() included).
         with self._lock:
             self._lent.append((weakref.ref(array), region, nbytes))
@@ -103,19 +103,22 @@ class HostPool:
 class HostDelivery:
     """CPU: batches handed to the user as received; optional normalization in the consumer thread.
 
-    With a receiver process (``receiver``), batches arrive in its shared slots: each is
-    copied out once (or normalized straight out of it) and its slot is given back.
+    Args:
+        normalize / dtype: As in RemoteLoader.
+        buffers: Free received batches its pool keeps for reuse (``LoaderOptions.batch_buffers``).
+        receiver: A receiver process's slots (``SlotReceiver``): batches arrive there, and each
+            is copied out once (or normalized straight out of it) and its slot given back.
 
     Normalized batches come from a pool of their own that keeps at most two free: a
     training loop holds one or two at a time, and each is 2-8x the bytes of a uint8 batch.
     """
 
     def __init__(
-        self, normalize: Normalize | None, dtype: torch.dtype, prefetch: int, receiver: ProcessReceiver | None = None
+        self, normalize: Normalize | None, dtype: torch.dtype, buffers: int, receiver: SlotReceiver | None = None
     ):
         self.normalize = normalize
         self.dtype = dtype
-        self.pool = HostPool(keep=prefetch + 2)
+        self.pool = HostPool(keep=buffers)
         self.out_pool = HostPool(keep=2)
         self.receiver = receiver
 

@@ -30,12 +30,11 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 
 from remoteloader.client.security import TLSConfig
-from remoteloader.protos import codec, limits, loader_pb2, loader_pb2_grpc
+from remoteloader.protos import SERVICE, codec, limits, loader_pb2, loader_pb2_grpc
 
 log = logging.getLogger("remoteloader.client")
 
-_STREAM = "/remoteloader.v1.Loader/Stream"
-MiB = 1 << 20
+_STREAM = f"/{SERVICE}/Stream"
 RETRY_DELAY = 0.1  # first reconnect attempt after a failure; doubles up to MAX_RETRY_DELAY
 MAX_RETRY_DELAY = 2.0
 HEALTHY_AFTER = 10.0  # seconds a stream must last to count as working without delivering anything
@@ -57,7 +56,7 @@ FATAL_CODES = frozenset(
 def channel_options(max_receive: int) -> list[tuple[str, str | int]]:
     return [
         ("grpc.max_receive_message_length", max_receive),
-        ("grpc.max_send_message_length", 16 * MiB),
+        ("grpc.max_send_message_length", limits.MAX_ORDER_MESSAGE_BYTES),  # orders (and Setups) are what it sends
         # Notice a dead peer within seconds, not at the next TCP timeout. (Adding
         # keepalive_permit_without_calls with max_pings_without_data=0 made the server
         # spend 4x the CPU per GB and halved throughput: measured, leave them out.)
@@ -85,8 +84,8 @@ class LinkOptions:
     connect_timeout: float
     max_inflight: int
     reconnect_timeout: float
-    tls: TLSConfig | None = None
-    metadata: tuple[tuple[str, str], ...] = ()
+    tls: TLSConfig | None
+    metadata: tuple[tuple[str, str], ...]
 
 
 class Work(Protocol):
@@ -115,7 +114,9 @@ class LinkEvents(Protocol):
         """The link reconnected and has credits again."""
 
     def on_link_lost(self, link: Link[Any]) -> None:
-        """The link stopped reconnecting (DEAD, or closed meanwhile): its orders need another owner."""
+        """The link stopped reconnecting (DEAD, or closed meanwhile). Its orders were handed back
+        already (``on_link_down``); the engine checks whether pending work is now left without
+        an owner that is up or coming back."""
 
 
 class Link(Generic[OrderT]):
@@ -203,7 +204,7 @@ class Link(Generic[OrderT]):
         """Connects the control channel and asks what the server holds (bounded in time)."""
         timeout = self.options.connect_timeout if timeout is None else timeout
         if self._control is None:
-            self._control = self._channel(16 * MiB)
+            self._control = self._channel(16 * limits.MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         try:
             describe = await stub.Describe(

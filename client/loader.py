@@ -4,8 +4,9 @@ Where things live: options are validated in ``options.py``; the epoch position, 
 the state_dict in ``epoch.py``; the global sample ids in ``sample_space.py`` and each
 epoch's batches in ``plan.py``; the I/O side behind the ``Receiver`` contract
 (``receiver.py``: ``thread_receiver.py``, or ``process_receiver.py`` with its child
-``receiver_service.py``), whose ``engine.py`` schedules and reassembles and whose
-``link.py`` owns each server's connection, failover and reconnect back-off; delivery to
+``receiver_service.py``), whose ``engine.py`` schedules, fails over (where a failed
+server's orders go) and reassembles and whose ``link.py`` owns each server's connection
+(its states, when it counts as down, reconnect back-off); delivery to
 the training loop behind the ``Delivery`` contract (``delivery.py``: ``host_delivery.py``,
 ``cuda_delivery.py``).
 """
@@ -216,19 +217,21 @@ class RemoteLoader:
             if o.receiver == "process":
                 # Batches arrive in its shared slots; the delivery copies them out (to the GPU
                 # on CUDA) and gives the slots back.
-                process = ProcessReceiver(address, o.setup, o.prefetch + 2, o.batch_bytes, engine_options, link_options)
+                process = ProcessReceiver(
+                    address, o.setup, o.batch_buffers, o.batch_bytes, engine_options, link_options
+                )
             if o.device.type == "cuda":
                 delivery = CudaDelivery(
                     o.device,
                     o.normalize,
                     o.dtype,
                     o.batch_bytes,
-                    o.prefetch,
+                    o.batch_buffers,
                     on_free=self._buffer_freed,
                     receiver=process,
                 )
             else:
-                delivery = HostDelivery(o.normalize, o.dtype, o.prefetch, receiver=process)
+                delivery = HostDelivery(o.normalize, o.dtype, o.batch_buffers, receiver=process)
             if process is not None:
                 return process, delivery
             return ThreadReceiver(address, o.setup, delivery, engine_options, link_options), delivery
@@ -252,18 +255,24 @@ class RemoteLoader:
 
     # ---- the public surface ------------------------------------------------------------
     @property
-    def catalog(self) -> SampleSpace:
-        """The global sample space: every server's shards, numbered (``catalog.shards``)."""
+    def sample_space(self) -> SampleSpace:
+        """The global sample space: every server's shards, numbered (``sample_space.shards``)."""
         return self._servers.space
+
+    @property
+    def catalog(self) -> SampleSpace:
+        """The same as ``sample_space`` (an older name, kept for callers that use it). Not a
+        server's catalog, which is its shard files' index."""
+        return self.sample_space
 
     @property
     def num_samples(self) -> int:
         """Samples in the union of all servers' shards."""
-        return self.catalog.num_samples
+        return self.sample_space.num_samples
 
     @property
     def class_names(self) -> list[str]:
-        return list(self.catalog.class_names)
+        return list(self.sample_space.class_names)
 
     @property
     def servers(self) -> list[str]:
@@ -309,7 +318,7 @@ class RemoteLoader:
 
     def sample_key(self, sample_id: int) -> str:
         """The sample's key on its server, e.g. ``"dog/0001.jpg"``."""
-        shard, local = self.catalog.locate(int(sample_id))
+        shard, local = self.sample_space.locate(int(sample_id))
         block = local // _KEY_BLOCK
         keys = self._keys.get((shard.id, block))
         if keys is None:
@@ -329,7 +338,7 @@ class RemoteLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continues at the saved position: the rest of that epoch is bitwise the same."""
-        self._position.load(state, self._identity(), self.catalog)
+        self._position.load(state, self._identity(), self.sample_space)
 
     def _identity(self) -> dict[str, Any]:
         """What a saved position is only valid for (epoch.IDENTITY), this loader's values."""
@@ -368,7 +377,7 @@ class RemoteLoader:
             start, done, batches = resume.position, resume.done, resume.batches
         else:
             start, done, batches = 0, frozenset(), self.plan(epoch)
-        token, out = self._io.start_epoch(epoch, batches, start, done, space)
+        token, out = self._io.start_epoch(epoch=epoch, batches=batches, first_seq=start, space=space, skip=done)
         self._position.begin(epoch, batches, token, start, done)
         return self._iterate(epoch, out, token)
 

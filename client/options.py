@@ -23,7 +23,7 @@ from remoteloader.client.engine import EngineOptions
 from remoteloader.client.link import LinkOptions
 from remoteloader.client.normalize import Normalize
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
-from remoteloader.protos import loader_pb2
+from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2
 
 ON_ERROR = ("raise", "warn", "skip")
 RECEIVERS = ("thread", "process")
@@ -142,7 +142,14 @@ class LoaderOptions:
     def batch_bytes(self) -> int:
         """Bytes of one received batch (uint8 NHWC)."""
         h, w = self.image_size
-        return self.batch_size * h * w * 3
+        return self.batch_size * limits.sample_bytes(h, w)
+
+    @property
+    def batch_buffers(self) -> int:
+        """Batch buffers a loader receives into: ``prefetch`` + 2 (RemoteLoader's docstring gives
+        the memory they take). The receiver process's shared slots, the CUDA delivery's pinned
+        pool and the host delivery's pool of free batches each hold this many."""
+        return self.prefetch + 2
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(
@@ -208,7 +215,7 @@ def _size(image_size: Any) -> tuple[int, int]:
 def _setup(pipeline: Any, size: tuple[int, int]) -> loader_pb2.Setup:
     h, w = size
     if isinstance(pipeline, str):
-        if pipeline == "custom":
+        if pipeline == CUSTOM_PIPELINE:
             raise ValueError("pipeline='custom': pass the albumentations pipeline itself (A.Compose or A.to_dict)")
         return loader_pb2.Setup(pipeline=pipeline, height=h, width=w)
     if isinstance(pipeline, dict):
@@ -221,7 +228,7 @@ def _setup(pipeline: Any, size: tuple[int, int]) -> loader_pb2.Setup:
         raise ValueError(
             f"pipeline={pipeline!r}: expected 'train', 'eval', an albumentations pipeline or its A.to_dict() dictionary"
         )
-    return loader_pb2.Setup(pipeline="custom", height=h, width=w, albumentations_json=json.dumps(document))
+    return loader_pb2.Setup(pipeline=CUSTOM_PIPELINE, height=h, width=w, albumentations_json=json.dumps(document))
 
 
 def _rank_world(rank: Any, world_size: Any) -> tuple[int, int]:

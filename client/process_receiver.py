@@ -17,7 +17,8 @@ network is ever unpickled. The child exits when its parent is gone (it watches i
 pid, and EOF on the socket). The messages::
 
     parent -> child   ("init", address, setup bytes, slots, slot_bytes, engine_options, link_options)
-                      ("call", request id, method name, *args)      a Receiver method
+                      ("call", request id, method name, *args)      a Receiver method (start_epoch's
+                                                                    args: epoch, batches, first_seq, space, skip)
                       ("consumed", token)  ("free", slot)            never answered
     child -> parent   ("reply", request id, ok, value or error)
                       ("started", request id, token)                 start_epoch's reply; its batches follow
@@ -49,7 +50,7 @@ from remoteloader.client.batches import END, Batch, Item, LoaderError
 from remoteloader.client.engine import EngineOptions
 from remoteloader.client.link import LinkOptions
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import loader_pb2
+from remoteloader.protos import limits, loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
@@ -79,7 +80,7 @@ class SharedSlots:
 
     def view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
         start = slot * self.slot_bytes
-        return self.array[start : start + n * h * w * 3].reshape(n, h, w, 3)
+        return self.array[start : start + n * limits.sample_bytes(h, w)].reshape(n, h, w, limits.CHANNELS)
 
     def slot_of(self, address: int) -> int:
         return (address - self.array.ctypes.data) // self.slot_bytes
@@ -156,9 +157,9 @@ class ProcessReceiver:
         return self._request("server_stats", timeout=timeout)
 
     def start_epoch(
-        self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int], space: SampleSpace
+        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
     ) -> tuple[int, queue.Queue[Item]]:
-        token = self._request("start_epoch", epoch, batches, first_seq, skip, space)
+        token = self._request("start_epoch", epoch, batches, first_seq, space, skip)
         return token, self._queues[token]  # made by the reader before any of the epoch's batches
 
     @property
@@ -187,6 +188,11 @@ class ProcessReceiver:
 
     def consumed(self, token: int) -> None:
         self._post(("consumed", token))
+
+    @property
+    def slot_memory(self) -> np.ndarray:
+        """Every batch slot, as one uint8 array (a ``delivery.SlotReceiver``)."""
+        return self.slots.array
 
     def free(self, images: Any) -> None:
         """Gives a batch's slot back to the receiver (``images`` is the slot's view or tensor)."""

@@ -33,13 +33,16 @@ class Receiver(Protocol):
         """Drops servers the loader refused (they are described anew if they show up again)."""
 
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
-        """Keys of a shard's samples, from a live server among ``owners``."""
+        """Keys of a shard's samples, asked of an owner that is up, else of any owner that was
+        described (its stream may be down while it still answers); LoaderError when no owner
+        is known."""
 
     def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
-        """Each server's counters (``Link.counters``), by address."""
+        """Each server's counters (``Link.counters``), by address; ``timeout`` bounds a wait for
+        another process (TimeoutError), where the receiver has to ask one."""
 
     def start_epoch(
-        self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int], space: SampleSpace
+        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
     ) -> tuple[int, queue.Queue[Item]]:
         """Starts an epoch over ``space`` (the one its plan was made from), at ``first_seq`` less
         ``skip``; returns its token and the queue its Batches, then END (or an error), arrive on."""

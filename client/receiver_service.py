@@ -131,7 +131,8 @@ class ReceiverService:
             self._stop.set()  # the previous epoch's forwarder
             if self._forwarder is not None:
                 self._forwarder.join()
-            return receiver.start_epoch(*args)
+            epoch, batches, first_seq, space, skip = args  # as ProcessReceiver.start_epoch sends them
+            return receiver.start_epoch(epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip)
         if name == "close":
             self._stop.set()
             receiver.close()

@@ -1,9 +1,11 @@
 """Which servers feed a loader, and the sample space they make together.
 
 Discovery runs at start-up and again before every epoch, so servers added behind a DNS
-name join at the next epoch. Servers that no longer resolve are kept (they may be
-restarting). A server that joins but cannot serve this loader (pipeline, image size) is
-an error at start-up and left out with a warning later. A resumed epoch plays over the
+name join at the next epoch. A server, once described, stays: one that no longer resolves,
+fails or refuses a stream is kept (it may be restarting; its link retries). Only a server
+that joins but cannot serve this loader (pipeline, image size) is dropped: an error at
+start-up, and later a warning, the receiver forgetting it, so that it is described and
+checked anew the next time discovery finds it. A resumed epoch plays over the
 sample space its position was saved in (its ids mean those servers' samples); servers
 that joined meanwhile are held back for the following epoch.
 """
@@ -14,7 +16,7 @@ import logging
 
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import loader_pb2
+from remoteloader.protos import CUSTOM_PIPELINE, loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
@@ -89,7 +91,7 @@ class ServerSet:
         """Raises ValueError if the server cannot serve this loader's pipeline and size."""
         setup = self._setup
         h, w = setup.height, setup.width
-        if setup.pipeline == "custom":
+        if setup.pipeline == CUSTOM_PIPELINE:
             if not d.custom_pipelines:
                 raise ValueError(
                     f"loader server {address} does not accept custom albumentations pipelines "

@@ -22,7 +22,7 @@ from remoteloader.client.discovery import discover
 from remoteloader.client.engine import BatchBuffers, Engine, EngineOptions, _Order
 from remoteloader.client.link import Link, LinkOptions, LinkState
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import codec, loader_pb2
+from remoteloader.protos import loader_pb2, malloc
 
 T = TypeVar("T")
 
@@ -53,6 +53,9 @@ def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
 class ThreadReceiver:
     """Links, engine and the asyncio thread they run on, in this process (a ``Receiver``).
 
+    It owns the links (``links``, by address): it makes them in ``discover``, drops and
+    closes them in ``forget`` and closes the rest in ``close``; its engine only uses them.
+
     Args:
         address: As RemoteLoader's; resolved again by every ``discover()``.
         setup: The stream's Setup message.
@@ -70,7 +73,7 @@ class ThreadReceiver:
         engine_options: EngineOptions,
         link_options: LinkOptions,
     ):
-        codec.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
+        malloc.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._address = address
         self._link_options = link_options
         self.links: dict[str, Link[_Order]] = {}
@@ -105,6 +108,8 @@ class ThreadReceiver:
                 await link.close()
 
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
+        """Asks the first owner that is up, else the first one described (its control channel
+        may answer while its stream is down)."""
         links = [self.links[o] for o in owners if o in self.links]
         live = [link for link in links if link.state is LinkState.UP] or [
             link for link in links if link.describe is not None
@@ -114,13 +119,18 @@ class ThreadReceiver:
         return self._call(live[0].get_keys(shard_id, start, count), timeout=30)
 
     def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
+        """Reads the links' counters in place, without waiting on anything: ``timeout`` (the
+        contract's, for a receiver in another process) has nothing to bound here."""
         return {a: link.counters() for a, link in self.links.items()}
 
     # ---- epochs -------------------------------------------------------------------------
     def start_epoch(
-        self, epoch: int, batches: list[np.ndarray], first_seq: int, skip: frozenset[int], space: SampleSpace
+        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
     ) -> tuple[int, queue.Queue[Item]]:
-        token = self._call(self.engine.start_epoch(epoch, batches, first_seq, space, skip), timeout=None)
+        token = self._call(
+            self.engine.start_epoch(epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip),
+            timeout=None,
+        )
         return token, self.engine.out
 
     @property
@@ -144,20 +154,25 @@ class ThreadReceiver:
         return None if not self._closed and self._thread.is_alive() else "the RemoteLoader's receiver stopped"
 
     def close(self) -> None:
-        """Ends this loader's streams, tasks and channels; the shared loop runs on."""
+        """Ends this loader's epoch, tasks, streams and channels (its links); the shared loop runs on."""
         if self._closed or sys.is_finalizing() or os.getpid() != self._pid:  # at exit the loop is frozen
             return
         if self._on_loop_thread():
             # Garbage collection of a loader in a reference cycle can run on the I/O thread
             # itself, which must not wait for work only it can do: schedule it.
             self._closed = True
-            self._loop.create_task(self.engine.close())
+            self._loop.create_task(self._close())
             return
         try:
-            self._call(self.engine.close(), timeout=10)
+            self._call(self._close(), timeout=10)
         except Exception:
             pass
         self._closed = True
+
+    async def _close(self) -> None:
+        self.engine.close()  # first: no order goes to a link being closed
+        for link in list(self.links.values()):  # discovery may add or drop links meanwhile
+            await link.close()
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._thread.ident

@@ -8,6 +8,11 @@ one chunk's pixels plus its header (labels and per-sample errors), and the heade
 most ``HEADER_BYTES`` (1 MiB). The server sends messages up to ``max_message_bytes`` for its
 largest sample; a client accepts messages up to ``max_message_bytes`` for the sample size
 it asked for.
+
+Orders go the other way: an order's sample indices take at most 10 bytes each (varints),
+plus a few hundred bytes of shard id and numbers; clients send and servers accept orders
+of up to ``MAX_ORDER_MESSAGE_BYTES``, so a server's ``max_order_samples`` is at most
+``most_order_samples()``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 MiB = 1 << 20
 HEADER_BYTES = MiB  # most bytes of a chunk's header (ChunkHeader), beside its pixels
 CHANNELS = 3  # samples are RGB uint8
+MAX_ORDER_MESSAGE_BYTES = 16 * MiB  # the largest order message a client sends and a server accepts
+_INDEX_BYTES = 10  # a sample index, a uint64 varint
+_ORDER_BYTES = 4096  # an order's shard id, numbers and framing
 
 
 def sample_bytes(height: int, width: int) -> int:
@@ -36,3 +44,8 @@ def max_message_bytes(chunk_bytes: int, sample_bytes: int) -> int:
     """Largest message that carries chunks of samples up to ``sample_bytes``: one chunk's pixels
     plus its header."""
     return slot_bytes(chunk_bytes, sample_bytes) + HEADER_BYTES
+
+
+def most_order_samples() -> int:
+    """The most sample indices an order of at most ``MAX_ORDER_MESSAGE_BYTES`` can carry."""
+    return (MAX_ORDER_MESSAGE_BYTES - _ORDER_BYTES) // _INDEX_BYTES

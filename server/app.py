@@ -21,13 +21,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from remoteloader.protos import codec
+from remoteloader.protos import SERVICE, limits, malloc
 from remoteloader.server.catalog import Shard, SyntheticShard, open_shards
-from remoteloader.server.config import ServerConfig, bracketed
+from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
-from remoteloader.server.service import SERVICE, LoaderService
+from remoteloader.server.service import LoaderService
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.worker_pool import WorkerPool
 from remoteloader.server.worker_process import read_sample
@@ -195,7 +195,7 @@ async def _serve_on(
         interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", 4 << 20),  # orders are small: max_order_samples x 10 bytes
+            ("grpc.max_receive_message_length", limits.MAX_ORDER_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
@@ -211,7 +211,7 @@ async def _serve_on(
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         hint = " (or the TLS certificate and key are not a valid PEM pair)" if credentials else ""
-        raise OSError(f"cannot bind {address}{hint}: {exc}") from None
+        raise OSError(f"{CANNOT_BIND} {address}{hint}: {exc}") from None
     await server.start()
     metrics_port = 0
     if config.metrics_port:
@@ -296,7 +296,7 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the readiness line: a SIGTERM right after it drains
         loop.add_signal_handler(sig, stop.set)
     # The readiness line, whatever the log level: tools and tests wait for it.
-    print(f"remoteloader-server listening on {server.target}", file=sys.stderr, flush=True)
+    print(f"remoteloader-server {LISTENING} {server.target}", file=sys.stderr, flush=True)
     serving = asyncio.ensure_future(server.grpc_server.wait_for_termination())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -315,7 +315,7 @@ def run(config: ServerConfig) -> None:
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
-    codec.tune_malloc()
+    malloc.tune_malloc()
     try:
         import uvloop
     except ImportError:

@@ -32,7 +32,7 @@ class CatalogError(ValueError):
 
 
 class Location(NamedTuple):
-    """Where a sample's encoded bytes are: a file, and a byte range in it (length -1: all)."""
+    """Where a sample's encoded bytes are: a file, and a byte range in it."""
 
     path: str
     offset: int

@@ -47,7 +47,7 @@ def serve_main(argv: list[str] | None = None, prog: str = "remoteloader-server")
     try:
         run(config)
     except (ValueError, OSError) as exc:  # bad data, token, certificates or port: say so, no traceback
-        print(f"remoteloader-server: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -17,6 +17,10 @@ from typing import Any
 from remoteloader.protos import limits
 
 ENV_PREFIX = "REMOTELOADER_"
+# What the server says on stderr that launchers read (tools/local.py): once it serves,
+# "remoteloader-server listening on HOST:PORT"; when its port is taken, "cannot bind ...".
+LISTENING = "listening on"
+CANNOT_BIND = "cannot bind"
 MAX_IMAGE_SIDE = 8192
 MiB = limits.MiB
 
@@ -115,6 +119,12 @@ class ServerConfig:
             "max_image_size",
             "max_pixels",
         )
+        if self.max_order_samples > limits.most_order_samples():
+            most = limits.most_order_samples()
+            raise ValueError(
+                f"max_order_samples={self.max_order_samples}: at most {most} (an order's indices must fit in "
+                f"the {limits.MAX_ORDER_MESSAGE_BYTES >> 20} MiB orders clients send)"
+            )
         if self.max_image_size > MAX_IMAGE_SIDE:
             raise ValueError(
                 f"max_image_size={self.max_image_size}: at most {MAX_IMAGE_SIDE} (each of the "

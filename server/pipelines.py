@@ -24,11 +24,11 @@ import albumentations as A  # noqa: E402
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
+from remoteloader.protos import CUSTOM_PIPELINE  # noqa: E402
 from remoteloader.server import decode as dec  # noqa: E402
 from remoteloader.server.seeds import stream_seeds  # noqa: E402
 
 PRESETS = ("train", "eval")
-CUSTOM = "custom"
 EVAL_CROP_FRACTION = 0.875
 MAX_PIPELINE_JSON = 64 * 1024  # bytes of UTF-8
 MAX_TRANSFORMS = 100  # in a custom pipeline, nested composes included
@@ -69,10 +69,10 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
                 A.CenterCrop(height=h, width=w),
             ]
         )
-    if spec.name != CUSTOM:
+    if spec.name != CUSTOM_PIPELINE:
         raise PipelineError(
             f"unknown pipeline {spec.name!r}; this server offers "
-            f"{', '.join(PRESETS + ((CUSTOM,) if allow_custom else ()))}"
+            f"{', '.join(PRESETS + ((CUSTOM_PIPELINE,) if allow_custom else ()))}"
         )
     if not allow_custom:
         raise PipelineError(

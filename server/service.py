@@ -2,8 +2,8 @@
 
 The handlers are thin: each checks its request and hands the work to the module whose job
 it is (admission for stream limits, pipeline_checks for the Setup, order_stream for the
-orders). The service owns nothing that must be closed: the server (app.LoaderServer)
-creates the worker pool, arena, cache and pipeline checks, and closes them after the
+orders). The service owns nothing that must be closed: app.RenderResources creates the
+worker pool, arena, cache and pipeline checks, and app.LoaderServer closes them after the
 service has drained.
 """
 
@@ -17,7 +17,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from remoteloader.protos import loader_pb2
+from remoteloader.protos import SERVICE, loader_pb2
 from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
@@ -32,7 +32,6 @@ from remoteloader.server.slots import Slots
 from remoteloader.server.worker_pool import WorkerPool
 
 VERSION = "0.1.0"
-SERVICE = "remoteloader.v1.Loader"
 MAX_KEYS_PER_CALL = 10_000
 
 log = logging.getLogger(__name__)

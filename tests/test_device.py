@@ -1,4 +1,6 @@
-"""Delivery on the CPU: batch buffers the user owns until dropped, and the normalization the CUDA path also uses."""
+"""The deliveries' CPU side: host_delivery (batch buffers the user owns until dropped) and
+normalize (normalize_host, and normalize_images, which cuda_delivery runs on the GPU; the
+CUDA path itself is in test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _received(delivery, seq, rng, n=16):
 
 
 def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
-    delivery = HostDelivery((MEAN, STD), torch.float32, prefetch=2)
+    delivery = HostDelivery((MEAN, STD), torch.float32, buffers=4)
     rng = np.random.default_rng(2)
 
     def batch(seq):
@@ -76,7 +78,7 @@ def test_normalized_batches_go_to_recycled_memory_and_fill_all_of_it():
 
 
 def test_spare_normalized_batches_are_bounded_apart_from_the_receive_buffers():
-    delivery = HostDelivery((MEAN, STD), torch.float32, prefetch=8)
+    delivery = HostDelivery((MEAN, STD), torch.float32, buffers=10)
     rng = np.random.default_rng(3)
     held = [delivery.finish(_received(delivery, seq, rng, n=32)[0]).images for seq in range(6)]
     # One uint8 buffer, free again once normalized, received into six times.
@@ -173,7 +175,7 @@ def test_host_buffers_are_writable_and_sized():
         assert buf.dtype == torch.uint8 and buf.shape == (n, buf.shape[1], buf.shape[2], 3)
         buf.fill_(7)
         assert int(buf.sum()) == 7 * buf.numel()
-    assert HostDelivery(None, torch.float32, prefetch=2).allocate(1, 4, 4).shape == (1, 4, 4, 3)
+    assert HostDelivery(None, torch.float32, buffers=4).allocate(1, 4, 4).shape == (1, 4, 4, 3)
 
 
 def test_a_batch_the_user_holds_is_never_reused():

@@ -87,12 +87,13 @@ def test_generated_module_imports_from_the_package(tmp_path):
 
 
 def test_service_methods_match_the_stream_path_clients_use():
-    from remoteloader.protos import loader_pb2
+    from remoteloader.protos import SERVICE, loader_pb2
 
     service = loader_pb2.DESCRIPTOR.services_by_name["Loader"]
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {"Describe", "GetKeys", "Stream"}
     stream = methods["Stream"]
+    assert service.full_name == SERVICE  # the name both sides and the health checks use
     assert f"/{service.full_name}/{stream.name}" == "/remoteloader.v1.Loader/Stream"
     assert stream.client_streaming and stream.server_streaming
     assert stream.input_type.full_name == "remoteloader.v1.StreamRequest"

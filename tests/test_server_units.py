@@ -128,3 +128,16 @@ def test_custom_pipelines_too_large_or_too_deep_are_refused_as_the_clients_error
     with pytest.raises(PipelineError, match=f"over the limit of {MAX_TRANSFORMS}"):
         _custom(_compose([nested]))
     _custom(_compose([resize]))  # and a plain one is fine
+
+
+def test_max_order_samples_is_bounded_by_the_orders_clients_send():
+    """An order's indices travel in one message of at most MAX_ORDER_MESSAGE_BYTES both ways: a
+    server offering larger orders would refuse every full one, so its settings refuse that."""
+    from remoteloader.protos import limits
+    from remoteloader.server.config import ServerConfig
+
+    most = limits.most_order_samples()
+    assert most * 10 < limits.MAX_ORDER_MESSAGE_BYTES  # every index a full uint64 varint
+    assert ServerConfig(data=("d",), max_order_samples=most).max_order_samples == most
+    with pytest.raises(ValueError, match=f"max_order_samples={most + 1}: at most {most}"):
+        ServerConfig(data=("d",), max_order_samples=most + 1)

@@ -27,11 +27,10 @@ import sys
 import threading
 import time
 
-from remoteloader.server.config import bracketed
+from remoteloader.server.config import CANNOT_BIND, ENV_PREFIX, LISTENING, bracketed
 from remoteloader.tools import signals
 
-READY = re.compile(r"listening on (\S+):(\d+)")  # what the server prints once it serves: the address it bound
-CANNOT_BIND = "cannot bind"  # how the server says that its port is taken (e.g. still held after a restart)
+READY = re.compile(re.escape(LISTENING) + r" (\S+):(\d+)")  # the server's readiness line: the address it bound
 MAX_LINES = 100_000  # output lines kept per run (all of them are in the log file)
 
 
@@ -46,7 +45,7 @@ def server_command() -> list[str]:
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without its ``REMOTELOADER_*`` settings, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(extra or {})
     env.update(PYTHONUNBUFFERED="1", NO_ALBUMENTATIONS_UPDATE="1")  # no update check over the network
     return env

@@ -11,11 +11,13 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from remoteloader.protos import SERVICE
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", nargs="?", default="127.0.0.1:50051", help="server host:port")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
-    parser.add_argument("--service", default="remoteloader.v1.Loader", help="service name to check ('' = overall)")
+    parser.add_argument("--service", default=SERVICE, help="service name to check ('' = overall)")
 
 
 def run(args: argparse.Namespace) -> int:
