@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -14,13 +15,16 @@ import pytest
 DEMO = [sys.executable, "-m", "remoteloader.tools.cli", "demo"]
 
 
-def server_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "remoteloader.server.cli --data"], capture_output=True, text=True).stdout
+def server_pids(*, parent: int | None = None, data: pathlib.Path | None = None) -> set[int]:
+    """Loader servers running now: children of ``parent``, or serving data under ``data`` (not
+    those of other tests, or of other suites running on the same machine)."""
+    pattern = "remoteloader.server.cli --data" + (f" {re.escape(str(data))}" if data else "")
+    parents = ["-P", str(parent)] if parent else []
+    out = subprocess.run(["pgrep", *parents, "-f", pattern], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 
 
 def test_demo_trains_prints_figures_and_stops_its_servers(tmp_path):
-    before = server_pids()
     result = subprocess.run(DEMO + ["--epochs", "3", "--images-per-class", "48", "--classes", "3",
                                     "--batch-size", "24", "--image-size", "32", "--data", str(tmp_path)],
                             capture_output=True, text=True, timeout=240)
@@ -31,12 +35,11 @@ def test_demo_trains_prints_figures_and_stops_its_servers(tmp_path):
     assert all(int(r[1]) > 0 for r in rows)  # images/s
     assert losses[-1] < losses[0], f"the loss should fall: {losses}"
     assert re.search(r"accuracy \(eval pipeline, \d+ images\)", result.stdout)
-    assert server_pids() <= before, "the demo left loader servers running"
+    assert not server_pids(data=tmp_path), "the demo left loader servers running"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(tmp_path, signum):
-    before = server_pids()
     # With --data the dataset is kept; without, it lives in a temp dir that must go.
     keep = ["--data", str(tmp_path)] if signum == signal.SIGINT else []
     proc = subprocess.Popen(DEMO + ["--epochs", "50", "--images-per-class", "40", "--image-size", "32", *keep],
@@ -48,7 +51,7 @@ def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(
         data = found.group(1) if found else data
         if line.lstrip().startswith("0 ") or time.monotonic() > deadline:  # first epoch done: training
             break
-    started = server_pids() - before
+    started = server_pids(parent=proc.pid)
     assert started, "the demo should have started loader servers"
     assert data and os.path.isdir(data)
     proc.send_signal(signum)
