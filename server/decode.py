@@ -15,7 +15,9 @@ render.Renderer).
 
 from __future__ import annotations
 
+import itertools
 import struct
+from collections.abc import Iterator
 
 import cv2
 import numpy as np
@@ -83,6 +85,32 @@ def read_size(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, height, width
 
 
+def _markers(data: bytes) -> Iterator[tuple[int, int]]:
+    """(marker, offset) of each step through a JPEG's markers, a fill byte (0xFF) included;
+    a scan's entropy-coded data is skipped, lazily, when the step after its SOS is asked for.
+    Ends at EOI, at the end of the data, or where no marker stands."""
+    i, n = 2, len(data)
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        yield marker, i
+        if marker == 0xD9:
+            return
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
+            i += 2
+        else:  # as libjpeg: a length under 2 skips just the length field
+            i += 2 + max(int.from_bytes(data[i + 2 : i + 4], "big"), 2)
+        while marker == 0xDA:  # up to the next marker: a 0xFF in entropy-coded data is stuffed or a restart
+            i = data.find(b"\xff", i)
+            if i < 0 or i + 1 >= n:
+                return
+            if data[i + 1] == 0 or 0xD0 <= data[i + 1] <= 0xD7:
+                i += 2
+            else:
+                break
+
+
 def _frame(data: bytes, max_steps: int = 256) -> tuple[int | None, bool]:
     """The JPEG's SOFn marker (0xC0 baseline, 0xC2 progressive, 0xC3 lossless, ...) or None, and
     whether the file may hold more than one scan.
@@ -92,25 +120,12 @@ def _frame(data: bytes, max_steps: int = 256) -> tuple[int | None, bool]:
     the first scan is not among the first ``max_steps`` markers and fill bytes (a real file
     has a dozen): a crafted file cannot make this slow.
     """
-    i, n = 2, len(data)
     frame, components = None, 0
-    for _ in range(max_steps):
-        if i + 4 > n or data[i] != 0xFF:
-            break
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
+    for marker, i in itertools.islice(_markers(data), max_steps):
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and frame is None:
-            frame, components = marker, data[i + 9] if i + 9 < n else 0
+            frame, components = marker, data[i + 9] if i + 9 < len(data) else 0
         elif marker == 0xDA:  # the first scan: its component count follows the length
             return frame, frame in _PROGRESSIVE_FRAMES or data[i + 4] < components
-        elif marker == 0xD9:
-            break
-        if 0xD0 <= marker <= 0xD8 or marker == 0x01:  # no length
-            i += 2
-        else:  # as libjpeg: a length under 2 skips just the length field
-            i += 2 + max(int.from_bytes(data[i + 2 : i + 4], "big"), 2)
     return frame, True
 
 
@@ -124,28 +139,8 @@ def _more_scans_than(data: bytes, limit: int) -> bool:
     """
     if data.count(b"\xff\xda") <= limit:
         return False
-    i, n, scans = 2, len(data), 0
-    while i + 4 <= n and data[i] == 0xFF:
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0xD9:
-            break
-        i += 2 if 0xD0 <= marker <= 0xD8 or marker == 0x01 else 2 + max(int.from_bytes(data[i + 2 : i + 4], "big"), 2)
-        if marker == 0xDA:
-            scans += 1
-            if scans > limit:
-                return True
-            while True:  # the scan's entropy-coded data, up to the next marker
-                i = data.find(b"\xff", i)
-                if i < 0 or i + 1 >= n:
-                    return False
-                if data[i + 1] == 0 or 0xD0 <= data[i + 1] <= 0xD7:
-                    i += 2
-                else:
-                    break
-    return False
+    scans = (marker for marker, _ in _markers(data) if marker == 0xDA)
+    return next(itertools.islice(scans, limit, None), None) is not None
 
 
 def dct_factor(height: int, width: int, min_height: int, min_width: int) -> int:
