@@ -40,7 +40,10 @@ class SampleFailure:
 
 @dataclass
 class Batch:
-    """One plan batch as received: uint8 NHWC pixels in a buffer the consumer's delivery lent."""
+    """One plan batch as received: uint8 NHWC pixels in a buffer the consumer's delivery lent,
+    and, when the loader asked for targets, the masks (uint8 NHW, in the same lent memory) and
+    each row's other targets (``targets[field][row]``: an array, or None until it arrives or
+    when its sample has none)."""
 
     seq: int  # its index in the epoch's plan
     ids: np.ndarray  # global sample ids, one per row
@@ -50,6 +53,8 @@ class Batch:
     remaining: int  # samples not yet received
     failures: list[SampleFailure] = field(default_factory=list)
     nbytes: int = 0
+    masks: np.ndarray | None = None
+    targets: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
 
 
 # What an epoch's output queue carries.

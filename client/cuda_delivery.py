@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from remoteloader.client.batches import Batch, Item
-from remoteloader.client.delivery import Delivered, Output, Readable, SlotReceiver
+from remoteloader.client.delivery import Delivered, Output, Readable, SlotReceiver, row_targets
 from remoteloader.client.normalize import Normalize, normalize_images
 from remoteloader.protos import limits
 
@@ -95,6 +95,13 @@ class CudaDelivery:
         self._owner[images.data_ptr()] = base
         return images
 
+    def masks_for(self, images: torch.Tensor | np.ndarray, n: int, h: int, w: int) -> np.ndarray:
+        """The masks' place in the pinned buffer, after the images (batch_bytes counts them)."""
+        assert isinstance(images, torch.Tensor), "allocate() lends tensors"
+        base = self._owner[images.data_ptr()]
+        start = n * limits.sample_bytes(h, w)
+        return base[start : start + n * h * w].view(n, h, w).numpy()
+
     def release(self, images: torch.Tensor | np.ndarray) -> None:
         if self.receiver is not None:
             self.receiver.free(images)
@@ -140,6 +147,9 @@ class CudaDelivery:
         with torch.cuda.stream(self._stream):
             images = host.to(self.device, non_blocking=True)
             labels = torch.from_numpy(batch.labels).pin_memory().to(self.device, non_blocking=True)
+            targets: dict = row_targets(batch, self.device)
+            if batch.masks is not None:  # pinned with the images
+                targets["mask"] = torch.from_numpy(batch.masks).to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
             images = normalize_images(images, self.normalize, self.dtype)
@@ -148,7 +158,9 @@ class CudaDelivery:
         # The pinned buffer may be refilled only once the copy out of it has finished.
         copied.synchronize()
         self.release(host)
-        return Delivered(batch.seq, images, labels, torch.from_numpy(batch.ids), batch.failures, batch.nbytes, ready)
+        return Delivered(
+            batch.seq, images, labels, torch.from_numpy(batch.ids), batch.failures, batch.nbytes, ready, targets
+        )
 
     @staticmethod
     def _put(out: queue.Queue[Output], item: Output, stop: threading.Event) -> None:
@@ -169,6 +181,10 @@ class CudaDelivery:
         stream.wait_event(delivered.event)
         delivered.images.record_stream(stream)
         delivered.labels.record_stream(stream)
+        for value in delivered.targets.values():
+            for tensor in value if isinstance(value, list) else [value]:
+                if tensor is not None:
+                    tensor.record_stream(stream)
         return delivered
 
     def close(self, final: bool = False) -> None:

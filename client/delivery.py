@@ -12,13 +12,14 @@ in its shared slots instead, and a delivery gives each slot back through the rec
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from remoteloader.client.batches import Batch, Item, SampleFailure
+from remoteloader.protos import targets as tg
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Delivered:
     failures: list[SampleFailure]
     nbytes: int
     event: torch.cuda.Event | None = None  # the copy's; the consumer stream must wait on it
+    # The batch's targets: "mask" a uint8 [B, H, W] tensor, the others a list of one tensor per
+    # row (None for an extra field a row's sample does not have), on the images' device.
+    targets: dict[str, Any] = field(default_factory=dict)
 
 
 # What a delivery's output queue carries: received batches (converted by finish), batches
@@ -59,11 +63,34 @@ class SlotReceiver(Protocol):
         """Gives the slot a batch's ``images`` view is in back to the receiver."""
 
 
+def row_targets(batch: Batch, device: torch.device | None = None) -> dict[str, list[torch.Tensor | None]]:
+    """Each row's targets as tensors (an empty one where a sample has none of a known field);
+    on ``device``, each field copied in one transfer from pinned memory (call it on the copy's stream)."""
+    out: dict[str, list[torch.Tensor | None]] = {}
+    for name, column in batch.targets.items():
+        empty = tg.EMPTY.get(name)
+        arrays = [a if a is not None or empty is None else np.zeros(empty[0], empty[1]) for a in column]
+        if device is None:
+            out[name] = [torch.from_numpy(a) if a is not None else None for a in arrays]
+            continue
+        present = [a for a in arrays if a is not None]
+        if not present or len({a.dtype for a in present}) > 1:  # (rows of one extra field with two dtypes)
+            out[name] = [torch.from_numpy(a).to(device) if a is not None else None for a in arrays]
+            continue
+        flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in present])).pin_memory()
+        pieces = iter(flat.to(device, non_blocking=True).split([a.size for a in present]))
+        out[name] = [next(pieces).view(a.shape) if a is not None else None for a in arrays]
+    return out
+
+
 class Delivery(Protocol):
     """What RemoteLoader needs of its delivery (and the engine of its buffers)."""
 
     def allocate(self, n: int, h: int, w: int) -> Any:
         """A uint8 (n, h, w, 3) buffer to receive a batch into, or None when none is free."""
+
+    def masks_for(self, images: Any, n: int, h: int, w: int) -> np.ndarray:
+        """A uint8 (n, h, w) array for the masks of the batch received into ``images``."""
 
     def release(self, images: Any) -> None:
         """Takes back a buffer from ``allocate`` (a batch dropped, or copied out)."""

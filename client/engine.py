@@ -3,10 +3,11 @@
 Each batch of the plan is split by owning shard into orders. Orders wait in one FIFO and
 each goes to the live server owning its shard that is expected to finish it first (by the
 samples it holds and its measured rate), at most ``max_inflight`` per server (credits: the
-memory bound). Chunks are copied once, straight into their rows of
-the batch buffer. When a server fails, its unfinished orders return to the front of the
-FIFO, for another owner or for the same server once it is back; an order is complete
-only when all its samples have arrived, so nothing is lost or duplicated.
+memory bound). Chunks are copied once, straight into their rows of the batch buffer
+(pixels, then masks), and their targets are checked and kept per row. When a server fails,
+its unfinished orders return to the front of the FIFO, for another owner or for the same
+server once it is back; an order is complete only when all its samples have arrived, so
+nothing is lost or duplicated.
 
 The links own their connections (state, back-off, orders in flight: ``link.py``) and the
 receiver owns the links (it makes, drops and closes them); the engine decides where orders
@@ -28,6 +29,7 @@ from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFai
 from remoteloader.client.link import Link, LinkState, describe_error
 from remoteloader.client.sample_space import SampleSpace, ShardInfo
 from remoteloader.protos import codec, limits, loader_pb2
+from remoteloader.protos import targets as tg
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +44,10 @@ class BatchBuffers(Protocol):
 
     def allocate(self, n: int, h: int, w: int) -> torch.Tensor | np.ndarray | None:
         """A uint8 (n, h, w, 3) buffer, or None when none is free (``Engine.buffer_freed`` follows)."""
+
+    def masks_for(self, images: Any, n: int, h: int, w: int) -> np.ndarray:
+        """A uint8 (n, h, w) array for the masks of the batch received into ``images`` (in the
+        same lent memory where the buffers have room for masks)."""
 
     def release(self, images: Any) -> None:
         """Takes back the buffer of a batch dropped before it was handed out."""
@@ -98,6 +104,8 @@ class Engine:
         self.space: SampleSpace | None = None  # the running (or last) epoch's
         self.out: queue.Queue[Item] = queue.Queue()
         self.order_size = 1
+        self.fields = tuple(f for f in setup.fields if f != tg.MASK)  # the targets kept per row
+        self.masks = tg.MASK in setup.fields
         self._order_ids = itertools.count(1)
         self._pending: list[_Order] = []  # FIFO: failed orders go back to its front
         self._run: _Run | None = None
@@ -188,6 +196,9 @@ class Engine:
             run.dispatched += 1
             pixels = images if isinstance(images, np.ndarray) else images.numpy()
             batch = Batch(seq, ids, images, pixels, np.full(len(ids), -1, np.int64), len(ids))
+            if self.masks:
+                batch.masks = self.buffers.masks_for(images, len(ids), h, w)
+            batch.targets = {name: [None] * len(ids) for name in self.fields}
             run.open[seq] = batch
             shard_idx = space.shard_of(ids)
             for s in np.unique(shard_idx):
@@ -251,7 +262,7 @@ class Engine:
         header, pixels = chunk
         order = link.order(header.order_id)
         h, w = self.setup.height, self.setup.width
-        expected = header.count * limits.sample_bytes(h, w)
+        expected = header.count * limits.sample_bytes(h, w, self.masks)
         if (
             order is None
             or header.start != order.received
@@ -262,6 +273,7 @@ class Engine:
             or header.channels != limits.CHANNELS
             or len(pixels) != expected
             or len(header.labels) != header.count
+            or len(header.targets) != (header.count if self.setup.fields else 0)
         ):
             link.fail(
                 ConnectionError(
@@ -270,17 +282,38 @@ class Engine:
                 )
             )
             return
+        targets = None
+        if self.fields and not order.cancelled:
+            try:
+                targets = [tg.arrays_of(t) for t in header.targets]
+            except tg.TargetError as exc:
+                link.fail(ConnectionError(f"malformed targets from {link.address} (order {header.order_id}): {exc}"))
+                return
         link.received(len(pixels), header.count)
         if not order.cancelled:
             assert self.space is not None, "orders are only sent while an epoch runs"
             batch = order.batch
             rows = order.positions[header.start : header.start + header.count]
-            block = np.frombuffer(pixels, dtype=np.uint8).reshape(header.count, h, w, limits.CHANNELS)
-            if rows[-1] - rows[0] == len(rows) - 1:  # contiguous rows: one slice copy
+            images = header.count * limits.sample_bytes(h, w)
+            block = np.frombuffer(pixels[:images], dtype=np.uint8).reshape(header.count, h, w, limits.CHANNELS)
+            contiguous = rows[-1] - rows[0] == len(rows) - 1
+            if contiguous:  # one slice copy
                 batch.pixels[rows[0] : rows[-1] + 1] = block
             else:
                 batch.pixels[rows] = block
+            if batch.masks is not None:
+                masks = np.frombuffer(pixels[images:], dtype=np.uint8).reshape(header.count, h, w)
+                if contiguous:
+                    place = batch.masks[rows[0] : rows[-1] + 1]
+                    place[...] = masks
+                    self.space.global_masks(order.shard, place)
+                else:
+                    masks = masks.copy()
+                    self.space.global_masks(order.shard, masks)
+                    batch.masks[rows] = masks
             batch.labels[rows] = self.space.global_labels(order.shard, np.asarray(header.labels, dtype=np.int64))
+            if targets is not None:
+                self._keep_targets(batch, order.shard, rows, targets)
             order.nbytes += len(pixels)
             for e in header.errors:
                 if header.start <= e.position < header.start + header.count:
@@ -297,6 +330,18 @@ class Engine:
                 if order.batch.remaining == 0 and self._run is not None:
                     self._run.complete(order.batch, self.options.ordered)
             self._pump()
+
+    def _keep_targets(
+        self, batch: Batch, shard: ShardInfo, rows: np.ndarray, targets: list[dict[str, np.ndarray]]
+    ) -> None:
+        """Keeps each row's targets, class labels remapped onto the loader's class list."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        for row, arrays in zip(rows.tolist(), targets):
+            for name, column in batch.targets.items():
+                value = arrays.get(name)
+                if value is not None and name in tg.LABELLED:
+                    value = self.space.global_labels(shard, value.astype(np.int64, copy=False))
+                column[row] = value
 
     # ---- failures (LinkEvents) ------------------------------------------------------
     def on_link_down(self, link: Link[_Order], orders: list[_Order], exc: BaseException) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from remoteloader.client.batches import Batch, Item
-from remoteloader.client.delivery import Delivered, Output, Readable, SlotReceiver
+from remoteloader.client.delivery import Delivered, Output, Readable, SlotReceiver, row_targets
 from remoteloader.client.normalize import Normalize, normalize_host
 from remoteloader.protos import limits
 
@@ -125,6 +125,9 @@ class HostDelivery:
     def allocate(self, n: int, h: int, w: int) -> torch.Tensor:
         return self.pool.take(n, h, w)
 
+    def masks_for(self, images: Any, n: int, h: int, w: int) -> np.ndarray:
+        return np.empty((n, h, w), np.uint8)  # handed to the user as is, like the images
+
     def release(self, images: Any) -> None:
         pass  # once the last reference to it is gone, the pool takes the memory back
 
@@ -136,6 +139,9 @@ class HostDelivery:
         assert isinstance(item, Batch), "the host delivery has no transfer thread"
         batch = item
         images: torch.Tensor
+        targets: dict = row_targets(batch)
+        if batch.masks is not None:  # (out of the receiver's slot before it is given back)
+            targets["mask"] = torch.from_numpy(batch.masks.copy() if self.receiver is not None else batch.masks)
         if self.receiver is not None:  # batch.pixels is the receiver's slot: copy out, give back
             if self.normalize is None:
                 images = self.pool.take(*batch.pixels.shape[:3])
@@ -151,7 +157,13 @@ class HostDelivery:
             assert isinstance(batch.images, torch.Tensor), "allocate() lends tensors"
             images = batch.images
         return Delivered(
-            batch.seq, images, torch.from_numpy(batch.labels), torch.from_numpy(batch.ids), batch.failures, batch.nbytes
+            batch.seq,
+            images,
+            torch.from_numpy(batch.labels),
+            torch.from_numpy(batch.ids),
+            batch.failures,
+            batch.nbytes,
+            targets=targets,
         )
 
     def _normalize(self, images: np.ndarray, normalize: Normalize) -> torch.Tensor:

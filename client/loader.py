@@ -42,6 +42,7 @@ from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.security import TLSConfig
 from remoteloader.client.server_set import ServerSet
 from remoteloader.client.thread_receiver import ThreadReceiver
+from remoteloader.protos import targets as tg
 
 log = logging.getLogger("remoteloader.client")
 
@@ -91,7 +92,13 @@ class RemoteLoader:
         normalize: (mean, std) per channel on the 0..1 scale; when given, images come out as
             ``dtype`` NCHW (channels_last memory) normalized; otherwise uint8 NHWC.
         dtype: Floating dtype of normalized images (default torch.float32).
-        return_ids: Yield (images, labels, ids) with the global sample ids (default False).
+        return_ids: Yield (images, labels, ids) with the global sample ids (default False); with
+            dict batches, the dict holds "ids".
+        fields: The target fields to receive (README, "Targets"): e.g. ``["bboxes", "bbox_labels"]``.
+            Default None: every field the servers' shards carry. When that is more than the class
+            ``label`` (or fields is given), each batch is a dict: "images", "label" (a tensor),
+            "mask" (uint8 [B, H, W]) and each other field as a list of per-sample tensors, all on
+            ``device``; otherwise batches are (images, labels) tuples as for classification.
         ordered: Yield batches in plan order (reproducible, default True) or as they complete.
         on_error: What to do with samples a server could not decode: "raise" (default),
             "warn" or "skip" (the batch comes without them), or a callable taking a list of
@@ -133,6 +140,7 @@ class RemoteLoader:
     normalize: Option[tuple[list[float], list[float]] | None] = Option()
     dtype: Option[torch.dtype] = Option()
     return_ids: Option[bool] = Option()
+    fields: Option[tuple[str, ...] | None] = Option()
     ordered: Option[bool] = Option()
     on_error: Option[str | Callable[[list[SampleFailure]], None]] = Option()
     prefetch: Option[int] = Option()
@@ -155,6 +163,7 @@ class RemoteLoader:
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         dtype: torch.dtype = torch.float32,
         return_ids: bool = False,
+        fields: Sequence[str] | None = None,
         ordered: bool = True,
         on_error: str | Callable[[list[SampleFailure]], None] = "raise",
         prefetch: int = 8,
@@ -182,6 +191,7 @@ class RemoteLoader:
             normalize=normalize,
             dtype=dtype,
             return_ids=return_ids,
+            fields=fields,
             ordered=ordered,
             on_error=on_error,
             prefetch=prefetch,
@@ -202,10 +212,37 @@ class RemoteLoader:
         self._io, self._delivery = self._open_io(address)
         try:
             self._servers = ServerSet(self._io, self.options.setup)
+            wanted = self._wanted_fields()
+            if tuple(f for f in wanted if f != tg.LABEL) != tuple(self.options.setup.fields):
+                # The servers carry targets: the streams ask for them, and batch memory has room
+                # for masks. Open the I/O side again with that (once, at start).
+                self._close_io()
+                self.options = self.options.with_fields(wanted)
+                self._io, self._delivery = self._open_io(address)
+                self._servers = ServerSet(self._io, self.options.setup)
         except BaseException:
             self.close()
             raise
+        # What each batch holds besides the images: None for (images, labels) tuples.
+        self._batch_fields: tuple[str, ...] | None = (
+            wanted if self.fields is not None or set(wanted) - {tg.LABEL} else None
+        )
         self._warn_if_epochs_are_empty()
+
+    def _wanted_fields(self) -> tuple[str, ...]:
+        """The fields asked for, or (fields=None) those the servers' shards carry; warns of fields
+        asked for that no shard carries."""
+        space = self._servers.space
+        if self.fields is None:
+            return space.fields
+        missing = [f for f in self.fields if f not in space.fields]
+        if missing:
+            warnings.warn(
+                f"RemoteLoader: none of the servers' shards carry {', '.join(missing)} (they carry "
+                f"{', '.join(space.fields) or 'no targets'}); every sample gets an empty one",
+                stacklevel=3,
+            )
+        return self.fields
 
     def _open_io(self, address: str | Iterable[str]) -> tuple[Receiver, Delivery]:
         """The receiver and the delivery the options ask for (closed again if either fails)."""
@@ -440,14 +477,20 @@ class RemoteLoader:
         if not self._closed and io is not None:
             io.buffer_freed()
 
-    def _deliver(self, item: Batch | Delivered) -> tuple[torch.Tensor, ...] | None:
+    def _deliver(self, item: Batch | Delivered) -> tuple[torch.Tensor, ...] | dict[str, Any] | None:
         delivered = self._delivery.finish(item)
         images, labels, ids = delivered.images, delivered.labels, delivered.ids
+        targets = delivered.targets
         if delivered.failures:
             keep = self._handle_failures(delivered)
             if keep is not None:
                 keep_on = keep.to(images.device)
                 images, labels, ids = images[keep_on], labels[keep_on], ids[keep]
+                rows = keep.tolist()
+                targets = {
+                    name: [v for v, k in zip(value, rows) if k] if isinstance(value, list) else value[keep_on]
+                    for name, value in targets.items()
+                }
                 if len(ids) == 0:
                     warnings.warn(
                         f"batch {delivered.seq}: none of its {len(keep)} samples could be served, so it "
@@ -459,6 +502,13 @@ class RemoteLoader:
         self._throughput.batches += 1
         self._throughput.images += len(ids)
         self._throughput.bytes += delivered.nbytes
+        if self._batch_fields is not None:
+            batch: dict[str, Any] = {"images": images}
+            for name in self._batch_fields:
+                batch[name] = labels if name == tg.LABEL else targets[name]
+            if self.return_ids:
+                batch["ids"] = ids
+            return batch
         return (images, labels, ids) if self.return_ids else (images, labels)
 
     def _handle_failures(self, batch: Delivered) -> torch.Tensor | None:
@@ -489,6 +539,9 @@ class RemoteLoader:
             if self._closed:
                 return
             self._closed = True
+        self._close_io()
+
+    def _close_io(self) -> None:
         delivery: Delivery | None = getattr(self, "_delivery", None)  # (None: closed while being made)
         if delivery is not None:
             delivery.close(final=True)

@@ -8,6 +8,7 @@ and what was expected. Everything after it reads the options and checks nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from remoteloader.client.link import LinkOptions
 from remoteloader.client.normalize import Normalize
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2
+from remoteloader.protos import targets as tg
 
 ON_ERROR = ("raise", "warn", "skip")
 RECEIVERS = ("thread", "process")
@@ -38,7 +40,8 @@ class LoaderOptions:
 
     batch_size: int
     image_size: tuple[int, int]
-    setup: loader_pb2.Setup  # the pipeline and the output size, as the servers are told
+    setup: loader_pb2.Setup  # the pipeline, the output size and the target fields, as the servers are told
+    fields: tuple[str, ...] | None  # as asked for; None: what the servers' shards carry
     shuffle: bool
     seed: int
     drop_last: bool
@@ -77,6 +80,7 @@ class LoaderOptions:
         normalize: Any,
         dtype: Any,
         return_ids: Any,
+        fields: Any,
         ordered: Any,
         on_error: Any,
         prefetch: Any,
@@ -92,6 +96,7 @@ class LoaderOptions:
         batch_size = check_int("batch_size", batch_size, 1)
         size = _size(image_size)
         setup = _setup(pipeline, size)
+        fields = _fields(fields)
         shuffle = bool(shuffle)
         seed = check_int("seed", seed, 0, UINT64)
         drop_last = bool(drop_last)
@@ -116,6 +121,7 @@ class LoaderOptions:
             batch_size=batch_size,
             image_size=size,
             setup=setup,
+            fields=fields,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
@@ -139,10 +145,23 @@ class LoaderOptions:
         )
 
     @property
+    def masks(self) -> bool:
+        """Whether batches come with masks (the streams ask for the "mask" field)."""
+        return tg.MASK in self.setup.fields
+
+    @property
     def batch_bytes(self) -> int:
-        """Bytes of one received batch (uint8 NHWC)."""
+        """Bytes of one received batch (uint8 NHWC, then the masks, uint8 NHW)."""
         h, w = self.image_size
-        return self.batch_size * limits.sample_bytes(h, w)
+        return self.batch_size * limits.sample_bytes(h, w, self.masks)
+
+    def with_fields(self, fields: Sequence[str]) -> LoaderOptions:
+        """These options with the streams asking for ``fields`` ("label" always travels)."""
+        setup = loader_pb2.Setup()
+        setup.CopyFrom(self.setup)
+        del setup.fields[:]
+        setup.fields.extend(f for f in fields if f != tg.LABEL)
+        return dataclasses.replace(self, setup=setup)
 
     @property
     def batch_buffers(self) -> int:
@@ -229,6 +248,22 @@ def _setup(pipeline: Any, size: tuple[int, int]) -> loader_pb2.Setup:
             f"pipeline={pipeline!r}: expected 'train', 'eval', an albumentations pipeline or its A.to_dict() dictionary"
         )
     return loader_pb2.Setup(pipeline=CUSTOM_PIPELINE, height=h, width=w, albumentations_json=json.dumps(document))
+
+
+def _fields(fields: Any) -> tuple[str, ...] | None:
+    if fields is None:
+        return None
+    if isinstance(fields, str) or not isinstance(fields, Iterable):
+        raise ValueError(f"fields={fields!r}: expected a list of field names, e.g. ['bboxes', 'bbox_labels'], or None")
+    names = tuple(dict.fromkeys(fields))
+    try:
+        for name in names:
+            tg.check_field_name(name)
+    except tg.TargetError as exc:
+        raise ValueError(f"fields={fields!r}: {exc}") from None
+    if len(names) > tg.MAX_FIELDS:
+        raise ValueError(f"fields={fields!r}: at most {tg.MAX_FIELDS} fields")
+    return names
 
 
 def _rank_world(rank: Any, world_size: Any) -> tuple[int, int]:

@@ -22,7 +22,7 @@ pid, and EOF on the socket). The messages::
                       ("consumed", token)  ("free", slot)            never answered
     child -> parent   ("reply", request id, ok, value or error)
                       ("started", request id, token)                 start_epoch's reply; its batches follow
-                      ("batch", token, seq, slot, ids, labels, failures, nbytes)
+                      ("batch", token, seq, slot, ids, labels, failures, nbytes, targets)
                       ("end" | "error", token, None | error)
                       ("log", level, logger name, text)
 """
@@ -82,6 +82,11 @@ class SharedSlots:
         start = slot * self.slot_bytes
         return self.array[start : start + n * limits.sample_bytes(h, w)].reshape(n, h, w, limits.CHANNELS)
 
+    def mask_view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
+        """The masks of the batch in ``slot``: after its images."""
+        start = slot * self.slot_bytes + n * limits.sample_bytes(h, w)
+        return self.array[start : start + n * h * w].reshape(n, h, w)
+
     def slot_of(self, address: int) -> int:
         return (address - self.array.ctypes.data) // self.slot_bytes
 
@@ -104,6 +109,7 @@ class ProcessReceiver:
         link_options: LinkOptions,
     ):
         self._setup_hw = (setup.height, setup.width)
+        self._masks = "mask" in setup.fields
         self._pid = os.getpid()
         self.slots = SharedSlots(slots, slot_bytes)
         parent, child = socket.socketpair()
@@ -300,12 +306,13 @@ class ProcessReceiver:
                         self._drain(out)
                     self._replies.pop(request_id).set_result(token)
                 elif kind == "batch":
-                    token, seq, slot, ids, labels, failures, nbytes = rest
+                    token, seq, slot, ids, labels, failures, nbytes, targets = rest
                     images = self.slots.view(slot, len(ids), h, w)
+                    masks = self.slots.mask_view(slot, len(ids), h, w) if self._masks else None
                     with self._queues_lock:
                         epoch_out = self._queues.get(token)
                         if epoch_out is not None:
-                            epoch_out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes))
+                            epoch_out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes, masks, targets))
                     if epoch_out is None:  # an epoch that was cancelled meanwhile
                         self._post(("free", slot))
                 elif kind in ("end", "error"):

@@ -45,6 +45,9 @@ class SlotBuffers:
             slot = self._free.pop()
         return self.slots.view(slot, n, h, w)
 
+    def masks_for(self, images: np.ndarray, n: int, h: int, w: int) -> np.ndarray:
+        return self.slots.mask_view(self.slots.slot_of(images.ctypes.data), n, h, w)
+
     def release(self, images: np.ndarray) -> None:
         self.give(self.slots.slot_of(images.ctypes.data))
 
@@ -151,7 +154,19 @@ class ReceiverService:
                     continue
                 if isinstance(item, Batch):
                     slot = buffers.slots.slot_of(item.pixels.ctypes.data)
-                    self.send(("batch", token, item.seq, slot, item.ids, item.labels, item.failures, item.nbytes))
+                    self.send(
+                        (
+                            "batch",
+                            token,
+                            item.seq,
+                            slot,
+                            item.ids,
+                            item.labels,
+                            item.failures,
+                            item.nbytes,
+                            item.targets,
+                        )
+                    )
                 elif isinstance(item, BaseException):
                     self.send(("error", token, portable_error(item)))
                     return

@@ -2,12 +2,14 @@
 
 A server streams an order as chunks. A chunk holds as many whole samples as fit in
 ``chunk_bytes``, and at least one: a sample larger than ``chunk_bytes`` travels alone. A
-chunk's pixels are therefore never more than ``max(chunk_bytes, sample_bytes)``, which is
-what one of the server's shared slots holds for the largest sample it offers. A message is
-one chunk's pixels plus its header (labels and per-sample errors), and the header takes at
-most ``HEADER_BYTES`` (1 MiB). The server sends messages up to ``max_message_bytes`` for its
-largest sample; a client accepts messages up to ``max_message_bytes`` for the sample size
-it asked for.
+sample is its pixels, and its mask when the stream asked for masks. A chunk's pixels are
+therefore never more than ``max(chunk_bytes, sample_bytes)``, which is what one of the
+server's shared slots holds for the largest sample it offers. A message is one chunk's
+pixels plus its header (labels and per-sample errors, at most ``HEADER_BYTES``, 1 MiB) and,
+when the stream asked for targets, the samples' targets: at most ``TARGET_BYTES`` each, for
+at most ``TARGETS_PER_CHUNK`` samples per chunk. The server sends messages up to
+``max_message_bytes`` for its largest sample; a client accepts messages up to
+``max_message_bytes`` for the sample size it asked for.
 
 Orders go the other way: an order's sample indices take at most 10 bytes each (varints),
 plus a few hundred bytes of shard id and numbers; clients send and servers accept orders
@@ -21,18 +23,22 @@ MiB = 1 << 20
 HEADER_BYTES = MiB  # most bytes of a chunk's header (ChunkHeader), beside its pixels
 CHANNELS = 3  # samples are RGB uint8
 MAX_ORDER_MESSAGE_BYTES = 16 * MiB  # the largest order message a client sends and a server accepts
+TARGET_BYTES = 32 * 1024  # most bytes of one sample's serialized targets (loader_pb2.Targets)
+TARGETS_PER_CHUNK = 32  # most samples in a chunk that carries targets
 _INDEX_BYTES = 10  # a sample index, a uint64 varint
 _ORDER_BYTES = 4096  # an order's shard id, numbers and framing
 
 
-def sample_bytes(height: int, width: int) -> int:
-    """Pixel bytes of one ``height`` x ``width`` RGB uint8 sample."""
-    return height * width * CHANNELS
+def sample_bytes(height: int, width: int, mask: bool = False) -> int:
+    """Bytes of one ``height`` x ``width`` RGB uint8 sample, and of its uint8 mask with ``mask``."""
+    return height * width * (CHANNELS + mask)
 
 
-def samples_per_chunk(chunk_bytes: int, sample_bytes: int) -> int:
-    """Whole samples of ``sample_bytes`` in one chunk of ``chunk_bytes``: as many as fit, at least one."""
-    return max(1, chunk_bytes // sample_bytes)
+def samples_per_chunk(chunk_bytes: int, sample_bytes: int, targets: bool = False) -> int:
+    """Whole samples of ``sample_bytes`` in one chunk of ``chunk_bytes``: as many as fit, at least
+    one, and at most TARGETS_PER_CHUNK when the chunk carries targets."""
+    fit = max(1, chunk_bytes // sample_bytes)
+    return min(fit, TARGETS_PER_CHUNK) if targets else fit
 
 
 def slot_bytes(chunk_bytes: int, max_sample_bytes: int) -> int:
@@ -42,8 +48,8 @@ def slot_bytes(chunk_bytes: int, max_sample_bytes: int) -> int:
 
 def max_message_bytes(chunk_bytes: int, sample_bytes: int) -> int:
     """Largest message that carries chunks of samples up to ``sample_bytes``: one chunk's pixels
-    plus its header."""
-    return slot_bytes(chunk_bytes, sample_bytes) + HEADER_BYTES
+    plus its header and its samples' targets."""
+    return slot_bytes(chunk_bytes, sample_bytes) + HEADER_BYTES + TARGETS_PER_CHUNK * TARGET_BYTES
 
 
 def most_order_samples() -> int:

@@ -11,16 +11,18 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("id", "name", "num_samples", "class_names")
+    __slots__ = ("id", "name", "num_samples", "class_names", "fields")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     num_samples: int
     class_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes")
@@ -61,16 +63,18 @@ class GetKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Setup(_message.Message):
-    __slots__ = ("pipeline", "height", "width", "albumentations_json")
+    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     ALBUMENTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     height: int
     width: int
     albumentations_json: str
-    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ...) -> None: ...
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Order(_message.Message):
     __slots__ = ("order_id", "shard_id", "indices", "seed", "epoch")
@@ -107,7 +111,7 @@ class SampleError(_message.Message):
     def __init__(self, position: _Optional[int] = ..., index: _Optional[int] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors")
+    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets")
     ORDER_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +121,7 @@ class ChunkHeader(_message.Message):
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
     order_id: int
     start: int
     count: int
@@ -126,7 +131,54 @@ class ChunkHeader(_message.Message):
     channels: int
     labels: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[SampleError]
-    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ...) -> None: ...
+    targets: _containers.RepeatedCompositeFieldContainer[Targets]
+    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ...) -> None: ...
+
+class TargetArray(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("value", "polygons", "rle", "rle_height", "rle_width")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    POLYGONS_FIELD_NUMBER: _ClassVar[int]
+    RLE_FIELD_NUMBER: _ClassVar[int]
+    RLE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    polygons: _containers.RepeatedCompositeFieldContainer[Polygon]
+    rle: _containers.RepeatedScalarFieldContainer[int]
+    rle_height: int
+    rle_width: int
+    def __init__(self, value: _Optional[int] = ..., polygons: _Optional[_Iterable[_Union[Polygon, _Mapping]]] = ..., rle: _Optional[_Iterable[int]] = ..., rle_height: _Optional[int] = ..., rle_width: _Optional[int] = ...) -> None: ...
+
+class Polygon(_message.Message):
+    __slots__ = ("xy",)
+    XY_FIELD_NUMBER: _ClassVar[int]
+    xy: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, xy: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Targets(_message.Message):
+    __slots__ = ("arrays", "error", "mask_offset", "mask_length", "regions")
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MASK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MASK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    arrays: _containers.RepeatedCompositeFieldContainer[TargetArray]
+    error: str
+    mask_offset: int
+    mask_length: int
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, arrays: _Optional[_Iterable[_Union[TargetArray, _Mapping]]] = ..., error: _Optional[str] = ..., mask_offset: _Optional[int] = ..., mask_length: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "pixels")

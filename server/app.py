@@ -29,6 +29,7 @@ from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import LoaderService
 from remoteloader.server.shared_memory import Arena, SampleCache
+from remoteloader.server.sources import open_source
 from remoteloader.server.worker_pool import WorkerPool
 from remoteloader.server.worker_process import read_sample
 
@@ -77,10 +78,15 @@ class RenderResources:
                 cache,
                 config.region_decode,
                 indexed_ns,
+                ((config.source, config.source_args),) if config.source else (),
             )
             undo.callback(pool.close)
             checks = PipelineChecks(
-                config.allow_custom_pipelines, config.max_pixels, config.min_image_size, config.max_image_size
+                config.allow_custom_pipelines,
+                config.max_pixels,
+                config.min_image_size,
+                config.max_image_size,
+                config.slot_bytes,
             )
             undo.callback(checks.close)
             if config.synthetic:
@@ -88,7 +94,7 @@ class RenderResources:
                 np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
                     0, 256, arena.size, dtype=np.uint8
                 )
-            if config.data:
+            if config.data or config.source:
                 pool.start()
             undo.pop_all()
         return cls(arena, cache, pool, checks)
@@ -148,7 +154,9 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
-    shards = open_shards(list(config.data))
+    shards = open_shards(list(config.data), config.image_root, config.coco_masks)
+    if config.source:
+        shards.append(open_source(config.source, config.source_args))
     if config.synthetic:
         shards.append(SyntheticShard(config.synthetic))
     resources = RenderResources.start(config, shards, indexed_ns)

@@ -1,10 +1,12 @@
 """What a server holds: shards of samples, indexed once at start-up into numpy arrays.
 
-A shard is an ImageFolder tree (``DIR/<class>/<image>``) or one WebDataset-style tar file
-(``key.jpg`` + ``key.cls``). Sample keys live in one bytes blob with an offset array, so
-memory grows by a few tens of bytes per sample and no Python object is kept per sample.
-A shard's id is a fingerprint of its contents' index (names and sizes), so two servers
-that mount the same files report the same id.
+A shard is an ImageFolder tree (``DIR/<class>/<image>``), one WebDataset-style tar file
+(``key.jpg`` + ``key.cls``, ``key.json`` targets, ``key.mask.png``), a COCO annotation
+file (``coco.py``) or an operator's ``--source`` object (``sources.py``). Sample keys live
+in one bytes blob with an offset array, and so do the samples' targets (each a serialized
+``loader_pb2.Targets``): memory grows by the bytes of a sample's key and targets plus
+40 bytes, and no Python object is kept per sample. A shard's id is a fingerprint of its
+contents' index (names and sizes), so two servers that mount the same files report the same id.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -21,10 +24,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from remoteloader.server import targets as tg
+
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 CLASSES_FILE = "classes.txt"
+MASK_SUFFIX = ".mask.png"  # a tar sample's semantic mask member: <key>.mask.png
+MAX_JSON_BYTES = 4 * tg.MAX_TARGET_BYTES  # a tar sample's <key>.json member
 
 
 class CatalogError(ValueError):
@@ -48,13 +55,17 @@ class KeyTable:
         self.labels = array("q")
         self.offsets = array("q")
         self.sizes = array("q")
+        self.targets = bytearray()  # serialized loader_pb2.Targets, one after the other
+        self.target_ends = array("q")
 
-    def add(self, key: str, label: int, offset: int, size: int) -> int:
+    def add(self, key: str, label: int, offset: int, size: int, targets: bytes = b"") -> int:
         self.blob += key.encode()
         self.ends.append(len(self.blob))
         self.labels.append(label)
         self.offsets.append(offset)
         self.sizes.append(size)
+        self.targets += targets
+        self.target_ends.append(len(self.targets))
         return len(self.ends) - 1
 
     def __len__(self) -> int:
@@ -62,13 +73,20 @@ class KeyTable:
 
 
 class Shard:
-    """An indexed set of samples with labels; subclasses say where the bytes are.
+    """An indexed set of samples with labels and targets; subclasses say where the bytes are.
 
-    Per sample it keeps the key bytes plus four int64 (key end, label, offset, size):
-    about 30 + 32 bytes, and no Python object.
+    Per sample it keeps the key bytes and the serialized targets plus five int64 (key end,
+    label, offset, size, targets end): about 30 + 40 bytes for an image with a label, and
+    no Python object.
+
+    ``fields`` names the target fields its samples carry ("label" when any has a class).
+    ``source``: for a ``--source`` shard, its position in the server's sources (the worker
+    asks that object for the sample); -1 for files.
     """
 
-    def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str):
+    source = -1
+
+    def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str, fields=()):
         self.name = name
         self.id = fingerprint
         self.class_names = list(class_names)
@@ -77,6 +95,11 @@ class Shard:
         self.labels = np.frombuffer(table.labels, dtype=np.int64).copy()
         self._offsets = np.frombuffer(table.offsets, dtype=np.int64).copy()
         self._sizes = np.frombuffer(table.sizes, dtype=np.int64).copy()
+        self._targets = bytes(table.targets)
+        self._target_ends = np.frombuffer(table.target_ends, dtype=np.int64).copy()
+        found = set(fields) | ({tg.LABEL} if len(self.labels) and bool(np.any(self.labels >= 0)) else set())
+        # In the order of tg.FIELDS, then the extras by name.
+        self.fields: tuple[str, ...] = tuple(f for f in tg.FIELDS if f in found) + tuple(sorted(found - set(tg.FIELDS)))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -84,6 +107,11 @@ class Shard:
     def key(self, index: int) -> str:
         start = int(self._key_ends[index - 1]) if index else 0
         return self._key_blob[start : int(self._key_ends[index])].decode()
+
+    def targets(self, index: int) -> bytes:
+        """The sample's serialized ``loader_pb2.Targets`` as its source gave them (b"": none)."""
+        start = int(self._target_ends[index - 1]) if index else 0
+        return self._targets[start : int(self._target_ends[index])]
 
     def locate(self, index: int) -> Location:
         raise NotImplementedError
@@ -157,10 +185,14 @@ class ImageFolderShard(Shard):
 
 
 class TarShard(Shard):
-    """A WebDataset tar: members ``<key>.jpg|jpeg|png`` with optional ``<key>.cls`` labels.
+    """A WebDataset tar: members ``<key>.jpg|jpeg|png`` with optional ``<key>.cls`` labels,
+    ``<key>.json`` targets (an object of the fields in ``targets.py``) and ``<key>.mask.png``
+    semantic masks.
 
-    Indexed in one streaming pass over the tar headers; a sample's members are expected
-    next to each other (as WebDataset writes them), with a fallback for those that are not.
+    Indexed in one streaming pass over the tar headers (reading only the small ``.cls`` and
+    ``.json`` members); a sample's members are expected next to each other (as WebDataset
+    writes them), with a fallback for those that are not. A ``.json`` that is not usable
+    makes its sample fail with the reason when served, as a damaged image does.
     """
 
     def __init__(self, path: pathlib.Path, class_names: list[str]):
@@ -168,14 +200,18 @@ class TarShard(Shard):
         self.index_error: OSError | None = None  # why the scanned index could not be written beside the tar
         cached = load_index(path)
         if cached is not None:
-            table, index_digest = cached
-            super().__init__(path.name, table, class_names, _tar_id(index_digest, table.labels, class_names))
+            table, index_digest, fields = cached
+            super().__init__(
+                path.name, table, class_names, _tar_id(index_digest, table.labels, class_names, table.targets), fields
+            )
             self.index_digest = index_digest
         else:
             self._scan(path, class_names)
             self.index_error = save_index(path, self)
         unlabelled = int(np.count_nonzero(self.labels < 0))
-        if unlabelled:  # a tar made by hand: without this, every sample is served as class -1 without a word
+        # A tar made by hand: without this, every sample is served as class -1 without a word
+        # (a tar of other targets needs no class).
+        if unlabelled and set(self.fields) <= {tg.LABEL}:
             log.warning(
                 "%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
                 "and are served with label -1: labels come from <key>.cls members holding the class index "
@@ -201,7 +237,9 @@ class TarShard(Shard):
         table = KeyTable()
         digest = hashlib.sha256()
         last_stem, last_index = None, -1
-        unmatched: dict[str, int] = {}  # .cls not right after its image: before it, or far after
+        # Members not right after their image (before it, or far after): matched by stem at the end.
+        unmatched: dict[str, dict[str, object]] = {}
+        extras: dict[int, dict[str, object]] = {}  # sample index -> its "json" bytes and "mask" (offset, size)
         try:
             with tarfile.open(path, "r:") as tar:
                 while True:
@@ -212,45 +250,128 @@ class TarShard(Shard):
                     tar.members.clear()  # type: ignore[attr-defined]
                     if not member.isfile():
                         continue
-                    stem, _, ext = member.name.rpartition(".")
-                    ext = "." + ext.lower()
                     digest.update(f"{member.name}\0{member.size}\0{member.offset_data}\n".encode())
-                    if ext in IMAGE_EXTENSIONS:
-                        last_stem = stem
-                        last_index = table.add(member.name, unmatched.pop(stem, -1), member.offset_data, member.size)
-                    elif ext == ".cls":
-                        label = _read_label(tar, member, path)
-                        if stem == last_stem:
-                            table.labels[last_index] = label
+                    if member.name.lower().endswith(MASK_SUFFIX):
+                        stem, kind = member.name[: -len(MASK_SUFFIX)], "mask"
+                        value: object = (member.offset_data, member.size)
+                    else:
+                        stem, _, ext = member.name.rpartition(".")
+                        ext = "." + ext.lower()
+                        if ext in IMAGE_EXTENSIONS:
+                            last_stem = stem
+                            pieces = unmatched.pop(stem, {})
+                            label = pieces.pop("cls", -1)
+                            last_index = table.add(member.name, label, member.offset_data, member.size)  # type: ignore[arg-type]
+                            if pieces:
+                                extras[last_index] = pieces
+                            continue
+                        if ext == ".cls":
+                            kind, value = "cls", _read_label(tar, member, path)
+                        elif ext == ".json":
+                            kind, value = "json", _read_member(tar, member)
                         else:
-                            unmatched[stem] = label
+                            continue
+                    if stem == last_stem:
+                        if kind == "cls":
+                            table.labels[last_index] = value
+                        else:
+                            extras.setdefault(last_index, {})[kind] = value
+                    else:
+                        unmatched.setdefault(stem, {})[kind] = value
         except (tarfile.TarError, OSError) as exc:
             raise CatalogError(f"{path}: cannot read tar shard: {exc}") from None
         if not len(table):
             raise CatalogError(f"{path} holds no images (expected members <key>.jpg and <key>.cls)")
+        if unmatched:  # members whose image came earlier, not just before: match by stem once
+            for index in range(len(table)):
+                start = table.ends[index - 1] if index else 0
+                stem = table.blob[start : table.ends[index]].decode().rpartition(".")[0]
+                pieces = unmatched.pop(stem, {})
+                if pieces:
+                    if "cls" in pieces:
+                        table.labels[index] = pieces.pop("cls")
+                    if pieces:
+                        extras.setdefault(index, {}).update(pieces)
+        fields = _add_tar_targets(table, extras, path)
         self.index_digest = digest.hexdigest()
-        super().__init__(path.name, table, class_names, "")
-        if unmatched:  # labels whose image came earlier, not just before: match by stem once
-            for index in range(len(self)):
-                found = unmatched.pop(self.key(index).rpartition(".")[0], None)
-                if found is not None:
-                    self.labels[index] = found
-        self.id = _tar_id(self.index_digest, self.labels, class_names)
+        super().__init__(path.name, table, class_names, "", fields)
+        self.id = _tar_id(self.index_digest, self.labels, class_names, table.targets)
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
 
 
 INDEX_SUFFIX = ".index.npz"
-_INDEX_VERSION = 2
+_INDEX_VERSION = 3
 
 
-def _tar_id(index_digest: str, labels, class_names: list[str]) -> str:
-    """Members, sizes and offsets (the index digest), labels and class names: all that a client sees."""
+def _tar_id(index_digest: str, labels, class_names: list[str], targets: bytes | bytearray = b"") -> str:
+    """Members, sizes and offsets (the index digest), labels, targets and class names: all that a
+    client sees."""
     digest = hashlib.sha256(index_digest.encode())
     digest.update(np.asarray(labels, dtype=np.int64).tobytes())
     digest.update("\0".join(class_names).encode())
+    if targets:
+        digest.update(hashlib.sha256(targets).digest())
     return "tar-" + digest.hexdigest()[:24]
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes | str:
+    """A small member's bytes, or why they are not read (a str)."""
+    if member.size > MAX_JSON_BYTES:
+        return f"{member.name} is {member.size} bytes, over the limit of {MAX_JSON_BYTES}"
+    reader = tar.extractfile(member)
+    assert reader is not None, "a regular file member has contents"
+    return reader.read()
+
+
+def _add_tar_targets(table: KeyTable, extras: dict[int, dict[str, object]], path) -> tuple[str, ...]:
+    """Fills the table's targets from the samples' ``.json`` and ``.mask.png`` members; returns
+    the fields they carry. A sample whose JSON is not usable gets a record with the error."""
+    if not extras:
+        return ()  # every sample's record is empty already
+    table.targets, table.target_ends = bytearray(), array("q")
+    fields: dict[str, None] = {}
+    bad = 0
+    for index in range(len(table)):
+        pieces = extras.get(index, {})
+        arrays: dict[str, np.ndarray] = {}
+        error = ""
+        raw = pieces.get("json")
+        if raw is not None:
+            try:
+                if isinstance(raw, str):
+                    raise tg.TargetError(raw)
+                label, arrays = tg.from_source(json.loads(raw))  # type: ignore[arg-type]
+                if tg.MASK in arrays:
+                    raise tg.TargetError("a mask goes in a <key>.mask.png member, not in the JSON")
+                if label is not None:
+                    if table.labels[index] >= 0 and table.labels[index] != label:
+                        raise tg.TargetError(f"its .json says label {label}, its .cls {table.labels[index]}")
+                    table.labels[index] = label
+            except (ValueError, RecursionError) as exc:  # TargetError, and JSON that does not parse
+                error = f"<key>.json: {exc}"
+                arrays = {}
+                bad += 1
+        message = tg.to_message(arrays, error)
+        mask = pieces.get("mask")
+        if mask is not None:
+            message.mask_offset, message.mask_length = mask  # type: ignore[misc]
+            fields[tg.MASK] = None
+        fields.update(dict.fromkeys(arrays))
+        data = message.SerializeToString()
+        if len(data) > tg.MAX_TARGET_BYTES:
+            data = tg.to_message(
+                {}, f"targets of {len(data)} bytes, over the limit of {tg.MAX_TARGET_BYTES}"
+            ).SerializeToString()
+            bad += 1
+        table.targets += data
+        table.target_ends.append(len(table.targets))
+    if bad:
+        log.warning(
+            "%s: %d sample(s) have targets that cannot be used; each fails with the reason when served", path, bad
+        )
+    return tuple(fields)
 
 
 def _utf8(text: str) -> bool:
@@ -272,7 +393,7 @@ def _tar_signature(path: pathlib.Path) -> np.ndarray:
     return np.frombuffer(size.to_bytes(8, "little") + digest, dtype=np.uint8)
 
 
-def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
+def load_index(path: pathlib.Path) -> tuple[KeyTable, str, tuple[str, ...]] | None:
     """The sidecar index ``<tar>.index.npz`` (written by pack or a first start), if it matches the tar."""
     sidecar = pathlib.Path(str(path) + INDEX_SUFFIX)
     if not sidecar.is_file():
@@ -283,23 +404,29 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str] | None:
                 return None
             table = KeyTable()
             table.blob = bytearray(data["blob"].tobytes())
-            for name in ("ends", "labels", "offsets", "sizes"):
+            table.targets = bytearray(data["targets"].tobytes())
+            for name in ("ends", "labels", "offsets", "sizes", "target_ends"):
                 setattr(table, name, array("q", data[name].astype(np.int64).tobytes()))
             digest = str(data["index_digest"])
+            fields = tuple(str(f) for f in data["fields"])
     except Exception:  # unreadable, damaged or foreign: index the tar itself
         return None
     ends = np.frombuffer(table.ends, dtype=np.int64)
     offsets, sizes = np.frombuffer(table.offsets, dtype=np.int64), np.frombuffer(table.sizes, dtype=np.int64)
     size = path.stat().st_size
+    target_ends = np.frombuffer(table.target_ends, dtype=np.int64)
     consistent = (
-        len(ends) == len(table.labels) == len(offsets) == len(sizes) > 0
+        len(ends) == len(table.labels) == len(offsets) == len(sizes) == len(target_ends) > 0
+        and target_ends[-1] == len(table.targets)
+        and bool(np.all(np.diff(target_ends) >= 0))
+        and target_ends[0] >= 0
         and ends[-1] == len(table.blob)
         and bool(np.all(np.diff(ends) > 0))
         and ends[0] > 0
         and bool(np.all(offsets >= 0))
         and bool(np.all(offsets + sizes <= size))
     )
-    return (table, digest) if consistent else None
+    return (table, digest, fields) if consistent else None
 
 
 def save_index(path: pathlib.Path, shard: TarShard) -> OSError | None:
@@ -322,6 +449,9 @@ def save_index(path: pathlib.Path, shard: TarShard) -> OSError | None:
                 labels=shard.labels,
                 offsets=shard._offsets,
                 sizes=shard._sizes,
+                targets=np.frombuffer(shard._targets, dtype=np.uint8),
+                target_ends=shard._target_ends,
+                fields=np.array([f for f in shard.fields if f != tg.LABEL], dtype=np.str_),
             )
         os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
         return None
@@ -354,16 +484,21 @@ class SyntheticShard(Shard):
         return Location("", 0, 0)
 
 
-def open_shards(paths: list[str]) -> list[Shard]:
+def open_shards(paths: list[str], image_root: str = "", coco_masks: bool = False) -> list[Shard]:
     """Indexes every shard under the given paths.
 
     A path may be a tar file, a directory of tar files (with an optional ``classes.txt``
-    naming the labels, one per line), or an ImageFolder tree.
+    naming the labels, one per line), an ImageFolder tree, or a COCO annotation ``.json``
+    (its images under ``image_root``, default its folder; ``coco_masks``: serve masks).
     """
+    from remoteloader.server.coco import CocoShard  # it builds on Shard, defined here
+
     shards: list[Shard] = []
     for raw in paths:
         path = pathlib.Path(raw)
-        if path.is_file() and path.suffix == ".tar":
+        if path.is_file() and path.suffix.lower() == ".json":
+            shards.append(CocoShard(path, image_root, coco_masks))
+        elif path.is_file() and path.suffix == ".tar":
             shards.append(TarShard(path, _read_classes(path.parent)))
         elif path.is_dir():
             tars = sorted(path.glob("*.tar"))
@@ -373,7 +508,7 @@ def open_shards(paths: list[str]) -> list[Shard]:
             else:
                 shards.append(ImageFolderShard(path))
         else:
-            raise CatalogError(f"data path {raw!r} is neither a directory nor a .tar file")
+            raise CatalogError(f"data path {raw!r} is neither a directory, a .tar file nor a COCO .json file")
     _warn_unsaved_indexes([s for s in shards if isinstance(s, TarShard) and s.index_error is not None])
     ids = [s.id for s in shards]
     if len(set(ids)) != len(ids):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -52,7 +53,14 @@ class ServerConfig:
     """
 
     # Data
-    data: tuple[str, ...] = _setting((), "shard paths: ImageFolder trees, .tar files or folders of .tar files")
+    data: tuple[str, ...] = _setting(
+        (), "shard paths: ImageFolder trees, .tar files, folders of .tar files or COCO annotation .json files"
+    )
+    image_root: str = _setting("", "folder of a COCO file's images (default: the folder the .json is in)")
+    coco_masks: bool = _setting(False, "draw COCO segmentations into a semantic mask (the 'mask' field)")
+    # The operator's code, from this command line only; never sent by a client.
+    source: str = _setting("", "serve samples from your own Python object: package.module:factory")
+    source_args: str = _setting("{}", "JSON object of keyword arguments for the --source factory")
     # Network
     host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = _setting(50051, "TCP port; 0 picks a free one")
@@ -105,10 +113,22 @@ class ServerConfig:
         if isinstance(self.data, (str, os.PathLike)):
             object.__setattr__(self, "data", (str(self.data),))
         object.__setattr__(self, "data", tuple(str(p) for p in self.data))
-        if not self.data and not self.synthetic:
-            raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA)")
+        if not self.data and not self.synthetic and not self.source:
+            raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA) or --source")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
+        if self.source:
+            module, _, name = self.source.partition(":")
+            if not module or not name.isidentifier():
+                raise ValueError(f"source={self.source!r}: expected package.module:factory")
+        try:
+            args = json.loads(self.source_args)
+        except ValueError as exc:
+            raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
+        if self.image_root and not os.path.isdir(self.image_root):
+            raise ValueError(f"image_root={self.image_root!r}: no such folder")
         _positive(
             self,
             "workers",

@@ -28,9 +28,11 @@ from remoteloader.server.config import ServerConfig
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.rate_limit import RateLimiter
-from remoteloader.server.render import Renderer, SampleErrors
+from remoteloader.server.render import Renderer
 from remoteloader.server.seeds import sample_seeds, shard_key
 from remoteloader.server.slots import Slots, Stalled, StreamSlots
+from remoteloader.server.targets import MASK
+from remoteloader.server.worker_pool import Rendered
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class _Pending(NamedTuple):
     start: int  # the chunk's first sample, a position in the order
     size: int  # its samples
     slot: int
-    future: asyncio.Future[SampleErrors]
+    future: asyncio.Future[Rendered]
     received: float  # time.monotonic() when its order was received
 
 
@@ -137,7 +139,11 @@ class OrderStream:
 
     async def _read_orders(self) -> None:
         spec = self._spec
-        per_chunk = limits.samples_per_chunk(self._config.chunk_bytes, limits.sample_bytes(spec.height, spec.width))
+        per_chunk = limits.samples_per_chunk(
+            self._config.chunk_bytes,
+            limits.sample_bytes(spec.height, spec.width, MASK in spec.fields),
+            bool(spec.fields),
+        )
         drain = asyncio.ensure_future(self._draining.wait())
         try:
             while True:
@@ -229,7 +235,7 @@ class OrderStream:
         try:
             # Shielded: a cancelled stream must not cancel the chunk's future, which completes
             # only when every worker task is done with the slot.
-            errors = await asyncio.shield(item.future)
+            errors, targets = await asyncio.shield(item.future)
             indices = item.indices[item.start : item.start + item.size]
             header = loader_pb2.ChunkHeader(
                 order_id=item.order.order_id,
@@ -250,7 +256,9 @@ class OrderStream:
                     for pos, reason in errors
                 ],
             )
-            nbytes = item.size * limits.sample_bytes(spec.height, spec.width)
+            for record in targets:
+                header.targets.add().MergeFromString(record)
+            nbytes = item.size * limits.sample_bytes(spec.height, spec.width, MASK in spec.fields)
             chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
             await self._slots.send(self._context.write(chunk), self._slot_counts)
             m = self._metrics

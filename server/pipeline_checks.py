@@ -18,7 +18,8 @@ import concurrent.futures
 import logging
 import time
 
-from remoteloader.protos import loader_pb2
+from remoteloader.protos import limits, loader_pb2
+from remoteloader.server import targets as tg
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,12 @@ class PipelineChecks:
         allow_custom: Whether clients may send albumentations pipelines.
         max_pixels: Largest image the pipelines decode.
         min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
+        slot_bytes: Bytes of a chunk slot, which a sample with its mask must fit.
     """
 
-    def __init__(self, allow_custom: bool, max_pixels: int, min_image_size: int, max_image_size: int):
+    def __init__(self, allow_custom: bool, max_pixels: int, min_image_size: int, max_image_size: int, slot_bytes: int):
         self.allow_custom = allow_custom
+        self.slot_bytes = slot_bytes
         self.max_pixels = max_pixels
         self.min_image_size = min_image_size
         self.max_image_size = max_image_size
@@ -61,7 +64,7 @@ class PipelineChecks:
                     f"{name}={value} is outside the sizes this server offers: "
                     f"{self.min_image_size}..{self.max_image_size}"
                 )
-        spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json)
+        spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json, self._fields(setup))
         pipeline = self._kept.get(spec)
         if pipeline is not None:
             return pipeline
@@ -79,6 +82,24 @@ class PipelineChecks:
             check.waiters -= 1
             if not check.waiters:
                 check.future.cancel()  # no client waits: dropped if queued; if running, kept when done
+
+    def _fields(self, setup: loader_pb2.Setup) -> tuple[str, ...]:
+        """The Setup's target fields ("label" always travels, so it is left out); PipelineError
+        for names that cannot be fields, too many, or a mask that does not fit a slot."""
+        fields = tuple(dict.fromkeys(f for f in setup.fields if f != tg.LABEL))
+        if len(fields) > tg.MAX_FIELDS:
+            raise PipelineError(f"{len(fields)} fields asked for, over the limit of {tg.MAX_FIELDS}")
+        for name in fields:
+            try:
+                tg.check_field_name(name)
+            except tg.TargetError as exc:
+                raise PipelineError(f"fields: {exc}") from None
+        if tg.MASK in fields and limits.sample_bytes(setup.height, setup.width, mask=True) > self.slot_bytes:
+            raise PipelineError(
+                f"masks of {setup.height}x{setup.width} do not fit this server's chunk slots "
+                f"({self.slot_bytes} bytes); start it with a larger --chunk-bytes"
+            )
+        return fields
 
     def close(self) -> None:
         """Stops the checks (queued ones are dropped; one running finishes on its own)."""

@@ -8,6 +8,12 @@ crop at least the output size, only the crop's region once the file is known to 
 (decode.decode_crop); a first resize likewise decodes no larger than it needs.
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
 draw the same random numbers, so they give the same pixels up to resampling rounding.
+
+A stream that asks for targets that move with the pixels (boxes, keypoints, the mask) is
+rendered by the plain path: the whole image and its targets through the same ``A.Compose``
+(``Pipeline.with_targets``), with albumentations' own box and keypoint processors, so the
+targets are exactly albumentations' result. Targets that do not move (``labels``, extra
+arrays) pass through, and such a stream keeps the fused decode.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # never phone home from a server
@@ -26,10 +33,16 @@ import numpy as np  # noqa: E402
 
 from remoteloader.protos import CUSTOM_PIPELINE  # noqa: E402
 from remoteloader.server import decode as dec  # noqa: E402
+from remoteloader.server import targets as tg  # noqa: E402
 from remoteloader.server.seeds import stream_seeds  # noqa: E402
 
-PRESETS = ("train", "eval")
+PRESETS = ("train", "eval", "detection-train", "detection-eval", "segmentation-train", "segmentation-eval")
 EVAL_CROP_FRACTION = 0.875
+PAD_FILL = 114  # grey padding of letterboxed and scale-jittered images (as YOLO's loaders pad)
+# What a stream's boxes and keypoints go through, unless a custom pipeline brings its own.
+BBOX_PARAMS = {"format": "pascal_voc", "label_fields": [tg.BBOX_LABELS], "clip": True}
+KEYPOINT_PARAMS = {"format": "xy", "remove_invisible": False}
+MOVING = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.MASK)  # fields transformed with the pixels
 MAX_PIPELINE_JSON = 64 * 1024  # bytes of UTF-8
 MAX_TRANSFORMS = 100  # in a custom pipeline, nested composes included
 
@@ -42,6 +55,7 @@ class PipelineSpec:
     height: int
     width: int
     albumentations_json: str = ""
+    fields: tuple[str, ...] = ()  # target fields the stream asked for, "label" left out
 
 
 class PipelineError(ValueError):
@@ -49,7 +63,12 @@ class PipelineError(ValueError):
 
 
 def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
-    """Builds the albumentations pipeline for a spec; raises PipelineError for bad requests."""
+    """Builds the albumentations pipeline for a spec, with the box and keypoint processors its
+    fields need; raises PipelineError for bad requests."""
+    return _with_processors(_build(spec, allow_custom), spec.fields)
+
+
+def _build(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     h, w = spec.height, spec.width
     if spec.name == "train":
         return A.Compose(
@@ -67,6 +86,43 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
             [
                 A.SmallestMaxSize(max_size_hw=cover, interpolation=cv2.INTER_LINEAR),
                 A.CenterCrop(height=h, width=w),
+            ]
+        )
+    if spec.name == "detection-train":
+        # Scale jitter: fit the image in the output, scale it by 0.5..1.5, pad to the output
+        # size and crop it there; boxes are clipped, and those left outside are dropped.
+        return A.Compose(
+            [
+                A.LongestMaxSize(max_size_hw=(h, w), interpolation=cv2.INTER_LINEAR),
+                A.RandomScale(scale_limit=(-0.5, 0.5), interpolation=cv2.INTER_LINEAR, p=1.0),
+                A.PadIfNeeded(min_height=h, min_width=w, border_mode=cv2.BORDER_CONSTANT, fill=PAD_FILL, fill_mask=0),
+                A.RandomCrop(height=h, width=w),
+                A.HorizontalFlip(p=0.5),
+            ]
+        )
+    if spec.name in ("detection-eval", "segmentation-eval"):
+        # Letterbox: the whole image, fitted in the output and padded around (no randomness).
+        # A mask's padding is 255, the ignore index, for segmentation; 0 for detection.
+        ignore = tg.CROWD if spec.name == "segmentation-eval" else 0
+        return A.Compose(
+            [
+                A.LongestMaxSize(max_size_hw=(h, w), interpolation=cv2.INTER_LINEAR),
+                A.PadIfNeeded(
+                    min_height=h, min_width=w, border_mode=cv2.BORDER_CONSTANT, fill=PAD_FILL, fill_mask=ignore
+                ),
+            ]
+        )
+    if spec.name == "segmentation-train":
+        # Cover the output, scale by 0.5..2.0, pad (the mask with 255, the ignore index), crop, flip.
+        return A.Compose(
+            [
+                A.SmallestMaxSize(max_size_hw=(h, w), interpolation=cv2.INTER_LINEAR),
+                A.RandomScale(scale_limit=(-0.5, 1.0), interpolation=cv2.INTER_LINEAR, p=1.0),
+                A.PadIfNeeded(
+                    min_height=h, min_width=w, border_mode=cv2.BORDER_CONSTANT, fill=PAD_FILL, fill_mask=tg.CROWD
+                ),
+                A.RandomCrop(height=h, width=w),
+                A.HorizontalFlip(p=0.5),
             ]
         )
     if spec.name != CUSTOM_PIPELINE:
@@ -115,6 +171,35 @@ def build_compose(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
     return compose
 
 
+def _with_processors(compose: A.Compose, fields: tuple[str, ...]) -> A.Compose:
+    """The compose with exactly the box and keypoint processors the stream's fields need: a
+    custom pipeline's own bbox_params / keypoint_params when they fit how targets travel,
+    ours (BBOX_PARAMS, KEYPOINT_PARAMS) otherwise."""
+    processors = getattr(compose, "processors", {})
+    wanted: dict[str, object] = {}
+    if tg.BBOXES in fields or tg.BBOX_LABELS in fields:
+        own = processors.get("bboxes")
+        params = own.params if own is not None else A.BboxParams(**BBOX_PARAMS)
+        if params.format != "pascal_voc" or list(params.label_fields or []) != [tg.BBOX_LABELS]:
+            raise PipelineError(
+                f"the pipeline's bbox_params have format={params.format!r} and label_fields="
+                f"{list(params.label_fields or [])}; boxes travel as pascal_voc with label_fields=['bbox_labels']"
+            )
+        wanted["bbox_params"] = params
+    if tg.KEYPOINTS in fields:
+        own = processors.get("keypoints")
+        params = own.params if own is not None else A.KeypointParams(**KEYPOINT_PARAMS)
+        if params.format != "xy" or params.remove_invisible or params.label_fields:
+            raise PipelineError(
+                "the pipeline's keypoint_params must have format='xy', remove_invisible=False and no label_fields: "
+                "points that leave the image are kept, with visibility 0"
+            )
+        wanted["keypoint_params"] = params
+    if not wanted and not processors:
+        return compose
+    return A.Compose(list(compose.transforms), p=compose.p, **wanted)
+
+
 def _numbers(node, path: str = "pipeline"):
     """Every number in a JSON document, with its path: sizes and kernels are checked before anything runs."""
     if isinstance(node, bool):
@@ -146,6 +231,7 @@ class Pipeline:
         self.max_pixels = max_pixels
         self.region_decode = region_decode
         self.compose = build_compose(spec, allow_custom)
+        self._boxes = "bboxes" in getattr(self.compose, "processors", {})  # boxes go through the compose
         transforms = list(self.compose.transforms)
         first = transforms[0] if transforms else None
         self._crop = first if isinstance(first, A.RandomResizedCrop) and first.p >= 1 else None
@@ -190,7 +276,15 @@ class Pipeline:
             image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
             self.reseed(0)
             try:
-                out = self.compose(image=image)["image"]
+                if self.spec.fields:
+                    arrays: dict[str, np.ndarray] = {
+                        tg.BBOXES: np.asarray([[1, 1, shape[1] - 1, shape[0] - 1]], np.float32),
+                        tg.BBOX_LABELS: np.zeros(1, np.int64),
+                        tg.KEYPOINTS: np.asarray([[2, 2, 2]], np.float32),
+                    }
+                    out = self.with_targets(image, 0, arrays, lambda h, w: np.ones((h, w), np.uint8))[0]
+                else:
+                    out = self.compose(image=image)["image"]
             except Exception as exc:  # the pipeline cannot handle some image sizes
                 raise PipelineError(
                     f"the pipeline fails on an image of {shape[0]}x{shape[1]} (height x width) "
@@ -224,6 +318,65 @@ class Pipeline:
         image = dec.decode(data, fmt, min_h, min_w, height, width)
         return self.compose(image=image)["image"]
 
+    def with_targets(
+        self,
+        image: bytes | np.ndarray,
+        seed: int,
+        arrays: dict[str, np.ndarray],
+        mask_of: Callable[[int, int], np.ndarray | None],
+        verified: bool = False,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+        """The sample's pixels, its targets for the stream's fields, and its mask (None: it has none).
+
+        ``image``: encoded bytes or a uint8 RGB array; ``arrays``: its targets as the source gave
+        them (boxes in the image's pixels); ``mask_of(height, width)``: its mask at the image's size."""
+        fields = self.spec.fields
+        if isinstance(image, np.ndarray):
+            if image.shape[0] * image.shape[1] > self.max_pixels:
+                raise dec.DecodeError(
+                    f"image of {image.shape[1]}x{image.shape[0]} is over max_pixels={self.max_pixels}"
+                )
+            self.reseed(seed)
+            pixels = image
+        elif not any(f in MOVING for f in fields):  # nothing moves with the pixels: the fused path
+            return self(image, seed, verified=verified), _passed(arrays, fields), None
+        else:
+            fmt, height, width = dec.read_size(image, self.max_pixels)
+            self.reseed(seed)
+            pixels = dec.decode(image, fmt, 0, 0, height, width)
+        height, width = pixels.shape[:2]
+        kwargs: dict[str, np.ndarray] = {"image": pixels}
+        mask = mask_of(height, width) if tg.MASK in fields else None
+        if mask is not None:
+            kwargs["mask"] = mask
+        boxes = self._boxes
+        if boxes:
+            kwargs[tg.BBOXES] = tg.fit_boxes(arrays.get(tg.BBOXES, np.zeros((0, 4), np.float32)), height, width)
+            kwargs[tg.BBOX_LABELS] = np.arange(len(kwargs[tg.BBOXES]))
+        points = arrays.get(tg.KEYPOINTS, np.zeros((0, 3), np.float32))
+        if tg.KEYPOINTS in fields:
+            kwargs[tg.KEYPOINTS] = points[:, :2]
+        result = self.compose(**kwargs)
+        out = result["image"]
+        targets = _passed(arrays, fields)
+        kept = np.zeros(0, np.int64)
+        if boxes:
+            kept = np.asarray(result[tg.BBOX_LABELS], np.int64).reshape(-1)
+            if tg.BBOXES in fields:
+                targets[tg.BBOXES] = np.asarray(result[tg.BBOXES], np.float32).reshape(-1, 4)
+            if tg.BBOX_LABELS in fields:
+                targets[tg.BBOX_LABELS] = arrays.get(tg.BBOX_LABELS, np.zeros(0, np.int64))[kept]
+        if tg.KEYPOINTS in fields:
+            xy = np.asarray(result[tg.KEYPOINTS], np.float32).reshape(len(points), -1)[:, :2]
+            h, w = out.shape[:2]
+            inside = (xy[:, 0] >= 0) & (xy[:, 0] < w) & (xy[:, 1] >= 0) & (xy[:, 1] < h)
+            rows = np.concatenate([xy, np.where(inside, points[:, 2], 0)[:, None]], axis=1).astype(np.float32)
+            owner = arrays.get(tg.KEYPOINT_BOX)
+            if owner is not None and boxes:  # the points of a dropped box go with it
+                rows = rows[(owner < 0) | np.isin(owner, kept)]
+            targets[tg.KEYPOINTS] = rows
+        return out, targets, (result["mask"] if mask is not None else None)
+
     def _fused_crop(self, data: bytes, fmt: str, height: int, width: int, native: bool) -> np.ndarray:
         crop, rest = self._crop, self._rest
         assert crop is not None and rest is not None, "only for a pipeline that starts with a random-resized crop"
@@ -243,3 +396,9 @@ class Pipeline:
             interpolation = pick((y2 - y1, x2 - x1), "image") if pick else crop.interpolation
             region = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
         return rest(image=region)["image"] if rest.transforms else region
+
+
+def _passed(arrays: dict[str, np.ndarray], fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The sample's targets that pass through untransformed (``labels``, extra arrays) and that
+    the stream asked for."""
+    return {name: value for name, value in arrays.items() if name in fields and name not in MOVING}

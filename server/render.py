@@ -1,5 +1,9 @@
 """Rendering one chunk into its slot: worker tasks, region-decode bookkeeping and cache fills.
 
+A task carries its samples' stored targets (when the stream asked for targets): tasks are
+cut so that those stay under TASK_TARGET_BYTES, and a task message under what a worker's
+task pipe holds.
+
 A chunk's samples are split into tasks for the worker pool so that all workers share it;
 the chunk's future completes only when every task has, so its slot is never given back
 while a worker may still write into it. Invariants kept here:
@@ -19,12 +23,11 @@ import numpy as np
 from remoteloader.server.catalog import Shard, SyntheticShard
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, SampleCache
-from remoteloader.server.worker_pool import Task, WorkerPool
+from remoteloader.server.worker_pool import Rendered, Task, WorkerPool
 
 TASK_SAMPLES = 8  # fewest samples per worker task
 MAX_TASK_SAMPLES = 32  # most: a task message (paths included) stays well under the 64 KiB a pipe holds
-
-SampleErrors = list[tuple[int, str]]  # [(position in the chunk, reason)]
+TASK_TARGET_BYTES = 48 << 10  # most stored targets in one task, unless one sample alone has more
 
 
 class Renderer:
@@ -45,11 +48,11 @@ class Renderer:
 
     def render(
         self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int
-    ) -> asyncio.Future[SampleErrors]:
-        """Starts rendering samples into a slot; the future gives [(position, reason)] once all are done."""
+    ) -> asyncio.Future[Rendered]:
+        """Starts rendering samples into a slot; the future gives their Rendered once all are done."""
         if isinstance(shard, SyntheticShard):  # transport benchmark: the slot already holds pixels
-            future: asyncio.Future[SampleErrors] = asyncio.get_running_loop().create_future()
-            future.set_result([])
+            future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
+            future.set_result(Rendered([], [b""] * len(indices) if spec.fields else []))
             return future
         cache = self.cache
         locations, fills = [], []
@@ -59,23 +62,22 @@ class Renderer:
             mode, cache_offset = cache.plan(shard.id, index, length) if cache is not None else (PLAIN_READ, 0)
             if mode == CACHE_FILL:
                 fills.append((pos, index, cache_offset))
-            locations.append((path, offset, length, mode, cache_offset, bool(decoded[index])))
+            stored = shard.targets(index) if spec.fields else b""
+            locations.append((path, offset, length, mode, cache_offset, bool(decoded[index]), stored, shard.source))
         # Split the chunk so that all workers share it (two tasks each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
         size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // (2 * self.pool.size))))
-        spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json)
-        firsts = range(0, len(locations), size)
+        spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json, spec.fields)
+        firsts = _cut(locations, size)
         parts = [
-            self.pool.submit(
-                Task(slot, first, spec_tuple, locations[first : first + size], seeds[first : first + size])
-            )
-            for first in firsts
+            self.pool.submit(Task(slot, first, spec_tuple, locations[first:end], seeds[first:end], len(locations)))
+            for first, end in zip(firsts, [*firsts[1:], len(locations)])
         ]
-        future = _merge(parts, list(firsts))
+        future = _merge(parts, firsts, len(locations), bool(spec.fields))
 
-        def done(f: asyncio.Future[SampleErrors]) -> None:
+        def done(f: asyncio.Future[Rendered]) -> None:
             # What decoded cleanly may be region-decoded next time, and its cache fill stands.
-            failed = {pos for pos, _ in f.result()} if not f.cancelled() else None
+            failed = {pos for pos, _ in f.result().errors} if not f.cancelled() else None
             if failed is not None:
                 ok = np.ones(len(indices), np.bool_)
                 ok[list(failed)] = False
@@ -89,23 +91,46 @@ class Renderer:
         return future
 
 
-def _merge(parts: list[asyncio.Future[SampleErrors]], firsts: list[int]) -> asyncio.Future[SampleErrors]:
-    """One future for a chunk's tasks: their errors, with positions relative to the chunk.
+def _cut(locations: list[tuple], size: int) -> list[int]:
+    """The first sample of each task: every ``size`` samples, and sooner where the samples' stored
+    targets would pass TASK_TARGET_BYTES."""
+    firsts = [0]
+    count = held = 0
+    for i, location in enumerate(locations):
+        stored = len(location[6])
+        if count and (count == size or held + stored > TASK_TARGET_BYTES):
+            firsts.append(i)
+            count = held = 0
+        count += 1
+        held += stored
+    return firsts if locations else []
+
+
+def _merge(
+    parts: list[asyncio.Future[Rendered]], firsts: list[int], count: int, with_targets: bool
+) -> asyncio.Future[Rendered]:
+    """One future for a chunk's ``count`` samples from its tasks: their errors, with positions
+    relative to the chunk, and (``with_targets``) one record per sample, in order (b"" for the
+    samples of a task that failed whole).
 
     Unlike gather, it completes only when every part has, so the slot is never released
     while a worker may still write into it.
     """
     loop = asyncio.get_running_loop()
-    merged: asyncio.Future[SampleErrors] = loop.create_future()
+    merged: asyncio.Future[Rendered] = loop.create_future()
     remaining = [len(parts)]
 
-    def done(_f: asyncio.Future[SampleErrors]) -> None:
+    def done(_f: asyncio.Future[Rendered]) -> None:
         remaining[0] -= 1
         if remaining[0] == 0 and not merged.done():
-            errors: SampleErrors = []
-            for first, part in zip(firsts, parts):
-                errors.extend((first + pos, reason) for pos, reason in part.result())
-            merged.set_result(errors)
+            errors: list[tuple[int, str]] = []
+            targets: list[bytes] = []
+            for first, end, part in zip(firsts, [*firsts[1:], count], parts):
+                rendered = part.result()
+                errors.extend((first + pos, reason) for pos, reason in rendered.errors)
+                if with_targets:
+                    targets.extend(rendered.targets if len(rendered.targets) == end - first else [b""] * (end - first))
+            merged.set_result(Rendered(errors, targets))
 
     for part in parts:
         part.add_done_callback(done)

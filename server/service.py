@@ -103,7 +103,7 @@ class LoaderService:
         return loader_pb2.DescribeResponse(
             version=VERSION,
             shards=[
-                loader_pb2.Shard(id=s.id, name=s.name, num_samples=len(s), class_names=s.class_names)
+                loader_pb2.Shard(id=s.id, name=s.name, num_samples=len(s), class_names=s.class_names, fields=s.fields)
                 for s in self.shards.values()
             ],
             pipelines=list(PRESETS),

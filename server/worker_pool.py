@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import NamedTuple
 
 from remoteloader.server.shared_memory import Arena, SampleCache
 
@@ -30,8 +31,22 @@ class Task:
     slot: int
     first: int
     pipeline: tuple  # (name, height, width, albumentations_json)
-    locations: list  # [(path, offset, length, cache_mode, cache_offset, verified)]
+    locations: list  # [(path, offset, length, cache_mode, cache_offset, verified, targets, source)]
     seeds: list  # [int], one per sample
+    chunk: int  # samples in the slot's chunk (its masks follow all of its pixels)
+
+
+class Rendered(NamedTuple):
+    """What rendering samples gives besides their pixels: the samples that failed, as [(position,
+    reason)], and each sample's transformed targets (serialized loader_pb2.Targets; b"" for a
+    failed one), empty when the stream asked for no targets."""
+
+    errors: list[tuple[int, str]]
+    targets: list[bytes]
+
+    @classmethod
+    def failed(cls, count: int, reason: str) -> Rendered:
+        return cls([(i, reason) for i in range(count)], [])
 
 
 _MAX_SPECS = 64  # pipeline specs a worker remembers before it is told to forget them
@@ -58,6 +73,7 @@ class WorkerPool:
         indexed_ns: When the server started indexing its data (time.time_ns()): files written
             later are always decoded whole.
         cache: Shared cache of encoded samples, if any.
+        sources: The server's ``--source`` (spec, JSON arguments), which each worker loads.
     """
 
     AHEAD = 2
@@ -71,6 +87,7 @@ class WorkerPool:
         cache: SampleCache | None = None,
         region_decode: bool = True,
         indexed_ns: int = 0,
+        sources: tuple[tuple[str, str], ...] = (),
     ):
         self.size = workers
         self._arena = arena
@@ -83,6 +100,7 @@ class WorkerPool:
             cache.size if cache else 0,
             region_decode,
             indexed_ns,
+            sources,
         )
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker_process"])
@@ -133,12 +151,12 @@ class WorkerPool:
         return len(self._queue) + sum(len(w.pending) for w in self._workers)
 
     def submit(self, task: Task) -> asyncio.Future:
-        """Queues a task; the future gives [(position, reason)] once a worker has done it."""
+        """Queues a task; the future gives its Rendered once a worker has done it."""
         if self._closed:
             raise RuntimeError("worker pool is closed")
         self._next_id += 1
         future = self._started_loop.create_future()
-        message = (self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds)
+        message = (self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds, task.chunk)
         self._queue.append((self._next_id, message, future, len(task.locations)))
         self._feed()
         return future
@@ -165,13 +183,13 @@ class WorkerPool:
 
     def _on_readable(self, worker: _Worker) -> None:
         try:
-            task_id, errors = worker.results.recv()
+            task_id, errors, targets = worker.results.recv()
         except (EOFError, OSError):
             self._on_death(worker)
             return
         entry = worker.pending.pop(task_id, None)
         if entry is not None and not entry[0].done():
-            entry[0].set_result(errors)
+            entry[0].set_result(Rendered(errors, targets))
         self._feed()
 
     def _on_death(self, worker: _Worker) -> None:
@@ -196,7 +214,7 @@ class WorkerPool:
                 while self._queue:
                     _, _, future, count = self._queue.popleft()
                     if not future.done():
-                        future.set_result([(i, "no decode worker could be started") for i in range(count)])
+                        future.set_result(Rendered.failed(count, "no decode worker could be started"))
                 return
         self._feed()
 
@@ -222,7 +240,7 @@ class WorkerPool:
         while self._queue:
             _, _, future, count = self._queue.popleft()
             if not future.done():
-                future.set_result([(i, "server shutting down") for i in range(count)])
+                future.set_result(Rendered.failed(count, "server shutting down"))
 
 
 class _Worker:
@@ -238,5 +256,5 @@ class _Worker:
     def fail(self, reason: str) -> None:
         for future, count in self.pending.values():
             if not future.done():
-                future.set_result([(i, reason) for i in range(count)])
+                future.set_result(Rendered.failed(count, reason))
         self.pending.clear()

@@ -1,11 +1,12 @@
 """The body of one decode/augment worker process (started and fed by worker_pool.WorkerPool).
 
 A worker maps the arena (and the sample cache) by descriptor, then renders tasks until its
-task pipe closes or says stop: for each sample it reads the bytes (from the file or the
-cache), decodes and augments them with the sample's seed, and writes the pixels straight
-into the task's place in a slot. It answers each task with its per-sample errors only,
-after every sample of the task is written. A sample that fails is zeros plus an error; no
-sample, however broken, ends the worker.
+task pipe closes or says stop: for each sample it reads the bytes (from the file, the
+cache or the server's ``--source`` object), decodes and augments them with the sample's
+seed, together with its targets when the stream asked for any, and writes the pixels (and
+the mask) straight into the task's place in a slot. It answers each task with its
+per-sample errors and the samples' transformed targets, after every sample of the task is
+written. A sample that fails is zeros plus an error; no sample, however broken, ends the worker.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from multiprocessing.connection import Connection
 import cv2
 import numpy as np
 
-from remoteloader.protos import limits
+from remoteloader.protos import limits, loader_pb2
+from remoteloader.server import targets as tg
 from remoteloader.server.decode import DecodeError
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, CACHE_READ
+from remoteloader.server.sources import load_source, source_sample
 
 _MAX_PIPELINES = 16
 _MAX_FILE_BYTES = 256 << 20
@@ -57,6 +60,7 @@ def main(
     cache_bytes: int,
     region_decode: bool,
     indexed_ns: int,
+    sources: tuple[tuple[str, str], ...],
 ) -> None:
     """Runs the worker until its task pipe closes or sends None (arguments: see WorkerPool._spawn)."""
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
@@ -70,6 +74,7 @@ def main(
         cache = mmap.mmap(cache_fd, cache_bytes)
         os.close(cache_fd)
     pipelines = _Pipelines(allow_custom, max_pixels, region_decode)
+    objects = [_load(spec, args) for spec, args in sources]
     specs: dict[int, tuple] = {}
     while True:
         try:
@@ -84,18 +89,36 @@ def main(
         if message[0] == "forget":
             specs.clear()
             continue
-        task_id, slot, first, spec_id, locations, seeds = message
+        task_id, slot, first, spec_id, locations, seeds, chunk = message
         spec = specs[spec_id]
-        _, height, width, _ = spec
+        _, height, width, _, fields = spec
+        base = slot * slot_bytes
         out = np.ndarray(
             (len(locations), height, width, limits.CHANNELS),
             np.uint8,
             buffer=arena,
-            offset=slot * slot_bytes + first * limits.sample_bytes(height, width),
+            offset=base + first * limits.sample_bytes(height, width),
         )
-        errors = _render(pipelines.get(spec), out, locations, seeds, cache, indexed_ns)
-        del out
-        results.send((task_id, errors))
+        masks = None
+        if tg.MASK in fields:  # after the pixels of the whole chunk
+            masks = np.ndarray(
+                (len(locations), height, width),
+                np.uint8,
+                buffer=arena,
+                offset=base + chunk * limits.sample_bytes(height, width) + first * height * width,
+            )
+        renderer = _Samples(pipelines.get(spec), cache, indexed_ns, objects)
+        errors, targets = renderer.render(out, masks, locations, seeds, bool(fields))
+        del out, masks
+        results.send((task_id, errors, targets))
+
+
+def _load(spec: str, args: str) -> object:
+    """The server's source object (it loaded in the server), or why it does not load here."""
+    try:
+        return load_source(spec, args)
+    except Exception as exc:  # its samples fail with the reason; the worker goes on
+        return f"the decode worker cannot load the source: {exc}"
 
 
 class _Pipelines:
@@ -123,36 +146,91 @@ class _Pipelines:
         return pipeline
 
 
-def _render(
-    pipeline: Pipeline | str,
-    out: np.ndarray,
-    locations: list,
-    seeds: list[int],
-    cache: mmap.mmap | None,
-    indexed_ns: int,
-) -> list[tuple[int, str]]:
-    """Renders each located sample into ``out[i]``; returns [(i, reason)] for those that failed (zeros)."""
-    errors = []
-    for i, ((path, offset, length, cache_mode, cache_offset, verified), seed) in enumerate(zip(locations, seeds)):
-        try:
-            if isinstance(pipeline, str):
-                raise DecodeError(pipeline)
-            if cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
-                assert cache is not None, "cache modes come only from a server with a cache"
-                data = cache[cache_offset : cache_offset + length]
-            else:
-                data, mtime_ns = read_sample(path, offset, length)
-                # A file written since the server indexed it may differ from the bytes that
-                # decoded whole before (same length, new content): decode it whole again.
-                verified = verified and mtime_ns < indexed_ns
-                if cache_mode == CACHE_FILL:
-                    assert cache is not None, "cache modes come only from a server with a cache"
-                    cache[cache_offset : cache_offset + length] = data
-            out[i] = pipeline(data, seed, verified=verified)
-        except (DecodeError, OSError) as exc:
-            out[i] = 0
-            errors.append((i, str(exc)))
-        except Exception as exc:  # a transform failing on odd input must not kill the worker
-            out[i] = 0
-            errors.append((i, f"{type(exc).__name__}: {exc}"))
-    return errors
+class _Samples:
+    """Renders a task's samples with one pipeline (or its error message)."""
+
+    def __init__(self, pipeline: Pipeline | str, cache: mmap.mmap | None, indexed_ns: int, sources: list):
+        self.pipeline = pipeline
+        self.cache = cache
+        self.indexed_ns = indexed_ns
+        self.sources = sources
+
+    def render(
+        self, out: np.ndarray, masks: np.ndarray | None, locations: list, seeds: list[int], with_targets: bool
+    ) -> tuple[list[tuple[int, str]], list[bytes]]:
+        """Renders each located sample into ``out[i]`` (and ``masks[i]``); returns [(i, reason)] for
+        those that failed (zeros) and, ``with_targets``, each sample's transformed targets."""
+        errors = []
+        targets: list[bytes] = []
+        for i, (location, seed) in enumerate(zip(locations, seeds)):
+            record = b""
+            try:
+                if isinstance(self.pipeline, str):
+                    raise DecodeError(self.pipeline)
+                if with_targets:
+                    record = self._with_targets(out, masks, i, location, seed)
+                else:
+                    data, verified = self._read(location)
+                    out[i] = self.pipeline(data, seed, verified=verified)
+            except (DecodeError, OSError, tg.TargetError) as exc:
+                errors.append((i, str(exc)))
+            except Exception as exc:  # a transform failing on odd input must not kill the worker
+                errors.append((i, f"{type(exc).__name__}: {exc}"))
+            if errors and errors[-1][0] == i:
+                out[i] = 0
+                if masks is not None:
+                    masks[i] = 0
+                record = b""
+            if with_targets:
+                targets.append(record)
+        return errors, targets
+
+    def _read(self, location: tuple) -> tuple[bytes, bool]:
+        """The sample's encoded bytes (from the cache or its file), and whether it has decoded
+        whole without error before and is unchanged since (a crop may then decode its region only)."""
+        path, offset, length, cache_mode, cache_offset, verified = location[:6]
+        cache = self.cache
+        if cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
+            assert cache is not None, "cache modes come only from a server with a cache"
+            return cache[cache_offset : cache_offset + length], verified
+        data, mtime_ns = read_sample(path, offset, length)
+        # A file written since the server indexed it may differ from the bytes that
+        # decoded whole before (same length, new content): decode it whole again.
+        verified = verified and mtime_ns < self.indexed_ns
+        if cache_mode == CACHE_FILL:
+            assert cache is not None, "cache modes come only from a server with a cache"
+            cache[cache_offset : cache_offset + length] = data
+        return data, verified
+
+    def _with_targets(self, out: np.ndarray, masks: np.ndarray | None, i: int, location: tuple, seed: int) -> bytes:
+        """Renders sample ``i`` with its targets; returns them transformed, serialized."""
+        assert isinstance(self.pipeline, Pipeline)
+        path, offset, _, _, _, _, record, source = location
+        image: bytes | np.ndarray
+        if source >= 0:
+            if isinstance(self.sources[source], str):
+                raise tg.TargetError(self.sources[source])
+            image, arrays = source_sample(self.sources[source], offset)
+            stored = loader_pb2.Targets()
+        else:
+            image = self._read(location)[0]
+            stored = loader_pb2.Targets.FromString(record)
+            if stored.error:
+                raise tg.TargetError(stored.error)
+            arrays = tg.arrays_of(stored)
+
+        def mask_of(height: int, width: int) -> np.ndarray | None:
+            if tg.MASK in arrays:
+                return tg.check_mask(arrays.pop(tg.MASK), height, width)
+            if stored.mask_length:
+                data, _ = read_sample(path, stored.mask_offset, stored.mask_length)
+                return tg.read_mask_png(data, height, width)
+            if stored.regions:
+                return tg.draw_regions(stored.regions, height, width)
+            return None
+
+        pixels, transformed, mask = self.pipeline.with_targets(image, seed, arrays, mask_of)
+        out[i] = pixels
+        if masks is not None:
+            masks[i] = 0 if mask is None else mask
+        return tg.check_size(tg.to_message(transformed), "its transformed")

@@ -18,7 +18,10 @@ from remoteloader.server.cli import missing_server_extra, serve_main
 # Subcommand: (module, help).
 COMMANDS = {
     "demo": ("remoteloader.tools.demo", "train a small CNN fed by two local loader servers"),
-    "pack": ("remoteloader.tools.pack", "write WebDataset tar shards from an ImageFolder tree"),
+    "pack": (
+        "remoteloader.tools.pack",
+        "write WebDataset tar shards from an ImageFolder tree or a COCO annotation file",
+    ),
     "probe": ("remoteloader.tools.probe", "exit 0 when a loader server's gRPC health is SERVING"),
 }
 

@@ -1,0 +1,184 @@
+"""A COCO annotation file as a shard: images found by ``file_name``, boxes, keypoints and masks.
+
+What the common COCO loaders do, done once at start-up:
+
+* categories sorted by id become labels 1..C; label 0 is the background (as torchvision's
+  detection models and a semantic mask expect), and ``class_names[0]`` is "background";
+* boxes go from COCO's (x, y, width, height) to pascal_voc (x_min, y_min, x_max, y_max);
+  boxes of no width or height are left out, as torchvision's detection references do;
+* ``iscrowd`` annotations are left out of the boxes and keypoints (torchvision's detection
+  references) and drawn as 255, the ignore index, into the mask (its segmentation references);
+* person keypoints (``person_keypoints`` files) follow their box: a box the pipeline drops
+  takes its keypoints with it;
+* with ``--coco-masks``, polygons and RLE are kept per sample and drawn into the semantic
+  mask when the sample is served, at the image's own size.
+
+A problem with one image's annotations (an unknown category, a NaN) makes that sample fail
+with the reason when served; a file that is not a COCO annotation file fails the start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+
+import numpy as np
+
+from remoteloader.protos import loader_pb2
+from remoteloader.server import targets as tg
+from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard
+
+log = logging.getLogger(__name__)
+
+BACKGROUND = "background"
+
+
+class CocoShard(Shard):
+    """Every image of a COCO annotation file, with its annotations as targets.
+
+    Args:
+        path: The annotation file (instances_*.json or person_keypoints_*.json).
+        image_root: Where the images are (``image_root/file_name``); default: the file's folder.
+        masks: Keep segmentations, to serve the ``mask`` field.
+    """
+
+    def __init__(self, path: pathlib.Path, image_root: str = "", masks: bool = False):
+        root = pathlib.Path(image_root) if image_root else path.parent
+        self.root = str(root)
+        raw = path.read_bytes()
+        try:
+            document = json.loads(raw)
+        except ValueError as exc:
+            raise CatalogError(f"{path}: not a JSON file: {exc}") from None
+        if not isinstance(document, dict) or not isinstance(document.get("images"), list):
+            raise CatalogError(f"{path}: not a COCO annotation file (expected an object with an 'images' list)")
+        categories = document.get("categories") or []
+        try:
+            ordered = sorted(categories, key=lambda c: int(c["id"]))
+            names = [str(c["name"]) for c in ordered]
+            labels = {int(c["id"]): i + 1 for i, c in enumerate(ordered)}
+        except (TypeError, KeyError, ValueError):
+            raise CatalogError(f"{path}: its categories are not objects with an 'id' and a 'name'") from None
+        if len(labels) != len(ordered):
+            raise CatalogError(f"{path}: two categories share an id")
+        by_image: dict[int, list[dict]] = {}
+        for ann in document.get("annotations") or []:
+            if isinstance(ann, dict) and "image_id" in ann:
+                by_image.setdefault(ann["image_id"], []).append(ann)
+        table = KeyTable()
+        digest = hashlib.sha256(hashlib.sha256(raw).digest())
+        digest.update(f"{masks}\n".encode())
+        keypoints_seen = False
+        missing = dropped = bad = 0
+        try:
+            images = sorted(document["images"], key=lambda im: int(im["id"]))
+        except (TypeError, KeyError, ValueError):
+            raise CatalogError(f"{path}: its images are not objects with an 'id'") from None
+        for image in images:
+            file_name = image.get("file_name")
+            if not isinstance(file_name, str) or not file_name:
+                raise CatalogError(f"{path}: image {image['id']} has no file_name")
+            try:
+                size = os.stat(root / file_name).st_size
+            except OSError:
+                size, missing = 0, missing + 1
+            message, gone, has_keypoints = _targets(by_image.get(image["id"], []), labels, masks)
+            bad += bool(message.error)
+            if size == 0 and not message.error:
+                message = loader_pb2.Targets(error=f"image file {root / file_name} is missing or empty")
+            keypoints_seen |= has_keypoints
+            dropped += gone
+            data = message.SerializeToString()
+            if len(data) > tg.MAX_TARGET_BYTES:
+                data = loader_pb2.Targets(
+                    error=f"targets of {len(data)} bytes, over the limit of {tg.MAX_TARGET_BYTES}"
+                ).SerializeToString()
+                bad += 1
+            table.add(file_name, -1, 0, size, data)
+            digest.update(f"{file_name}\0{size}\n".encode())
+        if not len(table):
+            raise CatalogError(f"{path}: holds no images")
+        if missing:
+            log.warning("%s: %d image file(s) are not under %s; they fail when served", path, missing, root)
+        if dropped:
+            log.warning(
+                "%s: left out %d box(es) of no width or height, as torchvision's COCO loaders do", path, dropped
+            )
+        if bad:
+            log.warning("%s: %d image(s) have annotations that cannot be used; they fail when served", path, bad)
+        fields = [tg.BBOXES, tg.BBOX_LABELS] + ([tg.KEYPOINTS] if keypoints_seen else []) + ([tg.MASK] if masks else [])
+        super().__init__(path.name, table, [BACKGROUND, *names], "coco-" + digest.hexdigest()[:24], fields)
+
+    def locate(self, index: int) -> Location:
+        return Location(os.path.join(self.root, self.key(index)), 0, int(self._sizes[index]))
+
+
+def _targets(annotations: list[dict], labels: dict[int, int], masks: bool) -> tuple[loader_pb2.Targets, int, bool]:
+    """One image's targets, the boxes left out for having no area, and whether it has keypoints."""
+    boxes: list[tuple[float, float, float, float]] = []
+    box_labels: list[int] = []
+    points: list[np.ndarray] = []
+    point_box: list[int] = []
+    regions: list[loader_pb2.Region] = []
+    dropped = 0
+    try:
+        for ann in annotations:
+            label = labels.get(ann.get("category_id"))  # type: ignore[arg-type]
+            if label is None:
+                raise tg.TargetError(f"annotation {ann.get('id')}: unknown category_id {ann.get('category_id')!r}")
+            crowd = bool(ann.get("iscrowd", 0))
+            if masks and ann.get("segmentation"):
+                if label > tg.MASK_CLASSES:
+                    raise tg.TargetError(f"label {label} does not fit a uint8 mask (at most {tg.MASK_CLASSES} classes)")
+                regions.append(_region(ann["segmentation"], tg.CROWD if crowd else label))
+            if crowd:
+                continue
+            x, y, w, h = (float(v) for v in ann["bbox"])
+            if not all(map(math.isfinite, (x, y, w, h))):
+                raise tg.TargetError(f"annotation {ann.get('id')}: its bbox holds NaN or infinity")
+            if w <= 0 or h <= 0:
+                dropped += 1
+                continue
+            keypoints = ann.get("keypoints")
+            if keypoints:
+                rows = np.asarray(keypoints, np.float32).reshape(-1, 3)
+                if not np.all(np.isfinite(rows)):
+                    raise tg.TargetError(f"annotation {ann.get('id')}: its keypoints hold NaN or infinity")
+                points.append(rows)
+                point_box += [len(boxes)] * len(rows)
+            boxes.append((x, y, x + w, y + h))
+            box_labels.append(label)
+    except (KeyError, TypeError, ValueError) as exc:  # TargetError, and a malformed annotation
+        if not isinstance(exc, tg.TargetError):
+            exc = tg.TargetError(f"a malformed annotation ({type(exc).__name__}: {exc})")
+        return loader_pb2.Targets(error=str(exc)), dropped, False
+    arrays: dict[str, np.ndarray] = {
+        tg.BBOXES: np.asarray(boxes, np.float32).reshape(-1, 4),
+        tg.BBOX_LABELS: np.asarray(box_labels, np.int64),
+    }
+    if points:
+        arrays[tg.KEYPOINTS] = np.concatenate(points)
+        arrays[tg.KEYPOINT_BOX] = np.asarray(point_box, np.int64)
+    message = tg.to_message(arrays)
+    message.regions.extend(regions)
+    return message, dropped, bool(points)
+
+
+def _region(segmentation, value: int) -> loader_pb2.Region:
+    """A COCO segmentation (polygons, or RLE compressed or not) as a Region of mask value ``value``."""
+    region = loader_pb2.Region(value=value)
+    if isinstance(segmentation, list):
+        for polygon in segmentation:
+            region.polygons.add(xy=[float(v) for v in polygon])
+        return region
+    if not isinstance(segmentation, dict) or "counts" not in segmentation or "size" not in segmentation:
+        raise tg.TargetError("a segmentation that is neither polygons nor RLE")
+    counts = segmentation["counts"]
+    runs = tg.decode_coco_rle(counts) if isinstance(counts, str) else [int(c) for c in counts]
+    region.rle.extend(runs)
+    region.rle_height, region.rle_width = (int(v) for v in segmentation["size"])
+    return region
