@@ -1,10 +1,25 @@
-"""``remoteloader pack SRC DST``: write WebDataset tar shards from an ImageFolder tree.
+"""``remoteloader pack SRC DST``: write WebDataset tar shards from an ImageFolder tree or a COCO file.
 
-Each sample becomes ``<class>/<file>`` (under its ImageFolder key) and ``<class>/<stem>.cls``
-(its label as decimal text); beside each tar,
-``<tar>.index.npz`` holds its index so servers start without scanning it, written in a seeded random order so
-every shard mixes all classes; ``classes.txt`` beside the shards names the labels. Reading
-one large file by offset is much faster than opening many small files on real disks.
+From an ImageFolder tree, each sample becomes ``<class>/<file>`` (under its ImageFolder key)
+and ``<class>/<stem>.cls`` (its label as decimal text). From a COCO annotation ``.json`` (its
+images under ``--image-root``, default its folder), each image becomes ``<stem>.<ext>`` (under
+its ``file_name``, the key a server on the COCO file gives it) and ``<stem>.json``: the targets
+that server reads from the file (``server/coco.py``: pascal_voc boxes in pixels, labels 1..C,
+crowds and boxes of no area left out), as ``{"bboxes": [[x1, y1, x2, y2], ...], "bbox_labels":
+[...], "keypoints": [[x, y, v], ...]}`` with only the fields the sample has; with ``--masks``,
+also ``<stem>.mask.png``, the semantic mask drawn from its segmentations at the image's own size
+(a class id per pixel, 255 for crowds and overlaps: ``targets.draw_regions``). ``classes.txt``
+then starts with "background", so servers on the tars and on the COCO file report the same
+class names and labels. One thing does not carry over: which box each person keypoint belongs
+to (a server on the COCO file drops a box's keypoints with it when a crop drops the box); a
+tar's ``.json`` cannot say it, so a server on the tars keeps such keypoints (with visibility
+0 where they fall outside the output). Images whose annotations cannot be used (an unknown
+category, a NaN...) are left out with a warning.
+
+Samples are written in a seeded random order so every shard mixes all classes; beside each
+tar, ``<tar>.index.npz`` holds its index so servers start without scanning it, and
+``classes.txt`` beside the shards names the labels. Reading one large file by offset is much
+faster than opening many small files on real disks.
 
 JPEGs are rewritten losslessly unless ``--verbatim``: the same DCT coefficients, so the same
 pixels, as baseline with optimized Huffman tables and a restart marker after every MCU
@@ -21,8 +36,12 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
+import itertools
+import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -30,12 +49,25 @@ import re
 import signal
 import sys
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+import cv2
 import numpy as np
 import simplejpeg
 
-from remoteloader.server.catalog import CLASSES_FILE, INDEX_SUFFIX, ImageFolderShard, TarShard
+from remoteloader.protos import loader_pb2
+from remoteloader.server import targets as tg
+from remoteloader.server.catalog import (
+    CLASSES_FILE,
+    IMAGE_EXTENSIONS,
+    INDEX_SUFFIX,
+    MASK_SUFFIX,
+    MAX_JSON_BYTES,
+    ImageFolderShard,
+    Shard,
+    TarShard,
+)
+from remoteloader.server.coco import CocoShard
 from remoteloader.server.config import default_workers
 from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
 from remoteloader.tools import signals
@@ -66,13 +98,17 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="ImageFolder tree: SRC/<class>/<image>")
+    parser.add_argument(
+        "src", help="ImageFolder tree (SRC/<class>/<image>), or a COCO annotation file (instances_*.json, ...)"
+    )
     parser.add_argument("dst", help="output folder for shard-NNNNN.tar and classes.txt")
     parser.add_argument(
         "--shard-size", type=parse_size, default=parse_size("256MB"), help="target bytes per tar shard (default 256MB)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample order (mixes classes across shards)")
-    parser.add_argument("--no-shuffle", action="store_true", help="keep the ImageFolder order")
+    parser.add_argument(
+        "--no-shuffle", action="store_true", help="keep the source's order (ImageFolder: by class; COCO: by image id)"
+    )
     parser.add_argument(
         "--verbatim",
         action="store_true",
@@ -80,22 +116,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pixels) with a restart marker per MCU, so servers decode only a crop's blocks",
     )
     parser.add_argument(
-        "--workers", type=int, default=None, help="processes rewriting JPEGs (default: the usable cores)"
+        "--workers",
+        type=int,
+        default=None,
+        help="processes rewriting JPEGs and drawing masks (default: the usable cores)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--image-root",
+        default="",
+        help="COCO source: the folder of its images (IMAGE_ROOT/file_name; default: the folder the .json is in)",
+    )
+    parser.add_argument(
+        "--masks",
+        action="store_true",
+        help="COCO source: also write <stem>.mask.png, its segmentations drawn as a class id per pixel "
+        "(255: crowd or overlap), what a server started with --coco-masks serves",
+    )
 
 
-# What pack did with a file: rewrote it; copied it (a PNG, CMYK, data after the image... or
-# --verbatim); copied it because libjpeg would not rewrite it (damaged, most likely: a warning);
-# copied a file whose header is unreadable (it fails when served: a warning); or left out a file
-# it could not read at all (a warning).
-OUTCOMES = ("rewritten", "copied", "not rewritten", "unreadable", "left out")
+# What pack did with a sample: rewrote its file; copied it (a PNG, CMYK, data after the image...
+# or --verbatim); copied it because libjpeg would not rewrite it (damaged, most likely: a warning);
+# copied a file whose header is unreadable (it fails when served: a warning); left out a file it
+# could not read at all (a warning); or left out a sample whose annotations cannot be used (a
+# COCO source: an unknown category, a NaN, an RLE mask not of the image's size...: a warning).
+OUTCOMES = ("rewritten", "copied", "not rewritten", "unreadable", "left out", "bad targets")
 
 
 @dataclasses.dataclass
 class PackReport:
     paths: list[pathlib.Path]  # the shards written
-    counts: dict[str, int]  # files by outcome (OUTCOMES)
+    counts: dict[str, int]  # samples by outcome (OUTCOMES)
     rewritten_before: int = 0  # bytes of the rewritten files, before and after
     rewritten_after: int = 0
 
@@ -137,8 +188,35 @@ def prepare(path: str, transcode: bool = True) -> Prepared:
     return rewritten, "rewritten", "", len(data)
 
 
-def _prepare_all(paths: list[str], transcode: bool) -> list[Prepared]:
-    return [prepare(path, transcode) for path in paths]
+# A sample to prepare: its file, and (--masks) its serialized loader_pb2.Targets, whose regions
+# become its mask; None: no mask.
+Job = tuple[str, bytes | None]
+# What prepare_sample() makes of a Job: prepare()'s answer, the mask as a PNG (None: no mask),
+# and why the mask cannot be drawn ("": it can).
+PreparedSample = tuple[Prepared, bytes | None, str]
+
+
+def prepare_sample(path: str, regions: bytes | None, transcode: bool = True) -> PreparedSample:
+    """prepare() of the file and, when ``regions`` holds a Targets record, the semantic mask of
+    its regions at the image's size as a PNG: what a server on the COCO file draws
+    (``targets.draw_regions``)."""
+    prepared = prepare(path, transcode)
+    data, outcome = prepared[0], prepared[1]
+    if regions is None or data is None or outcome == "unreadable":  # no size to draw at: it fails when served
+        return prepared, None, ""
+    _, height, width = read_size(data, max_pixels=1 << 62)
+    try:
+        mask = tg.draw_regions(loader_pb2.Targets.FromString(regions).regions, height, width)
+    except tg.TargetError as exc:
+        return prepared, None, f"its mask: {exc}"
+    ok, png = cv2.imencode(".png", mask)
+    if not ok:
+        return prepared, None, f"its {width}x{height} mask does not encode as a PNG"
+    return prepared, png.tobytes(), ""
+
+
+def _prepare_all(jobs: list[Job], transcode: bool) -> list[PreparedSample]:
+    return [prepare_sample(path, regions, transcode) for path, regions in jobs]
 
 
 def _start_worker(parent: int) -> None:
@@ -148,15 +226,16 @@ def _start_worker(parent: int) -> None:
 
 
 class _Preparer:
-    """prepare() of every path, in order: in worker processes when there is rewriting to do,
-    with at most a few batches of files in flight (bounded memory whatever the disk's speed)."""
+    """prepare_sample() of every job, in order: in worker processes when there is rewriting or
+    mask drawing to do, with at most a few batches of files in flight (bounded memory whatever
+    the disk's speed)."""
 
     BATCH = 8
 
-    def __init__(self, transcode: bool, workers: int):
+    def __init__(self, transcode: bool, workers: int, masks: bool = False):
         self.transcode = transcode
         self.pool = None
-        if transcode and _jpeg is not None and workers > 1:
+        if (transcode and _jpeg is not None or masks) and workers > 1:
             with signals.signals_ignored():
                 self.pool = concurrent.futures.ProcessPoolExecutor(
                     workers,
@@ -169,13 +248,15 @@ class _Preparer:
                     started.result()
         self.in_flight = 2 * workers
 
-    def results(self, paths: list[str]) -> Iterator[Prepared]:
-        batches = [paths[i : i + self.BATCH] for i in range(0, len(paths), self.BATCH)]
+    def results(self, jobs: Iterable[Job]) -> Iterator[PreparedSample]:
+        """Takes the jobs as it goes: a few batches' worth of their targets in memory at a time."""
+        pending_jobs = iter(jobs)
+        batches = iter(lambda: list(itertools.islice(pending_jobs, self.BATCH)), [])
         if self.pool is None:
             for batch in batches:
                 yield from _prepare_all(batch, self.transcode)
             return
-        pending: collections.deque[concurrent.futures.Future[list[Prepared]]] = collections.deque()
+        pending: collections.deque[concurrent.futures.Future[list[PreparedSample]]] = collections.deque()
         try:
             for batch in batches:
                 if len(pending) >= self.in_flight:
@@ -203,14 +284,65 @@ def pack(
     progress: bool = True,
     transcode: bool = True,
     workers: int | None = None,
+    image_root: str = "",
+    masks: bool = False,
 ) -> PackReport:
-    """Writes the shards. ``transcode``: rewrite JPEGs losslessly (see above). If it fails or
-    is interrupted, what it wrote is removed, folders it made included."""
+    """Writes the shards. ``transcode``: rewrite JPEGs losslessly (see above). ``src``: an
+    ImageFolder tree or a COCO annotation ``.json`` (``image_root``: where its images are,
+    default its folder; ``masks``: write each sample's semantic mask). If it fails or is
+    interrupted, what it wrote is removed, folders it made included."""
     if shard_size <= 0:
         raise ValueError(f"shard_size={shard_size}: expected a positive number of bytes")
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers}: expected at least 1")
+    with _server_warnings_left_out():
+        if _is_coco(src):
+            source: Shard = _coco_source(src, image_root, masks)
+        else:
+            source = _image_folder_source(src, dst, image_root, masks)
+        out = pathlib.Path(dst)
+        if out.exists() and any(out.iterdir()):
+            # A server reads every .tar in a folder: packing next to other files would mix datasets.
+            raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
+        made = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
+        out.mkdir(parents=True, exist_ok=True)
+        report = PackReport([], dict.fromkeys(OUTCOMES, 0))
+        preparer = None
+        try:
+            preparer = _Preparer(transcode, workers, masks)
+            _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, masks, preparer, report)
+        except BaseException:
+            with signals.signals_ignored():
+                if preparer is not None:
+                    preparer.stop()
+                for path in report.paths:
+                    path.unlink(missing_ok=True)
+                    path.with_name(path.name + INDEX_SUFFIX).unlink(missing_ok=True)
+                (out / CLASSES_FILE).unlink(missing_ok=True)
+                for folder in made:
+                    folder.rmdir()
+            raise
+        preparer.stop()
+    return report
+
+
+def _is_coco(src: str) -> bool:
+    return pathlib.Path(src).suffix.lower() == ".json" and not pathlib.Path(src).is_dir()
+
+
+def _coco_source(src: str, image_root: str, masks: bool) -> CocoShard:
+    if image_root and not os.path.isdir(image_root):
+        raise ValueError(f"--image-root {image_root}: no such folder")
+    return CocoShard(pathlib.Path(src), image_root, masks)
+
+
+def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> ImageFolderShard:
+    if image_root or masks:
+        raise ValueError(
+            f"--image-root and --masks are for a COCO annotation .json source; {src} is not one (an ImageFolder "
+            f"tree's labels come from its folders)"
+        )
     source_dir, out_dir = pathlib.Path(src).resolve(), pathlib.Path(dst).resolve()
     if out_dir == source_dir or source_dir in out_dir.parents:
         # Its folder would become a class of the source, and the source changes while it is read.
@@ -222,68 +354,104 @@ def pack(
         )
     if pathlib.Path(src).is_dir() and any(pathlib.Path(src).glob("*.tar")):
         raise ValueError(
-            f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>); "
-            f"servers read tar shards as they are"
+            f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>) or a COCO annotation "
+            f".json; servers read tar shards as they are"
         )
-    source = ImageFolderShard(pathlib.Path(src), tars_too=False)
-    out = pathlib.Path(dst)
-    if out.exists() and any(out.iterdir()):
-        # A server reads every .tar in a folder: packing next to other files would mix datasets.
-        raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
-    made = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
-    out.mkdir(parents=True, exist_ok=True)
-    report = PackReport([], dict.fromkeys(OUTCOMES, 0))
-    preparer = None
+    return ImageFolderShard(pathlib.Path(src), tars_too=False)
+
+
+class _ForServers(logging.Filter):
+    """Leaves out CocoShard's warnings that COCO samples "fail when served": pack leaves those
+    out instead, and says so itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "fail when served" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _server_warnings_left_out() -> Iterator[None]:
+    logger = logging.getLogger(CocoShard.__module__)
+    quiet = _ForServers()
+    logger.addFilter(quiet)
     try:
-        preparer = _Preparer(transcode, workers)
-        _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, preparer, report)
-    except BaseException:
-        with signals.signals_ignored():
-            if preparer is not None:
-                preparer.stop()
-            for path in report.paths:
-                path.unlink(missing_ok=True)
-                path.with_name(path.name + INDEX_SUFFIX).unlink(missing_ok=True)
-            (out / CLASSES_FILE).unlink(missing_ok=True)
-            for folder in made:
-                folder.rmdir()
-        raise
-    preparer.stop()
-    return report
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _write_shards(
-    source: ImageFolderShard,
+    source: Shard,
     out: pathlib.Path,
     shard_size: int,
     seed: int,
     shuffle: bool,
     progress: bool,
     transcode: bool,
+    masks: bool,
     preparer: _Preparer,
     report: PackReport,
 ) -> None:
+    """Each sample's members: its image under its key; its label (``.cls``) when it has one; its
+    targets (``.json``) and, ``masks``, its mask (``.mask.png``) when its source has targets."""
     order = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
-    (out / CLASSES_FILE).write_text("".join(f"{c}\n" for c in source.class_names))
+    (out / CLASSES_FILE).write_text(_classes_text(source.class_names))
     counts, paths = report.counts, report.paths
     named: dict[str, list[str]] = {outcome: [] for outcome in OUTCOMES}  # the first five of each
+
+    def note(outcome: str, key: str, why: str) -> None:
+        counts[outcome] += 1
+        if len(named[outcome]) < 5:
+            named[outcome].append(f"{key} ({why})")
+
+    samples = []
+    for index in order.tolist():
+        record = source.targets(index)
+        error = loader_pb2.Targets.FromString(record).error if record else ""
+        if error and source.locate(index).length:  # its annotations, not its file (missing: CocoShard says so)
+            note("bad targets", source.key(index), error)
+            continue
+        samples.append(index)
+
+    def job(index: int) -> Job:  # made as the preparer takes it: not every sample's regions at once
+        record = source.targets(index) if masks else b""
+        return source.locate(index).path, record if record and not loader_pb2.Targets.FromString(record).error else None
+
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(source), unit="img", desc=f"packing into {out}", file=sys.stderr)
+        bar = tqdm(total=len(samples), unit="img", desc=f"packing into {out}", file=sys.stderr)
     tar = None
     written = 0
     try:
-        files = [source.locate(index).path for index in order.tolist()]
-        for index, (data, outcome, why, size) in zip(order.tolist(), preparer.results(files)):
+        for index, ((data, outcome, why, size), mask, mask_error) in zip(samples, preparer.results(map(job, samples))):
             signals.raise_if_stopped()
             key = source.key(index)
-            counts[outcome] += 1
-            if len(named[outcome]) < 5:
-                named[outcome].append(f"{key} ({why})")
             if bar is not None:
                 bar.update(1)
+            members: list[tuple[str, bytes]] = []
+            name = _image_name(key, data)
+            stem, _ = os.path.splitext(name)
+            if data is not None:
+                label = int(source.labels[index])
+                if label >= 0:
+                    members.append((f"{stem}.cls", str(label).encode()))
+                record = source.targets(index)
+                if record:
+                    message = loader_pb2.Targets.FromString(record)
+                    problem = mask_error
+                    if not problem and message.error and outcome != "unreadable":
+                        problem = message.error  # a file missing or empty when indexed, there now
+                    if not problem and not message.error:  # (an unreadable image goes without: it fails anyway)
+                        text, problem = _targets_json(message)
+                        if not problem:
+                            members.append((f"{stem}.json", text))
+                    if problem:  # left out for its targets, whatever became of its file
+                        note("bad targets", key, problem)
+                        continue
+                if mask is not None:
+                    members.append((f"{stem}{MASK_SUFFIX}", mask))
+            note(outcome, key, why)
             if data is None:
                 continue
             if outcome == "rewritten":
@@ -296,10 +464,10 @@ def _write_shards(
                 # PAX: names of any length (ustar stops at 100-255 bytes), read by any tar reader
                 tar = tarfile.open(paths[-1], "w", format=tarfile.PAX_FORMAT)
                 written = 0
-            stem, _ = os.path.splitext(key)
-            _add(tar, key, data)  # the ImageFolder key, so both layouts name samples alike
-            _add(tar, f"{stem}.cls", str(int(source.labels[index])).encode())
-            written += len(data) + 1536
+            _add(tar, name, data)  # the source's key, so both layouts name samples alike
+            for member, content in members:
+                _add(tar, member, content)
+            written += len(data) + 1024 + sum(len(content) + 512 for _, content in members)
     finally:
         if tar is not None:
             tar.close()
@@ -310,6 +478,56 @@ def _write_shards(
         TarShard(path, names)
 
     _warn(counts, named, transcode)
+    if not paths:
+        raise ValueError(f"none of the {len(source)} samples could be packed (see the warnings above)")
+
+
+def _classes_text(names: list[str]) -> str:
+    """classes.txt: one name a line, which servers read back stripped, skipping empty lines."""
+    unreadable = [n for n in names if [line.strip() for line in f"{n}\n".splitlines() if line.strip()] != [n]]
+    if unreadable:
+        raise ValueError(
+            f"class name(s) {', '.join(map(repr, unreadable[:5]))} cannot be written to {CLASSES_FILE} (one "
+            f"name a line, read back stripped, empty lines skipped): a server on the shards would report other "
+            f"names or labels; rename them"
+        )
+    return "".join(f"{n}\n" for n in names)
+
+
+def _image_name(key: str, data: bytes | None) -> str:
+    """The image member's name: the sample's key, with an extension a tar reader takes for an
+    image added when it has none (a COCO ``file_name`` need not have one)."""
+    if key.lower().endswith(IMAGE_EXTENSIONS) or data is None:
+        return key
+    return key + (".png" if data.startswith(b"\x89PNG") else ".jpg")
+
+
+def _targets_json(message: loader_pb2.Targets) -> tuple[bytes, str]:
+    """A sample's ``<stem>.json``: its arrays as lists (float32 values as the shortest decimals
+    that read back to them), and why a tar reader could not use it ("": it can)."""
+    arrays = {name: array for name, array in tg.arrays_of(message).items() if not name.startswith("_")}
+    # Internal arrays (_keypoint_box: the box each keypoint belongs to) cannot be named in a tar.
+    try:
+        text = json.dumps({name: _json_values(a) for name, a in arrays.items()}, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return b"", "its targets hold NaN or infinity"
+    data = text.encode()
+    if len(data) > MAX_JSON_BYTES:
+        return b"", f"its targets take {len(data)} bytes as JSON, over a tar's limit of {MAX_JSON_BYTES}"
+    try:
+        tg.from_source(json.loads(data))  # what a server on the tars reads
+    except tg.TargetError as exc:
+        return b"", str(exc)
+    return data, ""
+
+
+def _json_values(array: np.ndarray) -> list:
+    if array.dtype != np.float32:
+        return array.tolist()
+    flat = array.reshape(-1)
+    short = np.array([float(str(v)) for v in flat], np.float64) if flat.size else flat.astype(np.float64)
+    exact = flat.astype(np.float64)
+    return np.where(short.astype(np.float32) == flat, short, exact).reshape(array.shape).tolist()
 
 
 def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) -> None:
@@ -318,6 +536,12 @@ def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) 
     def listed(outcome: str) -> str:
         return "; ".join(named[outcome]) + (" ..." if counts[outcome] > 5 else "")
 
+    if counts["bad targets"]:
+        print(
+            f"remoteloader pack: warning: {counts['bad targets']} sample(s) have annotations that cannot be used "
+            f"and are left out: {listed('bad targets')}",
+            file=sys.stderr,
+        )
     if counts["left out"]:
         print(
             f"remoteloader pack: warning: {counts['left out']} file(s) could not be read and are left out: "
@@ -373,6 +597,8 @@ def run(args: argparse.Namespace) -> int:
                 progress=not args.quiet,
                 transcode=not args.verbatim,
                 workers=args.workers,
+                image_root=args.image_root,
+                masks=args.masks,
             )
     except (KeyboardInterrupt, signals.Terminated) as exc:
         how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
@@ -386,7 +612,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbatim:
         growth = report.rewritten_after / report.rewritten_before - 1 if report.rewritten_before else 0.0
         rewritten = (
-            f"; {report.counts['rewritten']} of {sum(report.counts.values())} files rewritten "
+            f"; {report.counts['rewritten']} of {sum(report.counts.values()) - report.counts['bad targets']} "
+            f"files rewritten "
             f"losslessly ({growth:+.1%} bytes)"
         )
     print(f"wrote {len(report.paths)} shard(s), {total / 1e6:.1f} MB, to {args.dst}{rewritten}")
