@@ -9,11 +9,12 @@ crop at least the output size, only the crop's region once the file is known to 
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
 draw the same random numbers, so they give the same pixels up to resampling rounding.
 
-A stream that asks for targets that move with the pixels (boxes, keypoints, the mask) is
-rendered by the plain path: the whole image and its targets through the same ``A.Compose``
-(``Pipeline.with_targets``), with albumentations' own box and keypoint processors, so the
-targets are exactly albumentations' result. Targets that do not move (``labels``, extra
-arrays) pass through, and such a stream keeps the fused decode.
+Targets that move with the pixels (boxes, keypoints, the mask) go through the same
+``A.Compose`` as the image (``Pipeline.with_targets``), with albumentations' own box and
+keypoint processors, so they are exactly albumentations' result. Where the pipeline starts
+with a random-resized crop, that crop (``RegionCrop``) draws its window as albumentations
+does and returns the region the fused decode made of it, while the targets go through the
+crop and the rest unchanged. Targets that do not move (``labels``, extra arrays) pass through.
 """
 
 from __future__ import annotations
@@ -235,6 +236,11 @@ class Pipeline:
         transforms = list(self.compose.transforms)
         first = transforms[0] if transforms else None
         self._crop = first if isinstance(first, A.RandomResizedCrop) and first.p >= 1 else None
+        if self._crop is not None and any(f in MOVING for f in spec.fields):
+            # Targets go through the whole compose; its crop returns the decoded region.
+            self._crop = first = RegionCrop.like(self._crop)
+            transforms[0] = first
+            self.compose = A.Compose(transforms, p=self.compose.p, **_processor_params(self.compose))
         self._rest = A.Compose(transforms[1:]) if self._crop is not None else None
         # A first resize needs the image decoded at least this large: (height, width, cover)
         # where cover=True means "scale to cover both" and False "at least this short side".
@@ -343,7 +349,22 @@ class Pipeline:
         else:
             fmt, height, width = dec.read_size(image, self.max_pixels)
             self.reseed(seed)
-            pixels = dec.decode(image, fmt, 0, 0, height, width)
+            if isinstance(self._crop, RegionCrop):  # decoded by the crop, by region: a placeholder
+                native = verified and self.region_decode
+                self._crop.render = lambda coords: self._region(image, fmt, height, width, coords, native)
+                pixels = np.empty((height, width, 0), np.uint8)
+            else:
+                pixels = dec.decode(image, fmt, 0, 0, height, width)
+        try:
+            return self._transform(pixels, arrays, mask_of)
+        finally:
+            if isinstance(self._crop, RegionCrop):
+                self._crop.render = None
+
+    def _transform(
+        self, pixels: np.ndarray, arrays: dict[str, np.ndarray], mask_of: Callable[[int, int], np.ndarray | None]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+        fields = self.spec.fields
         height, width = pixels.shape[:2]
         kwargs: dict[str, np.ndarray] = {"image": pixels}
         mask = mask_of(height, width) if tg.MASK in fields else None
@@ -382,7 +403,17 @@ class Pipeline:
         assert crop is not None and rest is not None, "only for a pipeline that starts with a random-resized crop"
         params = crop.get_params()
         params["shape"] = (height, width, 3)
-        x1, y1, x2, y2 = crop.get_params_dependent_on_data(params, {})["crop_coords"]
+        coords = crop.get_params_dependent_on_data(params, {})["crop_coords"]
+        region = self._region(data, fmt, height, width, coords, native)
+        return rest(image=region)["image"] if rest.transforms else region
+
+    def _region(
+        self, data: bytes, fmt: str, height: int, width: int, coords: tuple[int, int, int, int], native: bool
+    ) -> np.ndarray:
+        """The crop ``coords`` of the image, decoded as small as it may be and resized to the output."""
+        crop = self._crop
+        assert crop is not None, "only for a pipeline that starts with a random-resized crop"
+        x1, y1, x2, y2 = coords
         out_h, out_w = crop.size
         # Smallest decode that keeps the crop at least the output size.
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
@@ -395,7 +426,40 @@ class Pipeline:
             pick = getattr(crop, "_get_interpolation_for_resize", None)
             interpolation = pick((y2 - y1, x2 - x1), "image") if pick else crop.interpolation
             region = cv2.resize(region, (out_w, out_h), interpolation=interpolation)
-        return rest(image=region)["image"] if rest.transforms else region
+        return region
+
+
+class RegionCrop(A.RandomResizedCrop):
+    """A pipeline's first RandomResizedCrop when targets go through the compose: it draws its
+    window as albumentations does (its targets too are albumentations'), and while ``render``
+    is set returns the pixels the fused decode made of that window instead of cropping the
+    (then placeholder) image."""
+
+    render: Callable[[tuple[int, int, int, int]], np.ndarray] | None = None
+
+    @classmethod
+    def like(cls, crop: A.RandomResizedCrop) -> RegionCrop:
+        return cls(
+            size=crop.size,
+            scale=crop.scale,
+            ratio=crop.ratio,
+            interpolation=crop.interpolation,
+            mask_interpolation=crop.mask_interpolation,
+            area_for_downscale=crop.area_for_downscale,
+            p=crop.p,
+        )
+
+    def apply(self, img: np.ndarray, crop_coords: tuple[int, int, int, int], **params) -> np.ndarray:
+        if self.render is not None:
+            return self.render(crop_coords)
+        return super().apply(img, crop_coords, **params)
+
+
+def _processor_params(compose: A.Compose) -> dict:
+    """The bbox_params / keypoint_params a compose was built with."""
+    processors = getattr(compose, "processors", {})
+    names = (("bboxes", "bbox_params"), ("keypoints", "keypoint_params"))
+    return {param: processors[key].params for key, param in names if key in processors}
 
 
 def _passed(arrays: dict[str, np.ndarray], fields: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -207,13 +207,14 @@ class _Samples:
         assert isinstance(self.pipeline, Pipeline)
         path, offset, _, _, _, _, record, source = location
         image: bytes | np.ndarray
+        verified = False
         if source >= 0:
             if isinstance(self.sources[source], str):
                 raise tg.TargetError(self.sources[source])
             image, arrays = source_sample(self.sources[source], offset)
             stored = loader_pb2.Targets()
         else:
-            image = self._read(location)[0]
+            image, verified = self._read(location)
             stored = loader_pb2.Targets.FromString(record)
             if stored.error:
                 raise tg.TargetError(stored.error)
@@ -229,7 +230,7 @@ class _Samples:
                 return tg.draw_regions(stored.regions, height, width)
             return None
 
-        pixels, transformed, mask = self.pipeline.with_targets(image, seed, arrays, mask_of)
+        pixels, transformed, mask = self.pipeline.with_targets(image, seed, arrays, mask_of, verified)
         out[i] = pixels
         if masks is not None:
             masks[i] = 0 if mask is None else mask

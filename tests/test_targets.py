@@ -509,3 +509,40 @@ def test_a_coco_catalog_keeps_a_few_hundred_bytes_per_sample(tmp_path):
     assert held / count < 400, f"{held / count:.0f} bytes per sample"
     arrays = wire.arrays_of(loader_pb2.Targets.FromString(shard.targets(count - 1)))
     assert arrays["bboxes"].shape == (7, 4) and arrays["bbox_labels"].tolist() == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_a_pipeline_starting_with_a_crop_decodes_its_region_and_moves_targets_as_albumentations(monkeypatch):
+    """The fused region decode keeps working with targets: the same crop window is drawn, the
+    targets equal the plain path's (whole decode, the same A.Compose) exactly, the pixels up
+    to resampling (the region is decoded at a reduced DCT scale)."""
+    from remoteloader.server import decode as dec
+    from remoteloader.server.pipelines import Pipeline, PipelineSpec
+    from remoteloader.tools.shapes import make_sample
+
+    regions = []
+    decode_crop = dec.decode_crop
+    monkeypatch.setattr(dec, "decode_crop", lambda *a, **k: regions.append(a[4]) or decode_crop(*a, **k))
+    rng = np.random.default_rng(0)
+    pipeline = Pipeline(PipelineSpec("train", 64, 64, fields=("bboxes", "bbox_labels", "mask", "keypoints")))
+    differences = []
+    for i in range(30):
+        image, shapes = make_sample(rng, 300, 400)
+        data = encode_jpeg(image)
+        boxes = np.asarray([[x, y, x + w, y + h] for _, _, (x, y, w, h) in shapes], np.float32)
+        arrays = {
+            "bboxes": boxes,
+            "bbox_labels": np.arange(len(boxes)),
+            "keypoints": (boxes[:, :2] + boxes[:, 2:]) / 2 @ np.eye(2, 3, dtype=np.float32) + [0, 0, 2],
+        }
+        mask = cv2.resize(colour_classes(image).astype(np.uint8), (400, 300), interpolation=cv2.INTER_NEAREST)
+        fused = pipeline.with_targets(data, i, dict(arrays), lambda h, w: mask, verified=True)
+        assert len(regions) == i + 1, "the image was not decoded by its crop's region"
+        fmt, h, w = dec.read_size(data, 10**8)
+        pipeline.reseed(i)
+        plain = pipeline._transform(dec.decode(data, fmt, 0, 0, h, w), dict(arrays), lambda h, w: mask)
+        assert fused[1].keys() == plain[1].keys() == {"bboxes", "bbox_labels", "keypoints"}
+        for name in fused[1]:
+            np.testing.assert_array_equal(fused[1][name], plain[1][name], err_msg=name)
+        np.testing.assert_array_equal(fused[2], plain[2])
+        differences.append(np.abs(fused[0].astype(int) - plain[0].astype(int)).mean())
+    assert np.mean(differences) < 6, differences
