@@ -349,13 +349,15 @@ class Engine:
         self._pending[:0] = sorted(orders, key=lambda o: o.order_id)
         if link.state is LinkState.DEAD:
             log.error("loader server %s refused this client: %s", link.address, describe_error(exc))
-        else:
+        elif orders:
             log.warning(
                 "loader server %s failed (%s); %d order(s) go back to the queue",
                 link.address,
                 describe_error(exc),
                 len(orders),
             )
+        else:  # e.g. drained while this loader had nothing in flight there
+            log.info("loader server %s went away (%s); it held no orders", link.address, describe_error(exc))
         self._pump()
 
     def on_link_up(self, link: Link[_Order]) -> None:

@@ -41,7 +41,9 @@ PRESETS = ("train", "eval", "detection-train", "detection-eval", "segmentation-t
 EVAL_CROP_FRACTION = 0.875
 PAD_FILL = 114  # grey padding of letterboxed and scale-jittered images (as YOLO's loaders pad)
 # What a stream's boxes and keypoints go through, unless a custom pipeline brings its own.
-BBOX_PARAMS = {"format": "pascal_voc", "label_fields": [tg.BBOX_LABELS], "clip": True}
+# Boxes a crop leaves less than a pixel wide or high are dropped with their labels (a
+# detector cannot learn from them; torchvision's refuses boxes of no width).
+BBOX_PARAMS = {"format": "pascal_voc", "label_fields": [tg.BBOX_LABELS], "clip": True, "min_width": 1, "min_height": 1}
 KEYPOINT_PARAMS = {"format": "xy", "remove_invisible": False}
 MOVING = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.MASK)  # fields transformed with the pixels
 MAX_PIPELINE_JSON = 64 * 1024  # bytes of UTF-8

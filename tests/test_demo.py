@@ -38,6 +38,53 @@ def test_demo_trains_prints_figures_and_stops_its_servers(tmp_path):
     assert not server_pids(data=tmp_path), "the demo left loader servers running"
 
 
+def test_detection_demo_trains_a_detector_that_beats_a_constant_box(tmp_path):
+    # Quick flags: 600 images (480 to train on, 120 held out), 3 epochs of 15 batches (~15 s on 2 cores).
+    result = subprocess.run(DEMO + ["--task", "detection", "--epochs", "3", "--images", "600",
+                                    "--data", str(tmp_path)],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "480 to train on, 120 held out" in out, out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)%\s+([\d.]+)$", out, re.M)
+    assert len(rows) == 3, out
+    assert all(int(r[1]) > 0 for r in rows)  # images/s
+    losses = [float(r[3]) for r in rows]
+    assert losses[-1] < 0.7 * losses[0], f"the loss should fall: {losses}"
+    found = re.search(r"mean IoU \(detection-eval, 120 held-out images, (\d+) boxes\): ([\d.]+); "
+                      r"one constant box \(the mean true box\) gets ([\d.]+)", out)
+    assert found, out
+    boxes, iou, constant = int(found.group(1)), float(found.group(2)), float(found.group(3))
+    assert boxes >= 120  # 1-3 shapes per image
+    # The constant box is the mean of the true boxes themselves, scored against every true box with
+    # no matching: an upper bound on what a model that ignores the image can get (an untrained one,
+    # whose centre scores start low, predicts no box at all: IoU 0).
+    assert 0.0 < constant < 0.2, out
+    assert iou > constant + 0.3, f"mean IoU {iou} is not clearly above the constant box's {constant}"
+    hits = re.search(r"boxes found \(IoU >= 0.5, right class\): ([\d.]+)%", out)
+    assert hits and float(hits.group(1)) > 40, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["detection-0", "detection-1"]
+    assert not server_pids(data=tmp_path), "the demo left loader servers running"
+
+
+def test_detection_data_is_reused_rewritten_when_asked_for_another_size_and_kept_apart(tmp_path):
+    from remoteloader.tools.cli import main
+
+    def prepare(*argv):
+        assert main(["demo", "--prepare", str(tmp_path), "--servers", "2", *argv]) == 0
+
+    prepare("--task", "detection", "--images", "20")
+    annotations = tmp_path / "detection-1" / "annotations.json"
+    stamp = annotations.stat().st_mtime_ns
+    prepare("--task", "detection", "--images", "20")
+    assert annotations.stat().st_mtime_ns == stamp  # reused
+    prepare("--task", "detection", "--images", "12")
+    assert len(list((tmp_path / "detection-1" / "images").glob("*.jpg"))) == 6  # no stale images left
+    prepare("--images-per-class", "8")  # the classification shards sit beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["detection-0", "detection-1", "shard-0", "shard-1"]
+    assert not (tmp_path / "shard-0" / "images").exists()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(tmp_path, signum):
     # With --data the dataset is kept; without, it lives in a temp dir that must go.
@@ -74,6 +121,12 @@ def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(
     (["--images-per-class", "8", "--batch-size", "64"], "fewer than --batch-size"),
     (["--device", "tpu"], "--device=tpu"),
     (["--epochs", "0"], "--epochs=0"),
+    (["--task", "detection", "--classes", "3"], "--classes is for --task classification"),
+    (["--task", "detection", "--images-per-class", "8"], "--images-per-class is for --task classification"),
+    (["--images", "100"], "--images is for --task detection"),
+    (["--task", "detection", "--images", "4", "--batch-size", "1"], "too few to hold one in 5 out"),
+    (["--task", "detection", "--images", "30"], "fewer than --batch-size 32"),
+    (["--task", "detection", "--batch-size", "0"], "--batch-size=0"),
 ])
 def test_bad_demo_arguments_are_one_line_errors_before_anything_starts(tmp_path, argv, message):
     from remoteloader.tools.cli import main

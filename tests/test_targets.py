@@ -91,8 +91,10 @@ def check_on_pixels(image: np.ndarray, boxes, box_labels, mask, keypoints, where
             assert share > 0.15, (
                 f"{where}: box {label} at {x1:.0f},{y1:.0f},{x2:.0f},{y2:.0f} holds {share:.0%} of its colour"
             )
+    edge = np.ones(classes.shape, bool)  # a shape cut to a sliver by the crop loses its box (under 1 px)
+    edge[2:-2, 2:-2] = False
     for label in COLOURS:
-        stray = (classes == label) & ~inside_any[label]
+        stray = (classes == label) & ~inside_any[label] & ~edge
         assert stray.sum() <= 4, f"{where}: {stray.sum()} pixels of class {label}'s colour lie outside its boxes"
     if mask is not None:
         shapes = (mask > 0) & (mask != tg.CROWD)  # 255: padding, the ignore index
@@ -535,11 +537,11 @@ def test_a_pipeline_starting_with_a_crop_decodes_its_region_and_moves_targets_as
             "keypoints": (boxes[:, :2] + boxes[:, 2:]) / 2 @ np.eye(2, 3, dtype=np.float32) + [0, 0, 2],
         }
         mask = cv2.resize(colour_classes(image).astype(np.uint8), (400, 300), interpolation=cv2.INTER_NEAREST)
-        fused = pipeline.with_targets(data, i, dict(arrays), lambda h, w: mask, verified=True)
+        fused = pipeline.with_targets(data, i, dict(arrays), lambda h, w, m=mask: m, verified=True)
         assert len(regions) == i + 1, "the image was not decoded by its crop's region"
         fmt, h, w = dec.read_size(data, 10**8)
         pipeline.reseed(i)
-        plain = pipeline._transform(dec.decode(data, fmt, 0, 0, h, w), dict(arrays), lambda h, w: mask)
+        plain = pipeline._transform(dec.decode(data, fmt, 0, 0, h, w), dict(arrays), lambda h, w, m=mask: m)
         assert fused[1].keys() == plain[1].keys() == {"bboxes", "bbox_labels", "keypoints"}
         for name in fused[1]:
             np.testing.assert_array_equal(fused[1][name], plain[1][name], err_msg=name)
