@@ -7,6 +7,7 @@ command under the tools' dispatcher (``remoteloader.tools.cli``).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from remoteloader.server import config as config_module
@@ -28,9 +29,31 @@ def missing_server_extra(exc: ModuleNotFoundError, prog: str) -> int:
     return 2
 
 
+class _StoppedWhileStarting(Exception):
+    """SIGTERM or SIGINT before the server serves (it then drains instead: app.run)."""
+
+
+def _stop_while_starting(signum: int, _frame: object) -> None:
+    raise _StoppedWhileStarting(signal.Signals(signum).name)
+
+
 def serve_main(argv: list[str] | None = None, prog: str = "remoteloader-server") -> int:
     """Runs one loader server until SIGTERM or Ctrl-C; returns the exit code (2: bad flags, data,
-    token, certificates or port, said in one line)."""
+    token, certificates or port, said in one line).
+
+    A stop signal while it starts (importing, indexing its data, starting its workers) ends it
+    at once with code 0: as PID 1 in a container a signal without a handler is ignored, and
+    ``docker stop`` would wait out its whole grace period and kill it."""
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _stop_while_starting)
+    try:
+        return _serve(argv, prog)
+    except _StoppedWhileStarting as exc:
+        print(f"{prog}: stopped while starting ({exc})", file=sys.stderr)
+        return 0
+
+
+def _serve(argv: list[str] | None, prog: str) -> int:
     parser = argparse.ArgumentParser(prog=prog, description="Serve image shards as augmented uint8 batches over gRPC.")
     config_module.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -85,6 +85,26 @@ def test_detection_data_is_reused_rewritten_when_asked_for_another_size_and_kept
     assert not (tmp_path / "shard-0" / "images").exists()
 
 
+def test_a_sigterm_while_the_demo_starts_stops_it_and_connect_stops_no_servers(tmp_path):
+    """Its handler comes first (before torch imports): as a container's PID 1 an early SIGTERM
+    would otherwise be ignored; and --connect, which started no servers, does not say it stopped any."""
+    proc = subprocess.Popen(DEMO + ["--connect", "127.0.0.1:1", "--data", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not any(line.startswith("SigCgt:") and int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1
+                      for line in pathlib.Path(f"/proc/{proc.pid}/status").read_text().splitlines()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no SIGTERM handler"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output and "servers stopped" not in output, output
+    assert "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(tmp_path, signum):
     # With --data the dataset is kept; without, it lives in a temp dir that must go.

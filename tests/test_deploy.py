@@ -368,6 +368,57 @@ def test_dockerfile_expose_matches_compose_and_healthcheck():
     assert server.last("STOPSIGNAL") in (None, "SIGTERM")
 
 
+def test_the_trainer_has_no_server_healthcheck_and_takes_its_torch_build_from_compose():
+    stages = _dockerfile()
+    trainer = stages["trainer"]
+    assert trainer.last("HEALTHCHECK") == "NONE", "the trainer would inherit the server's health check"
+    arguments = {value.split("=", 1)[0] for value in trainer.all("ARG")}
+    assert {"TORCH", "TORCH_INDEX_URL"} <= arguments, arguments
+    install = " ".join(trainer.all("RUN"))
+    assert "${TORCH}" in install and "TORCH_INDEX_URL" in install, install
+    for name, service in _compose()["services"].items():
+        build = service.get("build", {})
+        assert service.get("init") is True, f"{name}: no init as PID 1 (docker stop's SIGTERM, zombies)"
+        if build.get("target") == "trainer":
+            assert set(build.get("args", {})) <= arguments, f"{name}: build args the Dockerfile does not take"
+            assert "TORCH" in build["args"], f"{name}: the torch build cannot be chosen through compose"
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (/proc/PID/status, SigCgt)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def _signal_once_caught(process: subprocess.Popen, signum: int, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not _catches(process.pid, signum):
+        assert process.poll() is None, "it exited before it handled signals"
+        assert time.monotonic() < deadline, f"no handler for signal {signum} within {within:g}s"
+        time.sleep(0.005)
+    process.send_signal(signum)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_sigterm_while_the_server_starts_ends_it_at_once(tmp_path):
+    """As a container's PID 1 a signal without a handler is ignored (docker stop then waits out
+    its grace and kills): the server handles SIGTERM from its first moment, not once serving."""
+    data = make_imagefolder(tmp_path / "data", ["x"], 2, size=(16, 16))
+    process = subprocess.Popen([_script_path("remoteloader-server"), "--data", str(data), "--port", "0"],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _signal_once_caught(process, signal.SIGTERM)
+        started = time.monotonic()
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert "stopped while starting (SIGTERM)" in stderr and "listening on" not in stderr, stderr
+    assert time.monotonic() - started < 10
+
+
 # ---- run what compose runs ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compose_server(tmp_path_factory, free_port):

@@ -87,9 +87,13 @@ def run(args: argparse.Namespace) -> int:
     """The command: 0 when trained, 130 after Ctrl-C or SIGTERM (servers stopped, temporary data
     removed); bad arguments and unreachable servers are one-line SystemExits."""
     try:
-        return _run(args)
+        # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data. Installed
+        # first: as a container's PID 1, a signal that comes while torch imports would be lost.
+        with signals.StopSignals(sigterm=KeyboardInterrupt):
+            return _run(args)
     except KeyboardInterrupt:
-        print("interrupted; loader servers stopped", file=sys.stderr)  # by the ExitStack, on the way out
+        # The local servers were stopped by _run's ExitStack, on the way out; --connect stops none.
+        print("interrupted" if args.connect else "interrupted; loader servers stopped", file=sys.stderr)
         return 130
 
 
@@ -104,8 +108,6 @@ def _run(args: argparse.Namespace) -> int:
         )
     torch.manual_seed(args.seed)
     with contextlib.ExitStack() as stack:  # unwound on exit, Ctrl-C and SIGTERM alike
-        # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data.
-        stack.enter_context(signals.StopSignals(sigterm=KeyboardInterrupt))
         write = _write_detection_shards if args.task == "detection" else _write_shards
         if args.prepare:
             write(pathlib.Path(args.prepare), args)
