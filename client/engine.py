@@ -7,7 +7,12 @@ memory bound). Chunks are copied once, straight into their rows of the batch buf
 (pixels, then masks), and their targets are checked and kept per row. When a server fails,
 its unfinished orders return to the front of the FIFO, for another owner or for the same
 server once it is back; an order is complete only when all its samples have arrived, so
-nothing is lost or duplicated.
+nothing is lost or duplicated. Orders have deadlines (when the loop will want their batch):
+a slower replica gets only the work it can finish by then (``_pump``). When a server has
+nothing left to do while a slower replica holds an order the loop will wait for, it is sent
+a twin of that order's rest (``_hedge``): whichever completes first fills the batch, and the
+other is cancelled on its server, what it still sends dropped (both carry the same pixels: a
+sample's augmentation does not depend on the server).
 
 The links own their connections (state, back-off, orders in flight: ``link.py``) and the
 receiver owns the links (it makes, drops and closes them); the engine decides where orders
@@ -37,6 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["END", "Batch", "BatchBuffers", "Engine", "EngineOptions", "LoaderError", "SampleFailure"]
 
 log = logging.getLogger("remoteloader.client")
+
+MIN_SPLIT = 16  # fewest samples an order is split off into, for a slower server to finish in time
+SAFETY = 0.8  # the share of the time to an order's deadline a slower server is given work for
+SLOW = 3  # a server this many times slower than the fastest holds one order at a time
 
 
 class BatchBuffers(Protocol):
@@ -77,6 +86,9 @@ class _Order:
     cancelled: bool = False
     failures: list[SampleFailure] = field(default_factory=list)  # merged into the batch when the order completes
     nbytes: int = 0
+    twin: _Order | None = None  # its rest sent to another server too (_hedge); the first to complete wins
+    credited: int = 0  # its first samples already counted into the batch (when it was hedged)
+    sent_to: str = ""  # the server it was last sent to
 
     @property
     def samples(self) -> int:
@@ -217,31 +229,122 @@ class Engine:
         """Sends pending orders, oldest first, each to the owner expected to finish it first.
 
         A server's expected finish is (samples it already holds + this order) / its measured
-        rate, so a replica twice as fast gets about twice the work. An order waits rather
-        than go to a server with credits when a busier but faster owner would still finish
-        it sooner (by more than half again).
+        rate, so a replica twice as fast gets about twice the work. Each order also has a
+        deadline: when the training loop will want its batch (the samples before it, at all
+        the servers' rates together; for unordered delivery, the end of the epoch). An order
+        goes to the ready owner that finishes it first if that is before its deadline, or if
+        no owner, busy or not, would finish it sooner (by more than half again); otherwise it
+        waits for a faster owner, or a slower one takes the part of it that it can finish in
+        time (the order is split). So a slow replica (a slow link) takes its share of the
+        epoch from batches far enough ahead, and never holds the batch the loop waits for.
         """
+        pace = self._pace()
         for order in list(self._pending):
             owners = [
                 link
                 for link in (self.links.get(a) for a in order.shard.owners)
                 if link is not None and link.state is LinkState.UP
             ]
-            if not owners:
-                continue
             default_rate = max((link.rate for link in owners if link.rate), default=1000.0)
-            finish = {link.address: (link.outstanding + order.samples) / (link.rate or default_rate) for link in owners}
-            ready = [link for link in owners if link.credits > 0]
+            ready = [link for link in owners if self._credits(link, default_rate) > 0]
             if not ready:
                 continue
+            finish = {link.address: (link.outstanding + order.samples) / (link.rate or default_rate) for link in owners}
             best = min(ready, key=lambda link: finish[link.address])
-            if finish[best.address] > 1.5 * min(finish.values()):
-                continue
-            self._pending.remove(order)
+            deadline = self._deadline(order, pace)
+            if finish[best.address] > max(1.5 * min(finish.values()), deadline):
+                # Too slow for all of it: the part it can finish before the deadline.
+                room = int(SAFETY * deadline * (best.rate or default_rate)) - best.outstanding
+                if room < MIN_SPLIT or room >= order.samples:
+                    continue
+                order = self._split(order, room)
+            else:
+                self._pending.remove(order)
             self._send(best, order)
+        self._hedge()
         self._check_stranded()
 
+    @staticmethod
+    def _credits(link: Link[_Order], fastest: float) -> int:
+        """Orders ``link`` may be sent now: its credits, and one order at a time for a server
+        several times slower than the fastest (so that it never holds more than it can finish
+        by the deadline it was given, whatever its link buffers)."""
+        if link.rate and link.rate * SLOW < fastest:
+            return min(link.credits, 1 - len(link.orders()))
+        return link.credits
+
+    def _pace(self) -> float:
+        """Samples per second all the servers that are up deliver together (measured)."""
+        up = [link for link in self.links.values() if link.state is LinkState.UP]
+        default_rate = max((link.rate for link in up if link.rate), default=1000.0)
+        return sum(link.rate or default_rate for link in up) or default_rate
+
+    def _deadline(self, order: _Order, pace: float) -> float:
+        """Seconds until the training loop wants ``order``'s batch: the samples it takes first
+        (those of the batches before it; with ordered=False, the rest of the epoch) over ``pace``."""
+        run = self._run
+        if run is None:
+            return 0.0
+        if not self.options.ordered:
+            left = run.samples_after(run.next_dispatch) + sum(o.samples for o in self._pending)
+            return (left + sum(link.outstanding for link in self.links.values())) / pace
+        return (run.samples_after(run.next_deliver) - run.samples_after(order.batch.seq)) / pace
+
+    def _split(self, order: _Order, count: int) -> _Order:
+        """Takes ``order``'s first ``count`` samples out as an order of their own (``order`` keeps
+        the rest and its place in the queue); returns it."""
+        head = _Order(
+            next(self._order_ids), order.batch, order.shard, order.positions[:count], order.local[:count], order.epoch
+        )
+        order.positions, order.local = order.positions[count:], order.local[count:]
+        return head
+
+    def _hedge(self) -> None:
+        """Sends each server that has nothing in flight, when no order is pending, a twin of the
+        rest of the oldest order a slower replica holds that will be late (the loop would wait
+        for it) and that it would finish sooner (by more than half again): a slow server's
+        estimate gone wrong, or a server slowed down, does not hold up the batches behind it."""
+        if self._pending or self._run is None:
+            return
+        up = [link for link in self.links.values() if link.state is LinkState.UP]
+        default_rate = max((link.rate for link in up if link.rate), default=1000.0)
+        pace = self._pace()
+        for link in up:
+            if link.outstanding or link.credits <= 0:
+                continue
+            oldest: _Order | None = None
+            for other in up:
+                if other is link:
+                    continue
+                ahead = 0  # samples the other server sends before this order's last one
+                for order in other.orders():
+                    ahead += order.samples - order.received
+                    if order.cancelled or order.twin is not None or link.address not in order.shard.owners:
+                        continue
+                    there = ahead / (other.rate or default_rate)
+                    late = there > self._deadline(order, pace)  # the loop would wait for it
+                    if late and there > 1.5 * order.samples / (link.rate or default_rate):
+                        if oldest is None or order.order_id < oldest.order_id:
+                            oldest = order
+                        break
+            if oldest is not None:
+                # What arrived of it stays; the twin is the rest.
+                done = oldest.received
+                self._credit(oldest, done - oldest.credited)
+                oldest.credited = done
+                twin = _Order(
+                    next(self._order_ids),
+                    oldest.batch,
+                    oldest.shard,
+                    oldest.positions[done:],
+                    oldest.local[done:],
+                    oldest.epoch,
+                )
+                twin.twin, oldest.twin = oldest, twin
+                self._send(link, twin)
+
     def _send(self, link: Link[_Order], order: _Order) -> None:
+        order.sent_to = link.address
         order.received = 0
         order.failures = []
         order.nbytes = 0
@@ -261,6 +364,9 @@ class Engine:
         """Copies a chunk's pixels and labels into its batch's rows; completes orders and batches."""
         header, pixels = chunk
         order = link.order(header.order_id)
+        if order is None and link.dropped(header.order_id):  # already on the way when it was cancelled
+            link.received(len(pixels), header.count)
+            return
         h, w = self.setup.height, self.setup.width
         expected = header.count * limits.sample_bytes(h, w, self.masks)
         if (
@@ -322,14 +428,26 @@ class Engine:
         order.received += header.count
         if order.received == order.samples:
             link.complete(order)
+            twin = order.twin
+            if twin is not None and not order.cancelled:  # it won: the twin is dropped
+                twin.cancelled = True
+                there = self.links.get(twin.sent_to)
+                if there is not None:
+                    there.cancel(twin)
             if not order.cancelled:
                 # Only now: a server that failed half-way must not leave its reports behind.
-                order.batch.failures.extend(order.failures)
-                order.batch.nbytes += order.nbytes
-                order.batch.remaining -= order.samples
-                if order.batch.remaining == 0 and self._run is not None:
-                    self._run.complete(order.batch, self.options.ordered)
+                self._credit(order, order.samples - order.credited)
             self._pump()
+
+    def _credit(self, order: _Order, count: int) -> None:
+        """``count`` more of ``order``'s samples are in their batch, with the reports so far."""
+        batch = order.batch
+        batch.failures.extend(order.failures)
+        batch.nbytes += order.nbytes
+        order.failures, order.nbytes = [], 0
+        batch.remaining -= count
+        if batch.remaining == 0 and self._run is not None:
+            self._run.complete(batch, self.options.ordered)
 
     def _keep_targets(
         self, batch: Batch, shard: ShardInfo, rows: np.ndarray, targets: list[dict[str, np.ndarray]]
@@ -345,7 +463,21 @@ class Engine:
 
     # ---- failures (LinkEvents) ------------------------------------------------------
     def on_link_down(self, link: Link[_Order], orders: list[_Order], exc: BaseException) -> None:
-        """A server failed: its unfinished orders go back to the front of the queue."""
+        """A server failed: its unfinished orders go back to the front of the queue (those with a
+        twin still in flight elsewhere are left to the twin)."""
+        requeued = []
+        for order in orders:
+            twin = order.twin
+            if twin is not None and not twin.cancelled and any(twin is o for o in self._in_flight(twin)):
+                order.cancelled = True
+                twin.twin = None  # on its own again (it may be hedged anew)
+            else:
+                order.twin = None
+                if order.credited:  # hedged, and its twin is gone too: only its rest is still missing
+                    order.positions, order.local = order.positions[order.credited :], order.local[order.credited :]
+                    order.credited = 0
+                requeued.append(order)
+        orders = requeued
         self._pending[:0] = sorted(orders, key=lambda o: o.order_id)
         if link.state is LinkState.DEAD:
             log.error("loader server %s refused this client: %s", link.address, describe_error(exc))
@@ -359,6 +491,11 @@ class Engine:
         else:  # e.g. drained while this loader had nothing in flight there
             log.info("loader server %s went away (%s); it held no orders", link.address, describe_error(exc))
         self._pump()
+
+    def _in_flight(self, order: _Order) -> list[_Order]:
+        """The orders in flight on the servers that are up and own ``order``'s shard."""
+        links = (self.links.get(a) for a in order.shard.owners)
+        return [o for link in links if link is not None and link.state is LinkState.UP for o in link.orders()]
 
     def on_link_up(self, link: Link[_Order]) -> None:
         self._pump()
@@ -427,6 +564,8 @@ class _Run:
         self.batches = batches
         self.skip = frozenset(s for s in skip if first_seq <= s < len(batches))
         self.expected = len(batches) - first_seq - len(self.skip)
+        sizes = np.asarray([0 if i in self.skip else len(b) for i, b in enumerate(batches)], np.int64)
+        self._after = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])  # samples in batches[i:]
         self.next_dispatch = first_seq
         self.next_deliver = first_seq
         self.dispatched = 0
@@ -436,6 +575,10 @@ class _Run:
         self.open: dict[int, Batch] = {}  # dispatched, not yet handed out
         self.out = out
         self.cancelled = False
+
+    def samples_after(self, seq: int) -> int:
+        """Samples of the batches from ``seq`` on (less those skipped)."""
+        return int(self._after[min(seq, len(self._after) - 1)])
 
     def complete(self, batch: Batch, ordered: bool) -> None:
         if self.cancelled:

@@ -21,6 +21,7 @@ refuses) every stream is retried ever more slowly and still runs out of reconnec
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
 import time
@@ -38,6 +39,7 @@ _STREAM = f"/{SERVICE}/Stream"
 RETRY_DELAY = 0.1  # first reconnect attempt after a failure; doubles up to MAX_RETRY_DELAY
 MAX_RETRY_DELAY = 2.0
 HEALTHY_AFTER = 10.0  # seconds a stream must last to count as working without delivering anything
+DROPPED = 256  # cancelled orders whose chunks still on the way a link recognizes (and drops)
 
 # Status codes that mean the request itself is wrong: retrying elsewhere cannot help.
 # (RESOURCE_EXHAUSTED is not among them: "too many open streams" passes when others close.)
@@ -147,6 +149,7 @@ class Link(Generic[OrderT]):
         self.last_error = ""
         self.gave_up = ""  # why it is DEAD, if it is
         self._inflight: dict[int, OrderT] = {}
+        self._dropped: collections.deque[int] = collections.deque(maxlen=DROPPED)  # orders cancelled here
         self._down_since: float | None = None  # start of this spell of downtime (reconnect_timeout counts from it)
         self._retry_delay = RETRY_DELAY  # the next reconnect's first wait
         self._last_progress = 0.0  # its last chunk, or when it was given work while idle
@@ -275,6 +278,23 @@ class Link(Generic[OrderT]):
         if 0 < gap < 5.0:  # a longer gap means the server was idle, not slow
             weight = min(1.0, gap)  # about a one-second memory
             self.rate = (1 - weight) * self.rate + weight * (samples / gap) if self.rate else samples / gap
+
+    def cancel(self, order: OrderT) -> None:
+        """The order is no longer wanted (another server sent it first; the engine marked it
+        cancelled). A server that takes Cancel messages is told to send no more of it, and the
+        order leaves the orders in flight; chunks of it already on the way are dropped as they
+        come (``dropped``). Another server sends all of it, and it stays in flight till then."""
+        if not (self.describe is not None and self.describe.cancels and self.state is LinkState.UP):
+            return
+        if self._inflight.pop(order.order_id, None) is None:
+            return
+        self.outstanding -= order.samples
+        self._outbox.put_nowait(loader_pb2.StreamRequest(cancel=loader_pb2.Cancel(order_id=order.order_id)))
+        self._dropped.append(order.order_id)
+
+    def dropped(self, order_id: int) -> bool:
+        """Whether chunks of ``order_id`` are of an order cancelled on this stream (to be dropped)."""
+        return order_id in self._dropped
 
     def complete(self, order: OrderT) -> None:
         """All of an order's samples arrived: it is no longer in flight."""

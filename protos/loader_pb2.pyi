@@ -25,7 +25,7 @@ class Shard(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes")
+    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DescribeResponse(_message.Message):
     MAX_ORDER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_ORDERS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
     version: str
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pipelines: _containers.RepeatedScalarFieldContainer[str]
@@ -44,7 +45,8 @@ class DescribeResponse(_message.Message):
     max_order_samples: int
     max_inflight_orders: int
     chunk_bytes: int
-    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    cancels: bool
+    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ...) -> None: ...
 
 class GetKeysRequest(_message.Message):
     __slots__ = ("shard_id", "start", "count")
@@ -90,13 +92,21 @@ class Order(_message.Message):
     epoch: int
     def __init__(self, order_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class Cancel(_message.Message):
+    __slots__ = ("order_id",)
+    ORDER_ID_FIELD_NUMBER: _ClassVar[int]
+    order_id: int
+    def __init__(self, order_id: _Optional[int] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
-    __slots__ = ("setup", "order")
+    __slots__ = ("setup", "order", "cancel")
     SETUP_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     setup: Setup
     order: Order
-    def __init__(self, setup: _Optional[_Union[Setup, _Mapping]] = ..., order: _Optional[_Union[Order, _Mapping]] = ...) -> None: ...
+    cancel: Cancel
+    def __init__(self, setup: _Optional[_Union[Setup, _Mapping]] = ..., order: _Optional[_Union[Order, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class SampleError(_message.Message):
     __slots__ = ("position", "index", "key", "reason")

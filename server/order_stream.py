@@ -1,12 +1,16 @@
 """One client's order stream, after its Setup: orders in, chunks out, in order.
 
-A reader task takes the client's orders, checks each, cuts it into chunks of
-``protos.limits.samples_per_chunk`` samples, takes a slot for each (within the stream's
-fair share, after the rate limit) and starts rendering it; the stream's own loop writes the
-chunks in the order they were started, each once its rendering is done. Invariants:
+A reader task takes the client's messages and checks each order; a starter task cuts the
+orders, in turn, into chunks of ``protos.limits.samples_per_chunk`` samples, takes a slot
+for each (within the stream's fair share, after the rate limit) and starts rendering it;
+the stream's own loop writes the chunks in the order they were started, each once its
+rendering is done. Invariants:
 * Every chunk's slot goes back exactly once, and only when no worker writes into it any
   more: after its chunk is written, or when the stream ends (slots.Slots.give_when_done).
 * At most ``max_inflight_orders`` orders are in flight (received, last chunk not yet written).
+* A Cancel for an order in flight stops it: its chunks not yet started are not rendered,
+  those started are not written (their slots go back as usual); a Cancel for any other id
+  is ignored. The reader reads on while orders wait for slots, so a Cancel acts at once.
 * Whatever ends the stream (the client's EOF, a bad message, draining, a stall, a server
   bug) ends it with a status that says why; the reader never hangs it.
 """
@@ -69,6 +73,13 @@ class _End(NamedTuple):
     details: str
 
 
+class _Cut(NamedTuple):
+    """An order cancelled before all its chunks were started: it ends here."""
+
+    order: loader_pb2.Order
+    received: float
+
+
 class OrderStream:
     """Serves one stream's orders; ``run`` returns when the client is done, or ends the stream.
 
@@ -109,14 +120,20 @@ class OrderStream:
         self._limiter = limiter
         self._metrics = metrics
         self._draining = draining
-        self._queue: asyncio.Queue[_Pending | _End | None] = asyncio.Queue()  # None: the client is done
+        self._queue: asyncio.Queue[_Pending | _Cut | _End | None] = asyncio.Queue()  # None: the client is done
+        # Orders received and checked, to be started in turn (with when each came), then an
+        # _End or None: what the reader makes of the client's messages, in their order.
+        self._orders: asyncio.Queue[tuple[loader_pb2.Order, float] | _End | None] = asyncio.Queue()
         self._slot_counts = StreamSlots()
         self._inflight = 0  # orders received whose last chunk is not written yet
+        self._live: set[int] = set()  # their ids
+        self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
     async def run(self) -> None:
         """Writes the chunks as they are rendered until the client is done or the stream ends."""
         context = self._context
         reader = asyncio.create_task(self._read_orders())
+        starter = asyncio.create_task(self._start_orders())
         try:
             while True:
                 item = await self._queue.get()
@@ -125,12 +142,16 @@ class OrderStream:
                 if isinstance(item, _End):
                     await context.abort(item.code, item.details)
                     return
+                if isinstance(item, _Cut):
+                    self._finish(item.order, item.received)
+                    continue
                 await self._write_chunk(item)
         except Stalled as stalled:
             log.warning("stream from %s: %s; ending it", self._peer, stalled)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the client {stalled}")
         finally:
             reader.cancel()
+            starter.cancel()
             # Slots still being written by a worker go back only when the worker is done.
             while not self._queue.empty():
                 item = self._queue.get_nowait()
@@ -138,12 +159,6 @@ class OrderStream:
                     self._slots.give_when_done(self._slot_counts, item.slot, item.future)
 
     async def _read_orders(self) -> None:
-        spec = self._spec
-        per_chunk = limits.samples_per_chunk(
-            self._config.chunk_bytes,
-            limits.sample_bytes(spec.height, spec.width, MASK in spec.fields),
-            bool(spec.fields),
-        )
         drain = asyncio.ensure_future(self._draining.wait())
         try:
             while True:
@@ -151,7 +166,7 @@ class OrderStream:
                 done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
                     read.cancel()
-                    self._queue.put_nowait(
+                    self._orders.put_nowait(
                         _End(
                             grpc.StatusCode.UNAVAILABLE,
                             "server is draining (SIGTERM or SIGINT); send unfinished orders elsewhere",
@@ -160,20 +175,26 @@ class OrderStream:
                     return
                 request = read.result()
                 if request is grpc.aio.EOF:
-                    self._queue.put_nowait(None)
+                    self._orders.put_nowait(None)
                     return
+                if request.WhichOneof("kind") == "cancel":
+                    if request.cancel.order_id in self._live:
+                        self._cancelled.add(request.cancel.order_id)
+                    continue
                 error = self._check(request)
                 if error:
-                    self._queue.put_nowait(error)
+                    self._orders.put_nowait(error)
                     return
-                await self._start_order(request.order, per_chunk)
+                self._inflight += 1
+                self._live.add(request.order.order_id)
+                self._orders.put_nowait((request.order, time.monotonic()))
         except asyncio.CancelledError:
             pass
         except DecodeError as exc:  # a message that is not a StreamRequest
-            self._queue.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}"))
+            self._orders.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}"))
         except Exception as exc:  # surface server bugs as a stream error, never a hang
             log.exception("stream reader failed")
-            self._queue.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
+            self._orders.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
         finally:
             drain.cancel()
 
@@ -209,14 +230,37 @@ class OrderStream:
             )
         return None
 
-    async def _start_order(self, order: loader_pb2.Order, per_chunk: int) -> None:
-        """Starts rendering an order chunk by chunk, each into a slot of its own, and queues the chunks."""
-        received = time.monotonic()
+    async def _start_orders(self) -> None:
+        """Starts the orders the reader passes on, in turn; passes on the end of the stream."""
+        spec = self._spec
+        per_chunk = limits.samples_per_chunk(
+            self._config.chunk_bytes,
+            limits.sample_bytes(spec.height, spec.width, MASK in spec.fields),
+            bool(spec.fields),
+        )
+        try:
+            while True:
+                item = await self._orders.get()
+                if item is None or isinstance(item, _End):
+                    self._queue.put_nowait(item)
+                    return
+                await self._start_order(*item, per_chunk)
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # surface server bugs as a stream error, never a hang
+            log.exception("stream starter failed")
+            self._queue.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
+
+    async def _start_order(self, order: loader_pb2.Order, received: float, per_chunk: int) -> None:
+        """Starts rendering an order chunk by chunk, each into a slot of its own, and queues the
+        chunks; stops where the client cancelled it."""
         shard = self._shards[order.shard_id]
         indices = np.asarray(order.indices, dtype=np.int64)
         seeds = sample_seeds(order.seed, order.epoch, shard_key(shard.id), indices)
-        self._inflight += 1
         for start in range(0, len(indices), per_chunk):
+            if order.order_id in self._cancelled:
+                self._queue.put_nowait(_Cut(order, received))
+                return
             count = min(per_chunk, len(indices) - start)
             if self._limiter is not None:
                 await self._limiter.take(count)
@@ -231,44 +275,55 @@ class OrderStream:
             self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
 
     async def _write_chunk(self, item: _Pending) -> None:
-        spec = self._spec
         try:
             # Shielded: a cancelled stream must not cancel the chunk's future, which completes
             # only when every worker task is done with the slot.
-            errors, targets = await asyncio.shield(item.future)
-            indices = item.indices[item.start : item.start + item.size]
-            header = loader_pb2.ChunkHeader(
-                order_id=item.order.order_id,
-                start=item.start,
-                count=item.size,
-                order_size=len(item.indices),
-                height=spec.height,
-                width=spec.width,
-                channels=limits.CHANNELS,
-                labels=item.shard.labels[indices].tolist(),
-                errors=[
-                    loader_pb2.SampleError(
-                        position=item.start + pos,
-                        index=int(indices[pos]),
-                        key=item.shard.key(int(indices[pos])),
-                        reason=reason,
-                    )
-                    for pos, reason in errors
-                ],
-            )
-            for record in targets:
-                header.targets.add().MergeFromString(record)
-            nbytes = item.size * limits.sample_bytes(spec.height, spec.width, MASK in spec.fields)
-            chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
-            await self._slots.send(self._context.write(chunk), self._slot_counts)
-            m = self._metrics
-            m.images.inc(item.size)
-            m.bytes.inc(nbytes)
-            if errors:
-                m.decode_errors.inc(len(errors))
+            rendered = await asyncio.shield(item.future)
+            if item.order.order_id not in self._cancelled:  # (cancelled: another server sent it first)
+                await self._send(item, rendered)
         finally:
             self._slots.give_when_done(self._slot_counts, item.slot, item.future)
         if item.start + item.size == len(item.indices):
-            self._inflight -= 1
-            self._metrics.orders.inc()
-            self._metrics.order_latency.observe(time.monotonic() - item.received)
+            self._finish(item.order, item.received)
+
+    def _finish(self, order: loader_pb2.Order, received: float) -> None:
+        """The order's last chunk is written (or it was cancelled): it is no longer in flight."""
+        self._inflight -= 1
+        self._live.discard(order.order_id)
+        self._cancelled.discard(order.order_id)
+        self._metrics.orders.inc()
+        self._metrics.order_latency.observe(time.monotonic() - received)
+
+    async def _send(self, item: _Pending, rendered: Rendered) -> None:
+        spec = self._spec
+        errors, targets = rendered
+        indices = item.indices[item.start : item.start + item.size]
+        header = loader_pb2.ChunkHeader(
+            order_id=item.order.order_id,
+            start=item.start,
+            count=item.size,
+            order_size=len(item.indices),
+            height=spec.height,
+            width=spec.width,
+            channels=limits.CHANNELS,
+            labels=item.shard.labels[indices].tolist(),
+            errors=[
+                loader_pb2.SampleError(
+                    position=item.start + pos,
+                    index=int(indices[pos]),
+                    key=item.shard.key(int(indices[pos])),
+                    reason=reason,
+                )
+                for pos, reason in errors
+            ],
+        )
+        for record in targets:
+            header.targets.add().MergeFromString(record)
+        nbytes = item.size * limits.sample_bytes(spec.height, spec.width, MASK in spec.fields)
+        chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
+        await self._slots.send(self._context.write(chunk), self._slot_counts)
+        m = self._metrics
+        m.images.inc(item.size)
+        m.bytes.inc(nbytes)
+        if errors:
+            m.decode_errors.inc(len(errors))

@@ -113,6 +113,7 @@ class LoaderService:
             max_order_samples=c.max_order_samples,
             max_inflight_orders=c.max_inflight_orders,
             chunk_bytes=c.chunk_bytes,
+            cancels=True,
         )
 
     async def GetKeys(
