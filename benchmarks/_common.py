@@ -130,6 +130,22 @@ def _write_one(job: tuple[str, int, int, int]) -> int:
     return len(buf)
 
 
+def read_manifest(root: pathlib.Path) -> dict | None:
+    """The benchmark manifest of a dataset directory (None: new, empty, or unreadable); a
+    non-empty directory without one was not made by a benchmark and is refused (SystemExit)."""
+    manifest_path = root / MANIFEST
+    manifest = None
+    if manifest_path.exists():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except ValueError:
+            manifest = None
+    if manifest is None and root.exists() and any(root.iterdir()):
+        raise SystemExit(f"{root} exists and was not made by this benchmark (no {MANIFEST}); "
+                         f"pass --data pointing at an empty or new directory")
+    return manifest
+
+
 def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int = 90,
                    processes: int = 1) -> pathlib.Path:
     """Creates or updates ``root`` to hold exactly images 0..count-1 (deterministic per index).
@@ -141,15 +157,7 @@ def ensure_dataset(root: pathlib.Path, count: int, seed: int = 0, quality: int =
     root = pathlib.Path(root).expanduser()
     manifest_path = root / MANIFEST
     wanted = {"generator": GENERATOR_VERSION, "seed": seed, "quality": quality}
-    manifest = None
-    if manifest_path.exists():
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except ValueError:
-            manifest = None
-    if manifest is None and root.exists() and any(root.iterdir()):
-        raise SystemExit(f"{root} exists and was not made by this benchmark (no {MANIFEST}); "
-                         f"pass --data pointing at an empty or new directory")
+    manifest = read_manifest(root)
     root.mkdir(parents=True, exist_ok=True)
     stale = manifest is not None and {k: manifest.get(k) for k in wanted} != wanted
     existing: set[int] = set()

@@ -118,17 +118,7 @@ def ensure_coco(root: pathlib.Path, count: int, processes: int = 1) -> pathlib.P
     A non-empty directory without our manifest is refused, never modified."""
     root = pathlib.Path(root).expanduser()
     manifest_path = root / _common.MANIFEST
-    manifest = None
-    if manifest_path.exists():
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except ValueError:
-            manifest = None
-    if manifest is None and root.exists() and any(root.iterdir()):
-        raise SystemExit(
-            f"{root} exists and was not made by this benchmark (no {_common.MANIFEST}); "
-            f"pass --data pointing at an empty or new directory"
-        )
+    manifest = _common.read_manifest(root)
     parts_dir = root / "parts"
     if manifest is not None and {k: manifest.get(k) for k in GENERATOR} != GENERATOR:
         shutil.rmtree(parts_dir, ignore_errors=True)  # made by another generator version
