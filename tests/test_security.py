@@ -1,6 +1,6 @@
 """TLS, mutual TLS, bearer tokens, the unauthenticated-bind warning and custom pipelines.
 
-Certificates are made here with ``cryptography``: a CA, a server certificate for
+Certificates are made with ``remoteloader.tools.certificates``: a CA, a server certificate for
 IP:127.0.0.1 and DNS:localhost, a client certificate, and a second ("rogue") CA with its
 own client certificate. Four real servers start at once for the whole module:
 
@@ -12,8 +12,6 @@ own client certificate. Four real servers start at once for the whole module:
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import pathlib
 import sys
@@ -23,13 +21,19 @@ import grpc
 import pytest
 import torch
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remoteloader.client import LoaderError, RemoteLoader, TLSConfig
 from remoteloader.protos import codec, loader_pb2
+from remoteloader.tools.certificates import (
+    CLIENT_AUTH,
+    SERVER_AUTH,
+    ip_san,
+    make_ca,
+    make_leaf,
+    write_cert,
+    write_key,
+)
 from remoteloader.tools.local import ServerProcess
 from remoteloader.tools.textures import make_imagefolder
 
@@ -44,67 +48,20 @@ TOKEN = "s3cret-token-0123456789-abcdefXYZ"
 
 
 # ---- certificates ---------------------------------------------------------------------------
-def _key():
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write_key(path: pathlib.Path, key) -> str:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    return str(path)
-
-
-def _write_cert(path: pathlib.Path, cert) -> str:
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(path)
-
-
-def _ca(cn: str):
-    key = _key()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False),
-                           critical=True)
-            .sign(key, hashes.SHA256()))
-    return key, cert
-
-
-def _leaf(ca_key, ca_cert, cn: str, usage, sans=()):
-    key = _key()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    return key, builder.sign(ca_key, hashes.SHA256())
-
-
 class Certs:
     def __init__(self, d: pathlib.Path):
         d.mkdir(parents=True, exist_ok=True)
-        ca_key, ca_cert = _ca("remoteloader test CA")
-        self.ca = _write_cert(d / "ca.pem", ca_cert)
-        key, cert = _leaf(ca_key, ca_cert, "loader", ExtendedKeyUsageOID.SERVER_AUTH,
-                          [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
-        self.server_cert, self.server_key = _write_cert(d / "server.pem", cert), _write_key(d / "server.key", key)
-        key, cert = _leaf(ca_key, ca_cert, "trainer", ExtendedKeyUsageOID.CLIENT_AUTH)
-        self.client_cert, self.client_key = _write_cert(d / "client.pem", cert), _write_key(d / "client.key", key)
-        rogue_key, rogue_cert = _ca("rogue CA")
-        self.rogue_ca = _write_cert(d / "rogue-ca.pem", rogue_cert)
-        key, cert = _leaf(rogue_key, rogue_cert, "intruder", ExtendedKeyUsageOID.CLIENT_AUTH)
-        self.rogue_cert, self.rogue_key = _write_cert(d / "rogue.pem", cert), _write_key(d / "rogue.key", key)
+        ca_key, ca_cert = make_ca("remoteloader test CA")
+        self.ca = write_cert(d / "ca.pem", ca_cert)
+        key, cert = make_leaf(ca_key, ca_cert, "loader", SERVER_AUTH,
+                             [ip_san("127.0.0.1"), x509.DNSName("localhost")])
+        self.server_cert, self.server_key = write_cert(d / "server.pem", cert), write_key(d / "server.key", key)
+        key, cert = make_leaf(ca_key, ca_cert, "trainer", CLIENT_AUTH)
+        self.client_cert, self.client_key = write_cert(d / "client.pem", cert), write_key(d / "client.key", key)
+        rogue_key, rogue_cert = make_ca("rogue CA")
+        self.rogue_ca = write_cert(d / "rogue-ca.pem", rogue_cert)
+        key, cert = make_leaf(rogue_key, rogue_cert, "intruder", CLIENT_AUTH)
+        self.rogue_cert, self.rogue_key = write_cert(d / "rogue.pem", cert), write_key(d / "rogue.key", key)
 
 
 # ---- the servers ----------------------------------------------------------------------------

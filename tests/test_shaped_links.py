@@ -2,7 +2,7 @@
 
 The shaped-link test runs two replicas of one shard, each in a network namespace of its own
 behind a veth pair shaped with ``tc tbf`` (tools/shaped_links.py), bound to their
-198.18.0.0/15 addresses with a token; it skips, naming the reason, where user and network
+198.18.0.0/15 addresses with a token (and TLS in one case); it skips, naming the reason, where user and network
 namespaces cannot be made. Its figure for the links' utilization is a loose bound, for a
 shared 2-core machine: ``benchmarks/shaped_links.py`` measures it.
 """
@@ -24,12 +24,12 @@ pytestmark = pytest.mark.timeout(240)
 STREAM = f"/{SERVICE}/Stream"
 
 
-@pytest.mark.parametrize("rates", [(40, 200), (20, 200)], ids=["1:5", "1:10"])
-def test_replicas_behind_shaped_links_share_an_epoch_by_link_speed_exactly_once(rates):
+@pytest.mark.parametrize("rates, tls", [((40, 200), False), ((20, 200), True)], ids=["1:5 token", "1:10 TLS+token"])
+def test_replicas_behind_shaped_links_share_an_epoch_by_link_speed_exactly_once(rates, tls):
     reason = shaped_links.available()
     if reason:
         pytest.skip(f"shaped links cannot be made here: {reason}")
-    report = shaped_links.measure(list(rates), samples=8000, image_size=96, batch_size=64, timeout=200)
+    report = shaped_links.measure(list(rates), samples=8000, image_size=96, batch_size=64, tls=tls, timeout=200)
     assert report["samples"] == report["distinct"] == report["expected"] * 64, report  # exactly once
     slow = next(s for s in report["servers"].values() if s["rate_mbit"] == min(rates))
     assert slow["share"] > 0.5 * slow["ideal_share"], report  # the slow replica takes part ...

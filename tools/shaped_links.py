@@ -7,7 +7,8 @@ its own (no route out). There it makes one namespace per server, joined to its o
 pair in 198.18.0.0/15, the range kept for network benchmarks: server ``i`` at
 ``198.18.<i+1>.2``, this side ``198.18.<i+1>.1``. The server->trainer direction is shaped with
 ``tc tbf`` at the rate asked for (Mbit/s), so each server's link, not its CPU, is what limits it.
-The servers bind that address (not loopback) with a token (TLS is not tried here yet); by
+The servers bind that address (not loopback) with a token, and with TLS (``--tls``: a CA and a
+certificate per server for its address, made for the run); by
 default they serve the same ``--synthetic`` shard, so they are replicas and the loader
 splits the work between them. A warm-up epoch is read, then a timed one, and a JSON report
 printed: images/s, each server's share (and the ideal one, its rate over the sum), and the
@@ -104,6 +105,7 @@ def _run_inside(args: argparse.Namespace) -> dict:
     token = work / "token"
     token.write_text(TOKEN)
     flags = ["--token-file", str(token), "--workers", "1", "--log-level", "WARNING"]
+    tls = _certificates(work, len(args.rates)) if args.tls else None
     servers = []
     try:
         addresses = []
@@ -122,6 +124,11 @@ def _run_inside(args: argparse.Namespace) -> dict:
                 "--port",
                 "50051",
                 *flags,
+                *(
+                    ["--tls-cert", str(work / f"server{i}.pem"), "--tls-key", str(work / f"server{i}.key")]
+                    if tls
+                    else []
+                ),
                 *args.server_args,
             ]
             servers.append(ServerProcess(argv, log_path=work / f"server{i}.log"))
@@ -134,6 +141,7 @@ def _run_inside(args: argparse.Namespace) -> dict:
             image_size=args.image_size,
             pipeline="eval",
             token=TOKEN,
+            tls=tls,
             return_ids=True,
             seed=1,
             **json.loads(args.loader_args),
@@ -179,15 +187,30 @@ def _run_inside(args: argparse.Namespace) -> dict:
             server.stop(10)
 
 
+def _certificates(work: pathlib.Path, count: int):
+    """A CA, and a certificate for each server's address signed by it; the loader's TLSConfig."""
+    from remoteloader.client import TLSConfig
+    from remoteloader.tools.certificates import SERVER_AUTH, ip_san, make_ca, make_leaf, write_cert, write_key
+
+    ca_key, ca_cert = make_ca("shaped links CA")
+    for i in range(count):
+        key, cert = make_leaf(ca_key, ca_cert, f"loader {i}", SERVER_AUTH, [ip_san(f"198.18.{i + 1}.2")])
+        write_cert(work / f"server{i}.pem", cert)
+        write_key(work / f"server{i}.key", key)
+    return TLSConfig(write_cert(work / "ca.pem", ca_cert))
+
+
 def measure(rates: list[float], timeout: float = 300, **options) -> dict:
     """Runs one shaped epoch in a fresh user and network namespace; returns its report.
 
-    Options: samples, image_size, batch_size, data (paths), loader_args (dict),
+    Options: samples, image_size, batch_size, tls (bool), data (paths), loader_args (dict),
     server_args (list)."""
     argv = [sys.executable, "-m", "remoteloader.tools.shaped_links", "--inside", "--rates", ",".join(map(str, rates))]
     for name in ("samples", "image_size", "batch_size"):
         if name in options:
             argv += [f"--{name.replace('_', '-')}", str(options[name])]
+    if options.get("tls"):
+        argv.append("--tls")
     if options.get("data"):
         argv += ["--data", *map(str, options["data"])]
     argv += ["--loader-args", json.dumps(options.get("loader_args", {}))]
@@ -216,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=20000, help="samples of the synthetic shard")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--tls", action="store_true", help="servers serve TLS (a CA made for the run)")
     parser.add_argument("--data", nargs="*", default=None, help="serve these paths instead of a synthetic shard")
     parser.add_argument("--loader-args", default="{}", help="JSON of further RemoteLoader arguments")
     parser.add_argument("--server-arg", dest="server_args", action="append", default=[])
@@ -231,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             samples=args.samples,
             image_size=args.image_size,
             batch_size=args.batch_size,
+            tls=args.tls,
             data=args.data,
             loader_args=json.loads(args.loader_args),
             server_args=args.server_args,
