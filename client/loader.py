@@ -99,6 +99,8 @@ class RemoteLoader:
             ``label`` (or fields is given), each batch is a dict: "images", "label" (a tensor),
             "mask" (uint8 [B, H, W]) and each other field as a list of per-sample tensors, all on
             ``device``; otherwise batches are (images, labels) tuples as for classification.
+            (With None, a loader whose servers carry targets connects twice at start, once to
+            learn the fields; naming them saves that.)
         ordered: Yield batches in plan order (reproducible, default True) or as they complete.
         on_error: What to do with samples a server could not decode: "raise" (default),
             "warn" or "skip" (the batch comes without them), or a callable taking a list of

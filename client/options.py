@@ -97,6 +97,8 @@ class LoaderOptions:
         size = _size(image_size)
         setup = _setup(pipeline, size)
         fields = _fields(fields)
+        if fields is not None:  # what the streams ask for; "label" always travels
+            setup.fields.extend(f for f in fields if f != tg.LABEL)
         shuffle = bool(shuffle)
         seed = check_int("seed", seed, 0, UINT64)
         drop_last = bool(drop_last)
