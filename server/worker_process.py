@@ -167,7 +167,7 @@ class _Samples:
             try:
                 if isinstance(self.pipeline, str):
                     raise DecodeError(self.pipeline)
-                if with_targets:
+                if with_targets or location[7] >= 0:  # (a --source's sample comes with its targets)
                     record = self._with_targets(out, masks, i, location, seed)
                 else:
                     data, verified = self._read(location)

@@ -473,6 +473,13 @@ def test_a_source_plugin_serves_its_samples_with_replicas_and_clear_errors(tmp_p
             None,
             "source sample 0",
         )
+        # A classification loader on the same source: labels only, and the images still come.
+        seen.clear()
+        labelled = one_epoch(servers[0].address, batch_size=5, pipeline="eval", shuffle=False, fields=["label"],
+                             on_error=seen.extend)
+        assert {f.key for f in seen} == {"item-3", "item-7"}
+        assert set(labelled[0]) == {"images", "label"} and labelled[0]["label"].tolist() == [0, 1, 0, 1, 0]
+        assert labelled[0]["images"][0].float().mean() > 0
     finally:
         for server in servers:
             server.stop()
