@@ -78,8 +78,9 @@ class RemoteLoader:
         batch_size: Samples per batch (default 256).
         image_size: Output size, an int or (height, width) (default 224).
         pipeline: ``"train"`` (random resized crop + flip), ``"eval"`` (resize + center
-            crop), or an albumentations pipeline (``A.Compose``, or its ``A.to_dict``), which
-            the servers must allow (default "train").
+            crop), ``"detection-train"``, ``"detection-eval"``, ``"segmentation-train"``,
+            ``"segmentation-eval"`` (README, "Targets"), or an albumentations pipeline
+            (``A.Compose``, or its ``A.to_dict``), which the servers must allow (default "train").
         shuffle: Shuffle the union of all servers' samples every epoch (default True).
         seed: Seeds the shuffle and every sample's augmentation (default 0).
         drop_last: Drop the last incomplete batch (default True).
@@ -96,9 +97,11 @@ class RemoteLoader:
             dict batches, the dict holds "ids".
         fields: The target fields to receive (README, "Targets"): e.g. ``["bboxes", "bbox_labels"]``.
             Default None: every field the servers' shards carry. When that is more than the class
-            ``label`` (or fields is given), each batch is a dict: "images", "label" (a tensor),
-            "mask" (uint8 [B, H, W]) and each other field as a list of per-sample tensors, all on
-            ``device``; otherwise batches are (images, labels) tuples as for classification.
+            ``label`` (or fields is given), each batch is a dict of "images" and those fields:
+            "label" a tensor, "mask" uint8 [B, H, W] (zeros for a sample without one), each other
+            field a list of per-sample tensors (empty, or None for an extra array, where a sample
+            has none), all on ``device``; otherwise batches are (images, labels) tuples as for
+            classification.
             (With None, a loader whose servers carry targets connects twice at start, once to
             learn the fields; naming them saves that.)
         ordered: Yield batches in plan order (reproducible, default True) or as they complete.
