@@ -14,6 +14,7 @@ the training loop behind the ``Delivery`` contract (``delivery.py``: ``host_deli
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import logging
 import os
@@ -23,7 +24,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,9 @@ log = logging.getLogger("remoteloader.client")
 
 _OPEN: weakref.WeakSet[RemoteLoader] = weakref.WeakSet()  # closed at exit, while threads still run
 _KEY_BLOCK = 1024
+# Above this share of an epoch spent waiting for data, the loader logs a warning (once).
+WAIT_WARNING = 0.2
+_EPOCHS_KEPT = 100  # epochs stats() reports
 
 
 @dataclass
@@ -59,6 +63,8 @@ class _Throughput:
     bytes: int = 0
     wait_s: float = 0.0
     start: float | None = None  # when the first batch was asked for
+    epochs: collections.deque[dict] = field(default_factory=lambda: collections.deque(maxlen=_EPOCHS_KEPT))
+    warned: bool = False  # of waiting for data
 
 
 class RemoteLoader:
@@ -390,8 +396,10 @@ class RemoteLoader:
         """Throughput, the time the loop waited for data, and per-server counters.
 
         Rates and the wait fraction are averages since the first batch was asked for (time
-        the loader sat idle between epochs included); the servers' counters are those at
-        close() once it is closed."""
+        the loader sat idle between epochs included); ``epochs`` has one entry per epoch played
+        to its end (the last 100): its images, seconds, images/s and the share of it the loop
+        waited for data (the log has the same line, and a warning once when that share passes
+        ``WAIT_WARNING``, 0.2); the servers' counters are those at close() once it is closed."""
         s = self._throughput
         elapsed = (time.perf_counter() - s.start) if s.start else 0.0
         per_server = self._final_servers if self._closed else self._io.server_stats()
@@ -404,6 +412,7 @@ class RemoteLoader:
             "bytes_per_s": s.bytes / elapsed if elapsed else 0.0,
             "wait_s": s.wait_s,
             "wait_fraction": s.wait_s / elapsed if elapsed else 0.0,
+            "epochs": list(s.epochs),
             "servers": per_server,
         }
 
@@ -426,6 +435,8 @@ class RemoteLoader:
     def _iterate(self, epoch: int, source: queue.Queue[Item], token: int) -> Iterator:
         out = self._delivery.start(source)
         finished = False
+        s = self._throughput
+        begun, waited_before, images_before = time.perf_counter(), s.wait_s, s.images
         try:
             while True:
                 waited = time.perf_counter()
@@ -452,6 +463,35 @@ class RemoteLoader:
                 self._abandon(token)
             else:
                 self._position.finished(epoch)
+                self._epoch_done(epoch, time.perf_counter() - begun, s.wait_s - waited_before, s.images - images_before)
+
+    def _epoch_done(self, epoch: int, seconds: float, waited: float, images: int) -> None:
+        """One line per epoch played to its end (stats()["epochs"] and the log); a warning, once,
+        when the loop waited for data more than WAIT_WARNING of the epoch."""
+        s = self._throughput
+        share = waited / seconds if seconds else 0.0
+        rate = images / seconds if seconds else 0.0
+        s.epochs.append(
+            {"epoch": epoch, "images": images, "seconds": seconds, "images_per_s": rate, "wait_fraction": share}
+        )
+        log.info(
+            "epoch %d: %d images in %.1fs (%.0f images/s); the loop waited for data %.0f%% of it",
+            epoch,
+            images,
+            seconds,
+            rate,
+            100 * share,
+        )
+        if share > WAIT_WARNING and not s.warned:
+            s.warned = True
+            log.warning(
+                "epoch %d: the training loop waited for data %.0f%% of the time (%.0f images/s): its input is "
+                "the limit. More loader servers (or servers with more cores, or faster links to them) would "
+                "feed it faster; stats()['epochs'] and ['servers'] show each epoch and each server",
+                epoch,
+                100 * share,
+                rate,
+            )
 
     def _get(self, out: Readable[Output], token: int) -> Output:
         while True:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -328,6 +329,25 @@ def test_stats_count_what_was_delivered(servers):
     assert sum(s["samples"] for s in per_server.values()) == TOTAL
     for address, s in per_server.items():
         assert s["orders"] > 0 and s["failures"] == 0 and s["reconnects"] == 0 and s["state"] == "up", (address, s)
+
+
+def test_each_epoch_is_one_line_of_stats_and_waiting_for_data_is_warned_of_once(servers, caplog):
+    # The slow synthetic server alone: a loop that does nothing waits for nearly every batch.
+    with RemoteLoader(servers.slow, batch_size=8, image_size=SIZE, drop_last=False) as loader:
+        with caplog.at_level(logging.INFO, logger="remoteloader.client"):
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                for _ in loader:
+                    pass
+        epochs = loader.stats()["epochs"]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    for e in epochs:
+        assert e["images"] == SYNTHETIC + 1 and e["seconds"] > 0 and e["images_per_s"] > 0
+        assert e["wait_fraction"] > 0.5, e
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("images/s); the loop waited for data" in m for m in lines) == 2, lines
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "waited for data" in r.getMessage()]
+    assert len(warned) == 1 and "epoch 0" in warned[0].getMessage(), lines
 
 
 # ---- uneven servers ---------------------------------------------------------------------
