@@ -73,7 +73,7 @@ class SampleSpace:
                 s.label_map = np.asarray([index[c] for c in s.class_names], dtype=np.int64)
         # Fields in the order of protos.targets.FIELDS, then the extras by name.
         found = {f for s in self.shards for f in s.fields}
-        self.fields = tuple(f for f in tg.FIELDS if f in found) + tuple(sorted(found - set(tg.FIELDS)))
+        self.fields = tg.in_order(found)
         self.num_samples = offset
         self._starts = np.asarray([s.offset for s in self.shards], dtype=np.int64)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -57,6 +57,12 @@ def check_field_name(name: object) -> str:
             f"other than {', '.join(RESERVED)}"
         )
     return name
+
+
+def in_order(names: Iterable[str]) -> tuple[str, ...]:
+    """Field names in the order of FIELDS, then the extras by name: how shards and loaders list them."""
+    found = set(names)
+    return tuple(f for f in FIELDS if f in found) + tuple(sorted(found - set(FIELDS)))
 
 
 def to_message(arrays: Mapping[str, np.ndarray], error: str = "") -> loader_pb2.Targets:

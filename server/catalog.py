@@ -99,7 +99,7 @@ class Shard:
         self._target_ends = np.frombuffer(table.target_ends, dtype=np.int64).copy()
         found = set(fields) | ({tg.LABEL} if len(self.labels) and bool(np.any(self.labels >= 0)) else set())
         # In the order of tg.FIELDS, then the extras by name.
-        self.fields: tuple[str, ...] = tuple(f for f in tg.FIELDS if f in found) + tuple(sorted(found - set(tg.FIELDS)))
+        self.fields: tuple[str, ...] = tg.in_order(found)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -359,12 +359,8 @@ def _add_tar_targets(table: KeyTable, extras: dict[int, dict[str, object]], path
             message.mask_offset, message.mask_length = mask  # type: ignore[misc]
             fields[tg.MASK] = None
         fields.update(dict.fromkeys(arrays))
-        data = message.SerializeToString()
-        if len(data) > tg.MAX_TARGET_BYTES:
-            data = tg.to_message(
-                {}, f"targets of {len(data)} bytes, over the limit of {tg.MAX_TARGET_BYTES}"
-            ).SerializeToString()
-            bad += 1
+        data, fits = tg.stored(message)
+        bad += not fits
         table.targets += data
         table.target_ends.append(len(table.targets))
     if bad:

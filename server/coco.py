@@ -92,12 +92,8 @@ class CocoShard(Shard):
                 message = loader_pb2.Targets(error=f"image file {root / file_name} is missing or empty")
             keypoints_seen |= has_keypoints
             dropped += gone
-            data = message.SerializeToString()
-            if len(data) > tg.MAX_TARGET_BYTES:
-                data = loader_pb2.Targets(
-                    error=f"targets of {len(data)} bytes, over the limit of {tg.MAX_TARGET_BYTES}"
-                ).SerializeToString()
-                bad += 1
+            data, fits = tg.stored(message)
+            bad += not fits
             table.add(file_name, -1, 0, size, data)
             digest.update(f"{file_name}\0{size}\n".encode())
         if not len(table):

@@ -178,11 +178,10 @@ def _with_processors(compose: A.Compose, fields: tuple[str, ...]) -> A.Compose:
     """The compose with exactly the box and keypoint processors the stream's fields need: a
     custom pipeline's own bbox_params / keypoint_params when they fit how targets travel,
     ours (BBOX_PARAMS, KEYPOINT_PARAMS) otherwise."""
-    processors = getattr(compose, "processors", {})
+    own = _processor_params(compose)
     wanted: dict[str, object] = {}
     if tg.BBOXES in fields or tg.BBOX_LABELS in fields:
-        own = processors.get("bboxes")
-        params = own.params if own is not None else A.BboxParams(**BBOX_PARAMS)
+        params = own.get("bbox_params") or A.BboxParams(**BBOX_PARAMS)
         if params.format != "pascal_voc" or list(params.label_fields or []) != [tg.BBOX_LABELS]:
             raise PipelineError(
                 f"the pipeline's bbox_params have format={params.format!r} and label_fields="
@@ -190,15 +189,14 @@ def _with_processors(compose: A.Compose, fields: tuple[str, ...]) -> A.Compose:
             )
         wanted["bbox_params"] = params
     if tg.KEYPOINTS in fields:
-        own = processors.get("keypoints")
-        params = own.params if own is not None else A.KeypointParams(**KEYPOINT_PARAMS)
+        params = own.get("keypoint_params") or A.KeypointParams(**KEYPOINT_PARAMS)
         if params.format != "xy" or params.remove_invisible or params.label_fields:
             raise PipelineError(
                 "the pipeline's keypoint_params must have format='xy', remove_invisible=False and no label_fields: "
                 "points that leave the image are kept, with visibility 0"
             )
         wanted["keypoint_params"] = params
-    if not wanted and not processors:
+    if not wanted and not own:
         return compose
     return A.Compose(list(compose.transforms), p=compose.p, **wanted)
 

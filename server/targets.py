@@ -29,6 +29,7 @@ from remoteloader.protos.targets import (
     TargetError,
     arrays_of,
     check_field_name,
+    in_order,
     to_message,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "TargetError",
     "arrays_of",
     "check_field_name",
+    "in_order",
     "to_message",
 ]
 
@@ -179,6 +181,17 @@ def _extra(name: str, value: object) -> np.ndarray:
 
 
 # ---- storage -------------------------------------------------------------------------------
+def stored(message: loader_pb2.Targets) -> tuple[bytes, bool]:
+    """The message as a catalog keeps it, and whether it fits: one over MAX_TARGET_BYTES is kept
+    as that error instead (its sample then fails with it when served)."""
+    data = message.SerializeToString()
+    if len(data) <= MAX_TARGET_BYTES:
+        return data, True
+    return to_message(
+        {}, f"targets of {len(data)} bytes, over the limit of {MAX_TARGET_BYTES}"
+    ).SerializeToString(), False
+
+
 def check_size(message: loader_pb2.Targets, where: str) -> bytes:
     """The serialized message; raises TargetError when it is over MAX_TARGET_BYTES."""
     data = message.SerializeToString()
