@@ -22,6 +22,8 @@ import time
 import cv2
 import numpy as np
 
+from remoteloader.client import cpu
+
 GENERATOR_VERSION = 1
 MANIFEST = ".remoteloader-bench.json"
 NUM_CLASSES = 10
@@ -278,32 +280,12 @@ def default_cores() -> int:
 
 # ---- CPU accounting over process trees -------------------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _proc_table() -> dict[int, tuple[int, float]]:
-    """pid -> (ppid, user+system CPU seconds) for every process we can read."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                raw = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = raw[raw.rfind(")") + 2:].split()
-        # fields[0] is state (field 3); ppid is field 4; utime, stime are fields 14, 15.
-        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
-    return table
-
-
 def cpu_split(me: int, server: int | None) -> dict[str, float]:
     """CPU seconds so far of: this process (all its threads), its other descendants
     (DataLoader workers), the server's main process, and the server's descendants
     (forkserver and decode workers). Processes that have exited are not counted.
     """
-    table = _proc_table()
+    table = cpu.processes()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)

@@ -54,6 +54,7 @@ from PIL import Image  # noqa: E402
 from throughput import _raise_exit, _worker_init, shutdown_dataloader  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
+from remoteloader.client import cpu  # noqa: E402
 from remoteloader.server.pipelines import PipelineSpec, build_compose  # noqa: E402
 from remoteloader.tools.local import LocalServer  # noqa: E402
 from remoteloader.tools.shapes import CATEGORIES, make_coco  # noqa: E402
@@ -292,7 +293,7 @@ CPU_PARTS = ("client", "client_children", "server_main", "server_workers")
 def cpu_split(me: int, servers: list[int]) -> dict[str, float]:
     """CPU seconds so far of: this process, its descendants other than the servers (DataLoader
     workers, the receiver process), the servers' main processes and their descendants."""
-    table = _common._proc_table()
+    table = cpu.processes()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)

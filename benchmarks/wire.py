@@ -13,6 +13,11 @@ remoteloader's; the rest is grpcio's receive path and the kernel's.
     python benchmarks/wire.py [--servers 1 3] [--epochs 4] [--image-size 224] [--batch-size 256]
     python benchmarks/wire.py --servers 1 --chunk-bytes 1048576 2097152 4194304 8388608   # message size sweep
     python benchmarks/wire.py --receiver grpcio thread   # RemoteLoader against grpcio alone
+    python benchmarks/wire.py --codecs   # each wire encoding on one core: bytes, encode/decode ms, PSNR
+
+``--codecs`` runs the wire encodings (``protos.wire``, the code the servers and clients run)
+on 224 px "train" crops of the benchmark's photos, one core, no network: bytes per image,
+encode ms (a decode worker's extra cost), decode ms (the receiver's), and PSNR.
 """
 
 from __future__ import annotations
@@ -28,19 +33,11 @@ import grpc
 import numpy as np
 
 from remoteloader.client import RemoteLoader
+from remoteloader.client.cpu import process_cpu
 from remoteloader.client.link import channel_options
 from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc, malloc
 from remoteloader.server.config import ServerConfig
 from remoteloader.tools.local import LocalServer
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds of a process and its reaped children (from /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(v) for v in fields[11:15]) / TICKS
 
 
 def self_cpu() -> float:
@@ -150,6 +147,43 @@ def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
     return {"servers": servers, "chunk_bytes": chunk_bytes, "receiver": receiver, **median}
 
 
+def codecs(args) -> None:
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import _common
+
+    from remoteloader.protos import wire
+    from remoteloader.server.pipelines import Pipeline, PipelineSpec
+
+    samples, _ = _common.list_samples(_common.ensure_dataset(_common.DEFAULT_DATA, 2000)
+                                      if not _common.read_manifest(_common.DEFAULT_DATA) else _common.DEFAULT_DATA)
+    size = args.image_size
+    pipeline = Pipeline(PipelineSpec("train", size, size), False, 1 << 26, True)
+    crops = [np.ascontiguousarray(pipeline(open(path, "rb").read(), i))
+             for i, (path, _) in enumerate(samples[:: max(1, len(samples) // args.photos)][:args.photos])]
+    raw = crops[0].nbytes
+    print(f"{len(crops)} train crops of {size} px ({raw} raw bytes each), one core")
+    print("| wire | bytes/image | ratio | encode ms/image | decode ms/image | PSNR dB (worst) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in ("zstd", "jpeg95"):
+        encoder = wire.Encoder(name)
+        start = time.process_time()
+        encoded = [encoder.image(c) for c in crops]
+        encode = (time.process_time() - start) / len(crops)
+        out = [np.empty_like(c) for c in crops]
+        start = time.process_time()
+        for data, o, c in zip(encoded, out, crops):
+            wire.decode_part(name, memoryview(data if data is not None else c.tobytes()), o, mask=False)
+        decode = (time.process_time() - start) / len(crops)
+        nbytes = sum(len(d) if d is not None else raw for d in encoded) / len(crops)
+        mse = [float(np.mean((o.astype(np.float64) - c) ** 2)) for o, c in zip(out, crops)]
+        worst = "exact" if max(mse) == 0 else f"{10 * np.log10(255 ** 2 / max(mse)):.1f}"
+        print(f"| {name} | {nbytes / 1e3:.1f} KB | {raw / nbytes:.2f}x | {encode * 1e3:.2f} | {decode * 1e3:.2f} "
+              f"| {worst} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 3])
@@ -165,7 +199,12 @@ def main() -> None:
                         help="where the client receives: an I/O thread of the training process, or a child "
                              "process; grpcio: the streams read with grpcio alone, no remoteloader client")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--codecs", action="store_true", help="time the wire encodings on photos instead")
+    parser.add_argument("--photos", type=int, default=300, help="photos for --codecs")
     args = parser.parse_args()
+    if args.codecs:
+        codecs(args)
+        return
     results = [measure(n, c, r, args) for c in args.chunk_bytes for r in args.receiver for n in args.servers]
     print(f"wire alone, {args.image_size}x{args.image_size} RGB, batch {args.batch_size}, "
           f"median of {args.epochs} epochs, {os.cpu_count()} CPUs")

@@ -33,7 +33,7 @@ import numpy as np
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.link import Link, LinkState, describe_error
 from remoteloader.client.sample_space import SampleSpace, ShardInfo
-from remoteloader.protos import codec, limits, loader_pb2
+from remoteloader.protos import codec, limits, loader_pb2, wire
 from remoteloader.protos import targets as tg
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class Engine:
         self.order_size = 1
         self.fields = tuple(f for f in setup.fields if f != tg.MASK)  # the targets kept per row
         self.masks = tg.MASK in setup.fields
+        self.encoded = setup.wire not in ("", wire.RAW)  # chunks carry encoded parts (protos.wire)
         self._order_ids = itertools.count(1)
         self._pending: list[_Order] = []  # FIFO: failed orders go back to its front
         self._run: _Run | None = None
@@ -365,7 +366,7 @@ class Engine:
         header, pixels = chunk
         order = link.order(header.order_id)
         if order is None and link.dropped(header.order_id):  # already on the way when it was cancelled
-            link.received(len(pixels), header.count)
+            link.received(len(pixels), header.count, header.workers_busy)
             return
         h, w = self.setup.height, self.setup.width
         expected = header.count * limits.sample_bytes(h, w, self.masks)
@@ -377,7 +378,7 @@ class Engine:
             or header.height != h
             or header.width != w
             or header.channels != limits.CHANNELS
-            or len(pixels) != expected
+            or (len(pixels) > expected if self.encoded else len(pixels) != expected)
             or len(header.labels) != header.count
             or len(header.targets) != (header.count if self.setup.fields else 0)
         ):
@@ -388,6 +389,14 @@ class Engine:
                 )
             )
             return
+        parts = None
+        if self.encoded:  # each sample's part of the payload (Setup.wire), checked before any is read
+            try:
+                image, mask = limits.sample_bytes(h, w), h * w if self.masks else 0
+                parts = wire.parts(list(header.encoded_sizes), header.count, image, mask, len(pixels))
+            except ValueError as exc:
+                link.fail(ConnectionError(f"malformed chunk from {link.address} (order {header.order_id}): {exc}"))
+                return
         targets = None
         if self.fields and not order.cancelled:
             try:
@@ -395,28 +404,24 @@ class Engine:
             except tg.TargetError as exc:
                 link.fail(ConnectionError(f"malformed targets from {link.address} (order {header.order_id}): {exc}"))
                 return
-        link.received(len(pixels), header.count)
+        link.received(len(pixels), header.count, header.workers_busy)
         if not order.cancelled:
             assert self.space is not None, "orders are only sent while an epoch runs"
             batch = order.batch
             rows = order.positions[header.start : header.start + header.count]
-            images = header.count * limits.sample_bytes(h, w)
-            block = np.frombuffer(pixels[:images], dtype=np.uint8).reshape(header.count, h, w, limits.CHANNELS)
-            contiguous = rows[-1] - rows[0] == len(rows) - 1
-            if contiguous:  # one slice copy
-                batch.pixels[rows[0] : rows[-1] + 1] = block
+            if parts is None:
+                self._copy(batch, order.shard, rows, pixels)
             else:
-                batch.pixels[rows] = block
-            if batch.masks is not None:
-                masks = np.frombuffer(pixels[images:], dtype=np.uint8).reshape(header.count, h, w)
-                if contiguous:
-                    place = batch.masks[rows[0] : rows[-1] + 1]
-                    place[...] = masks
-                    self.space.global_masks(order.shard, place)
-                else:
-                    masks = masks.copy()
-                    self.space.global_masks(order.shard, masks)
-                    batch.masks[rows] = masks
+                try:
+                    self._decode(batch, order.shard, rows, pixels, parts)
+                except ValueError as exc:
+                    link.fail(
+                        ConnectionError(
+                            f"bad {self.setup.wire} chunk from {link.address} (order {header.order_id}, "
+                            f"start {header.start}): {exc}"
+                        )
+                    )
+                    return
             batch.labels[rows] = self.space.global_labels(order.shard, np.asarray(header.labels, dtype=np.int64))
             if targets is not None:
                 self._keep_targets(batch, order.shard, rows, targets)
@@ -438,6 +443,44 @@ class Engine:
                 # Only now: a server that failed half-way must not leave its reports behind.
                 self._credit(order, order.samples - order.credited)
             self._pump()
+
+    def _copy(self, batch: Batch, shard: ShardInfo, rows: np.ndarray, pixels: memoryview) -> None:
+        """A raw chunk's pixels (and masks) into its rows."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        h, w = self.setup.height, self.setup.width
+        count = len(rows)
+        images = count * limits.sample_bytes(h, w)
+        block = np.frombuffer(pixels[:images], dtype=np.uint8).reshape(count, h, w, limits.CHANNELS)
+        contiguous = rows[-1] - rows[0] == len(rows) - 1
+        if contiguous:  # one slice copy
+            batch.pixels[rows[0] : rows[-1] + 1] = block
+        else:
+            batch.pixels[rows] = block
+        if batch.masks is not None:
+            masks = np.frombuffer(pixels[images:], dtype=np.uint8).reshape(count, h, w)
+            if contiguous:
+                place = batch.masks[rows[0] : rows[-1] + 1]
+                place[...] = masks
+                self.space.global_masks(shard, place)
+            else:
+                masks = masks.copy()
+                self.space.global_masks(shard, masks)
+                batch.masks[rows] = masks
+
+    def _decode(
+        self, batch: Batch, shard: ShardInfo, rows: np.ndarray, pixels: memoryview, parts: list[tuple[int, int]]
+    ) -> None:
+        """An encoded chunk's parts (protos.wire), each decoded straight into its row; ValueError
+        for a part that does not decode to exactly its row."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        count = len(rows)
+        for i, row in enumerate(rows.tolist()):
+            offset, size = parts[i]
+            wire.decode_part(self.setup.wire, pixels[offset : offset + size], batch.pixels[row], mask=False)
+            if batch.masks is not None:
+                offset, size = parts[count + i]
+                wire.decode_part(self.setup.wire, pixels[offset : offset + size], batch.masks[row], mask=True)
+                self.space.global_masks(shard, batch.masks[row : row + 1])
 
     def _credit(self, order: _Order, count: int) -> None:
         """``count`` more of ``order``'s samples are in their batch, with the reports so far."""

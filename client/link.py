@@ -146,6 +146,8 @@ class Link(Generic[OrderT]):
         self.reconnects = 0
         self.outstanding = 0  # samples sent and not yet received
         self.rate = 0.0  # samples/s while busy, a moving average (0: not measured yet)
+        self.workers_busy = 0.0  # the server's decode workers' busy share, as it last said
+        self.busy_samples = 0.0  # the sum of workers_busy over the samples received (averages over a span)
         self.last_error = ""
         self.gave_up = ""  # why it is DEAD, if it is
         self._inflight: dict[int, OrderT] = {}
@@ -182,7 +184,7 @@ class Link(Generic[OrderT]):
         """The orders in flight."""
         return list(self._inflight.values())
 
-    def counters(self) -> dict[str, int | str]:
+    def counters(self) -> dict[str, int | float | str]:
         """Its counters and state, as ``stats()["servers"]`` reports them."""
         return {
             "orders": self.orders_sent,
@@ -190,6 +192,9 @@ class Link(Generic[OrderT]):
             "bytes": self.bytes_received,
             "failures": self.failures,
             "reconnects": self.reconnects,
+            "workers": self.describe.workers if self.describe is not None else 0,
+            "workers_busy": self.workers_busy,
+            "busy_samples": self.busy_samples,
             "state": self.state.value,
         }
 
@@ -268,10 +273,12 @@ class Link(Generic[OrderT]):
         self.orders_sent += 1
         self._outbox.put_nowait(loader_pb2.StreamRequest(order=request))
 
-    def received(self, nbytes: int, samples: int) -> None:
+    def received(self, nbytes: int, samples: int, workers_busy: float) -> None:
         """Counts a well-formed chunk and updates the rate from its arrival (the gap since the
-        previous one, while busy)."""
+        previous one, while busy) and the share of the server's workers it says are busy."""
         self.bytes_received += nbytes
+        self.workers_busy = min(1.0, max(0.0, workers_busy))  # (a float from the wire: NaN reads as 0)
+        self.busy_samples += self.workers_busy * samples
         now = time.monotonic()
         gap = now - self._last_progress
         self._last_progress = now

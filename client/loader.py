@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from remoteloader.client import bottleneck
 from remoteloader.client import plan as plan_module
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.cuda_delivery import CudaDelivery
@@ -132,6 +133,12 @@ class RemoteLoader:
             process (no child; one copy less on the CPU). Default: "process" on CUDA,
             "thread" on the CPU. With "process", (prefetch + 2) batch slots of shared memory
             replace the host buffers above.
+        wire: How the pixels travel (README, "Wire choices"): ``"raw"`` (default), ``"zstd"``
+            (lossless, about 1.2x fewer bytes on photos, masks far fewer) or ``"jpeg95"`` (LOSSY:
+            JPEG quality 95, about 4x fewer bytes; masks, labels and targets stay exact). The
+            servers encode, this process (or its receiver process) decodes, at some CPU per
+            image: worth it only where the link is the limit. Needs ``pip install
+            'remoteloader[wire]'`` and servers that offer it.
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.
@@ -156,6 +163,7 @@ class RemoteLoader:
     on_error: Option[str | Callable[[list[SampleFailure]], None]] = Option()
     prefetch: Option[int] = Option()
     receiver: Option[str] = Option()
+    wire: Option[str] = Option()
 
     def __init__(
         self,
@@ -185,6 +193,7 @@ class RemoteLoader:
         tls: str | TLSConfig | None = None,
         token: str | None = None,
         receiver: str | None = None,
+        wire: str = "raw",
     ):
         self._close_lock = threading.Lock()
         self._closed = False
@@ -213,9 +222,11 @@ class RemoteLoader:
             tls=tls,
             token=token,
             receiver=receiver,
+            wire=wire,
         )
         self._position = EpochPosition(self.plan, replayable=sampler is None)
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
+        self._final_receiver_cpu = 0.0  # and the receiver's CPU seconds
         self._throughput = _Throughput()
         self._keys: dict[tuple[str, int], list[str]] = {}
         self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
@@ -397,12 +408,16 @@ class RemoteLoader:
 
         Rates and the wait fraction are averages since the first batch was asked for (time
         the loader sat idle between epochs included); ``epochs`` has one entry per epoch played
-        to its end (the last 100): its images, seconds, images/s and the share of it the loop
-        waited for data (the log has the same line, and a warning once when that share passes
-        ``WAIT_WARNING``, 0.2); the servers' counters are those at close() once it is closed."""
+        to its end (the last 100): its images, seconds, images/s, the share of it the loop
+        waited for data, its likely limit (``client/bottleneck.py``), each server's workers'
+        busy share over it and the receiver's (the log has the same line, and a warning once
+        when that share passes ``WAIT_WARNING``, 0.2); ``receiver_cpu_s`` is the receiver's CPU
+        time so far; the servers' counters (``workers_busy`` as each last said) are those at
+        close() once it is closed."""
         s = self._throughput
         elapsed = (time.perf_counter() - s.start) if s.start else 0.0
         per_server = self._final_servers if self._closed else self._io.server_stats()
+        receiver_cpu = self._final_receiver_cpu if self._closed else self._io.cpu_seconds()
         return {
             "batches": s.batches,
             "images": s.images,
@@ -413,6 +428,7 @@ class RemoteLoader:
             "wait_s": s.wait_s,
             "wait_fraction": s.wait_s / elapsed if elapsed else 0.0,
             "epochs": list(s.epochs),
+            "receiver_cpu_s": receiver_cpu,
             "servers": per_server,
         }
 
@@ -437,6 +453,7 @@ class RemoteLoader:
         finished = False
         s = self._throughput
         begun, waited_before, images_before = time.perf_counter(), s.wait_s, s.images
+        servers_before, receiver_before = self._io.server_stats(), self._io.cpu_seconds()
         try:
             while True:
                 waited = time.perf_counter()
@@ -463,34 +480,62 @@ class RemoteLoader:
                 self._abandon(token)
             else:
                 self._position.finished(epoch)
-                self._epoch_done(epoch, time.perf_counter() - begun, s.wait_s - waited_before, s.images - images_before)
+                seconds = time.perf_counter() - begun
+                servers = bottleneck.spans(servers_before, self._io.server_stats())
+                receiver_busy = (self._io.cpu_seconds() - receiver_before) / seconds if seconds else 0.0
+                waited, images = s.wait_s - waited_before, s.images - images_before
+                self._epoch_done(epoch, seconds, waited, images, servers, receiver_busy)
 
-    def _epoch_done(self, epoch: int, seconds: float, waited: float, images: int) -> None:
-        """One line per epoch played to its end (stats()["epochs"] and the log); a warning, once,
-        when the loop waited for data more than WAIT_WARNING of the epoch."""
+    def _epoch_done(
+        self,
+        epoch: int,
+        seconds: float,
+        waited: float,
+        images: int,
+        servers: dict[str, bottleneck.ServerSpan],
+        receiver_busy: float,
+    ) -> None:
+        """One line per epoch played to its end (stats()["epochs"] and the log), with its likely
+        limit (``bottleneck``); a warning, once, when the loop waited for data more than
+        WAIT_WARNING of the epoch, saying what would help."""
         s = self._throughput
         share = waited / seconds if seconds else 0.0
         rate = images / seconds if seconds else 0.0
+        limit = bottleneck.likely_limit(servers, receiver_busy, share)
+        busy = {a: round(span.workers_busy, 3) for a, span in servers.items()}
         s.epochs.append(
-            {"epoch": epoch, "images": images, "seconds": seconds, "images_per_s": rate, "wait_fraction": share}
+            {
+                "epoch": epoch,
+                "images": images,
+                "seconds": seconds,
+                "images_per_s": rate,
+                "wait_fraction": share,
+                "limit": limit,
+                "workers_busy": busy,
+                "receiver_busy": receiver_busy,
+            }
         )
         log.info(
-            "epoch %d: %d images in %.1fs (%.0f images/s); the loop waited for data %.0f%% of it",
+            "epoch %d: %d images in %.1fs (%.0f images/s); the loop waited for data %.0f%% of it; likely limit: %s",
             epoch,
             images,
             seconds,
             rate,
             100 * share,
+            limit,
         )
         if share > WAIT_WARNING and not s.warned:
             s.warned = True
             log.warning(
                 "epoch %d: the training loop waited for data %.0f%% of the time (%.0f images/s): its input is "
-                "the limit. More loader servers (or servers with more cores, or faster links to them) would "
-                "feed it faster; stats()['epochs'] and ['servers'] show each epoch and each server",
+                "the limit, likely %s. %s; stats()['epochs'] and ['servers'] show each epoch and each server, "
+                "and `remoteloader bench` measures what more servers would give",
                 epoch,
                 100 * share,
                 rate,
+                limit,
+                bottleneck.REMEDY[limit],
+                extra={"remoteloader_waited": share},  # (for a filter: `remoteloader bench` waits by design)
             )
 
     def _get(self, out: Readable[Output], token: int) -> Output:
@@ -594,6 +639,7 @@ class RemoteLoader:
         if io is not None:
             try:  # for stats() after close, as after a with-block
                 self._final_servers = io.server_stats(timeout=2.0)
+                self._final_receiver_cpu = io.cpu_seconds()
             except (LoaderError, RuntimeError, concurrent.futures.TimeoutError):
                 pass  # its receiver is gone, stuck, or this is its own thread
             io.close()

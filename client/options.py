@@ -26,6 +26,7 @@ from remoteloader.client.normalize import Normalize
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2
 from remoteloader.protos import targets as tg
+from remoteloader.protos.wire import RAW, WIRES, missing
 
 ON_ERROR = ("raise", "warn", "skip")
 RECEIVERS = ("thread", "process")
@@ -60,6 +61,7 @@ class LoaderOptions:
     reconnect_timeout: float
     progress_timeout: float
     receiver: Literal["thread", "process"]
+    wire: str  # protos.wire: how the pixels travel (also in setup.wire)
     tls: TLSConfig | None
     metadata: tuple[tuple[str, str], ...]
 
@@ -91,11 +93,13 @@ class LoaderOptions:
         tls: Any,
         token: Any,
         receiver: Any,
+        wire: Any = RAW,
     ) -> LoaderOptions:
         """Validates RemoteLoader's arguments (ValueError naming the first bad one)."""
         batch_size = check_int("batch_size", batch_size, 1)
         size = _size(image_size)
         setup = _setup(pipeline, size)
+        setup.wire = _wire(wire)
         fields = _fields(fields)
         if fields is not None:  # what the streams ask for; "label" always travels
             setup.fields.extend(f for f in fields if f != tg.LABEL)
@@ -142,6 +146,7 @@ class LoaderOptions:
             reconnect_timeout=reconnect_timeout,
             progress_timeout=progress_timeout,
             receiver=_receiver(receiver, device),
+            wire=setup.wire,
             tls=tls_config(tls),
             metadata=token_metadata(token),
         )
@@ -314,6 +319,16 @@ def _normalize(normalize: Normalize | None) -> tuple[list[float], list[float]] |
             f"divide 0..255 figures by 255"
         )
     return mean, std
+
+
+def _wire(wire: Any) -> str:
+    """The wire encoding (protos.wire), which this process must be able to decode."""
+    if not isinstance(wire, str) or wire not in WIRES:
+        raise ValueError(f"wire={wire!r}: expected one of {', '.join(WIRES)} (jpeg95 is lossy)")
+    why = missing(wire)
+    if why:
+        raise ValueError(why)
+    return wire
 
 
 def _receiver(receiver: Any, device: torch.device) -> Literal["thread", "process"]:

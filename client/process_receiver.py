@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from remoteloader.client import cpu
 from remoteloader.client.batches import END, Batch, Item, LoaderError
 from remoteloader.client.engine import EngineOptions
 from remoteloader.client.link import LinkOptions
@@ -207,6 +208,9 @@ class ProcessReceiver:
 
     def buffer_freed(self) -> None:
         pass  # the deliveries give slots back through free(), never a buffer of their own pool
+
+    def cpu_seconds(self) -> float:
+        return cpu.process_cpu(self.process.pid)
 
     def stopped(self) -> str | None:
         return self._dead

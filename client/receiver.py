@@ -60,6 +60,9 @@ class Receiver(Protocol):
     def buffer_freed(self) -> None:
         """A buffer of the delivery's pool came back (dispatch may go on); never blocks."""
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds spent receiving so far: the I/O thread's, or the receiver process's."""
+
     def stopped(self) -> str | None:
         """Why the receiver stopped working while the loader is open, or None while it works."""
 

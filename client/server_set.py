@@ -17,6 +17,7 @@ import logging
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import CUSTOM_PIPELINE, loader_pb2
+from remoteloader.protos.wire import RAW
 
 log = logging.getLogger("remoteloader.client")
 
@@ -88,7 +89,7 @@ class ServerSet:
         return SampleSpace(describes)
 
     def _check_offer(self, address: str, d: loader_pb2.DescribeResponse) -> None:
-        """Raises ValueError if the server cannot serve this loader's pipeline and size."""
+        """Raises ValueError if the server cannot serve this loader's pipeline, size and wire."""
         setup = self._setup
         h, w = setup.height, setup.width
         if setup.pipeline == CUSTOM_PIPELINE:
@@ -99,6 +100,11 @@ class ServerSet:
                 )
         elif setup.pipeline not in d.pipelines:
             raise ValueError(f"pipeline={setup.pipeline!r}: loader server {address} offers {', '.join(d.pipelines)}")
+        if setup.wire not in ("", RAW) and setup.wire not in d.wires:
+            raise ValueError(
+                f"wire={setup.wire!r}: loader server {address} offers {', '.join([RAW, *d.wires])} "
+                f"(an older server, or one without zstandard and simplejpeg: pip install 'remoteloader[server]')"
+            )
         if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
             raise ValueError(
                 f"image_size={h}x{w}: loader server {address} offers sizes {d.min_image_size}..{d.max_image_size}"

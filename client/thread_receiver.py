@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from remoteloader.client import cpu
 from remoteloader.client.batches import Item, LoaderError
 from remoteloader.client.discovery import discover
 from remoteloader.client.engine import BatchBuffers, Engine, EngineOptions, _Order
@@ -28,6 +29,7 @@ T = TypeVar("T")
 
 _shared: tuple[int, asyncio.AbstractEventLoop, threading.Thread] | None = None
 _shared_lock = threading.Lock()
+GRPC_THREADS = ("event_engine", "grpc_")  # the names grpc's C++ core gives its threads
 
 
 def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
@@ -148,6 +150,11 @@ class ThreadReceiver:
 
     def buffer_freed(self) -> None:
         self._soon(self.engine.buffer_freed)
+
+    def cpu_seconds(self) -> float:
+        # The I/O thread (the process's: other loaders share it) and grpc's own native threads,
+        # which read the sockets (for the receiver process, its whole CPU time counts).
+        return cpu.thread_cpu(self._thread) + cpu.named_threads_cpu(GRPC_THREADS)
 
     def stopped(self) -> str | None:
         # It stops only when closed; its thread ends only with the interpreter.

@@ -74,12 +74,12 @@ def _skip(buf: memoryview, pos: int, field: int, wire_type: int) -> int:
 
 
 def encode_chunk(header: loader_pb2.ChunkHeader, pixels) -> bytes:
-    """Serializes a Chunk from its header and a buffer of raw pixels (one copy of the pixels)."""
+    """Serializes a Chunk from its header and a buffer of pixels, or a list of buffers that
+    together are its pixels field (each sample's encoded part): one copy of the pixels."""
     head = header.SerializeToString()
-    view = memoryview(pixels).cast("B")
-    return b"".join(
-        (bytes((_HEADER_TAG,)), _varint(len(head)), head, bytes((_PIXELS_TAG,)), _varint(view.nbytes), view)
-    )
+    views = [memoryview(p).cast("B") for p in pixels] if isinstance(pixels, list) else [memoryview(pixels).cast("B")]
+    nbytes = sum(v.nbytes for v in views)
+    return b"".join((bytes((_HEADER_TAG,)), _varint(len(head)), head, bytes((_PIXELS_TAG,)), _varint(nbytes), *views))
 
 
 def decode_chunk(data: bytes) -> DecodedChunk:

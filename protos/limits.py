@@ -11,6 +11,12 @@ at most ``TARGETS_PER_CHUNK`` samples per chunk. The server sends messages up to
 ``max_message_bytes`` for its largest sample; a client accepts messages up to
 ``max_message_bytes`` for the sample size it asked for.
 
+A chunk holds at most ``MAX_CHUNK_SAMPLES`` samples. With a wire encoding (``protos.wire``),
+a worker writes each sample's encoded image (and mask) over its raw place in the slot and
+its size in the slot's last ``SIZES_BYTES``: a little-endian uint32 per image at
+``sizes_offset + 4 * i`` and per mask ``4 * MAX_CHUNK_SAMPLES`` further. An encoded part is
+never larger than its raw one, so a chunk's message never is either.
+
 Orders go the other way: an order's sample indices take at most 10 bytes each (varints),
 plus a few hundred bytes of shard id and numbers; clients send and servers accept orders
 of up to ``MAX_ORDER_MESSAGE_BYTES``, so a server's ``max_order_samples`` is at most
@@ -25,6 +31,8 @@ CHANNELS = 3  # samples are RGB uint8
 MAX_ORDER_MESSAGE_BYTES = 16 * MiB  # the largest order message a client sends and a server accepts
 TARGET_BYTES = 32 * 1024  # most bytes of one sample's serialized targets (loader_pb2.Targets)
 TARGETS_PER_CHUNK = 32  # most samples in a chunk that carries targets
+MAX_CHUNK_SAMPLES = 4096  # most samples in any chunk (a slot's size table holds this many)
+SIZES_BYTES = 8 * MAX_CHUNK_SAMPLES  # a slot's size table: a uint32 per image and per mask
 _INDEX_BYTES = 10  # a sample index, a uint64 varint
 _ORDER_BYTES = 4096  # an order's shard id, numbers and framing
 
@@ -36,14 +44,20 @@ def sample_bytes(height: int, width: int, mask: bool = False) -> int:
 
 def samples_per_chunk(chunk_bytes: int, sample_bytes: int, targets: bool = False) -> int:
     """Whole samples of ``sample_bytes`` in one chunk of ``chunk_bytes``: as many as fit, at least
-    one, and at most TARGETS_PER_CHUNK when the chunk carries targets."""
-    fit = max(1, chunk_bytes // sample_bytes)
+    one, at most MAX_CHUNK_SAMPLES, and at most TARGETS_PER_CHUNK when the chunk carries targets."""
+    fit = min(MAX_CHUNK_SAMPLES, max(1, chunk_bytes // sample_bytes))
     return min(fit, TARGETS_PER_CHUNK) if targets else fit
 
 
 def slot_bytes(chunk_bytes: int, max_sample_bytes: int) -> int:
-    """Bytes that hold any chunk of samples up to ``max_sample_bytes`` each: its pixels, no header."""
-    return max(chunk_bytes, max_sample_bytes)
+    """Bytes that hold any chunk of samples up to ``max_sample_bytes`` each: its pixels, then
+    (at the slot's end) its size table; no header."""
+    return max(chunk_bytes, max_sample_bytes) + SIZES_BYTES
+
+
+def pixel_bytes(slot_bytes: int) -> int:
+    """Bytes of a slot that hold pixels (and masks); its size table starts there."""
+    return slot_bytes - SIZES_BYTES
 
 
 def max_message_bytes(chunk_bytes: int, sample_bytes: int) -> int:

@@ -25,7 +25,7 @@ class Shard(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels")
+    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels", "workers", "wires")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class DescribeResponse(_message.Message):
     MAX_INFLIGHT_ORDERS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CANCELS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WIRES_FIELD_NUMBER: _ClassVar[int]
     version: str
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pipelines: _containers.RepeatedScalarFieldContainer[str]
@@ -46,7 +48,9 @@ class DescribeResponse(_message.Message):
     max_inflight_orders: int
     chunk_bytes: int
     cancels: bool
-    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ...) -> None: ...
+    workers: int
+    wires: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ..., workers: _Optional[int] = ..., wires: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetKeysRequest(_message.Message):
     __slots__ = ("shard_id", "start", "count")
@@ -65,18 +69,20 @@ class GetKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Setup(_message.Message):
-    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields")
+    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     ALBUMENTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     height: int
     width: int
     albumentations_json: str
     fields: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
+    wire: str
+    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ...) -> None: ...
 
 class Order(_message.Message):
     __slots__ = ("order_id", "shard_id", "indices", "seed", "epoch")
@@ -121,7 +127,7 @@ class SampleError(_message.Message):
     def __init__(self, position: _Optional[int] = ..., index: _Optional[int] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets")
+    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets", "workers_busy", "encoded_sizes")
     ORDER_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +138,8 @@ class ChunkHeader(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_BUSY_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_SIZES_FIELD_NUMBER: _ClassVar[int]
     order_id: int
     start: int
     count: int
@@ -142,7 +150,9 @@ class ChunkHeader(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[SampleError]
     targets: _containers.RepeatedCompositeFieldContainer[Targets]
-    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ...) -> None: ...
+    workers_busy: float
+    encoded_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ..., workers_busy: _Optional[float] = ..., encoded_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetArray(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 
 class Metrics:
@@ -28,9 +32,47 @@ class Metrics:
             "remoteloader_queue_depth", "Decode tasks waiting for or in the workers (read when scraped)", registry=r
         )
         self.active_streams = Gauge("remoteloader_active_streams", "Open order streams", registry=r)
+        # What an autoscaler reads (deploy/README.md, "Autoscaling"); images/s is
+        # rate(remoteloader_images_served_total[1m]).
+        self.worker_busy_seconds = FunctionCounter(
+            "remoteloader_worker_busy",
+            "Decode worker-seconds spent holding a task (its rate over remoteloader_workers: the busy ratio)",
+            unit="seconds",
+            registry=r,
+        )
+        self.workers_busy = Gauge(
+            "remoteloader_workers_busy_ratio",
+            "Share of the decode workers that held a task, time-weighted over the last 5 s (read when scraped)",
+            registry=r,
+        )
+        self.workers = Gauge("remoteloader_workers", "Decode worker processes running (read when scraped)", registry=r)
+        self.queued_orders = Gauge(
+            "remoteloader_queued_orders",
+            "Orders received and not finished, over all streams: waiting for a slot, rendering or being sent",
+            registry=r,
+        )
         self.refused = Counter("remoteloader_refused_streams", "Streams refused over a limit", registry=r)
 
     def serve(self, port: int, host: str) -> int:
         """Exposes /metrics over HTTP; returns the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class FunctionCounter(Collector):
+    """A counter read from a function when scraped (what ``Gauge.set_function`` is for gauges).
+
+    The function must never go down (a counter's rate is taken by Prometheus)."""
+
+    def __init__(self, name: str, documentation: str, unit: str = "", registry: CollectorRegistry | None = None):
+        self._family = (name, documentation, unit)
+        self._read: Callable[[], float] = lambda: 0.0
+        if registry is not None:
+            registry.register(self)
+
+    def set_function(self, read: Callable[[], float]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        name, documentation, unit = self._family
+        yield CounterMetricFamily(name, documentation, value=self._read(), unit=unit)

@@ -7,7 +7,8 @@ the stream's own loop writes the chunks in the order they were started, each onc
 rendering is done. Invariants:
 * Every chunk's slot goes back exactly once, and only when no worker writes into it any
   more: after its chunk is written, or when the stream ends (slots.Slots.give_when_done).
-* At most ``max_inflight_orders`` orders are in flight (received, last chunk not yet written).
+* At most ``max_inflight_orders`` orders are in flight (received, last chunk not yet written);
+  the server's ``remoteloader_queued_orders`` counts them over all streams.
 * A Cancel for an order in flight stops it: its chunks not yet started are not rendered,
   those started are not written (their slots go back as usual); a Cancel for any other id
   is ignored. The reader reads on while orders wait for slots, so a Cancel acts at once.
@@ -45,7 +46,7 @@ class OutChunk(NamedTuple):
     """A chunk as the Stream writes it: header and pixels (a view into its slot), never copied."""
 
     header: loader_pb2.ChunkHeader
-    pixels: memoryview
+    pixels: memoryview | list[memoryview]  # or its samples' encoded parts, in order (Setup.wire)
 
 
 def serialize_chunk(chunk: OutChunk) -> bytes:
@@ -152,6 +153,8 @@ class OrderStream:
         finally:
             reader.cancel()
             starter.cancel()
+            self._metrics.queued_orders.dec(self._inflight)  # the orders the stream ends with
+            self._inflight = 0
             # Slots still being written by a worker go back only when the worker is done.
             while not self._queue.empty():
                 item = self._queue.get_nowait()
@@ -186,6 +189,7 @@ class OrderStream:
                     self._orders.put_nowait(error)
                     return
                 self._inflight += 1
+                self._metrics.queued_orders.inc()
                 self._live.add(request.order.order_id)
                 self._orders.put_nowait((request.order, time.monotonic()))
         except asyncio.CancelledError:
@@ -291,6 +295,7 @@ class OrderStream:
         self._inflight -= 1
         self._live.discard(order.order_id)
         self._cancelled.discard(order.order_id)
+        self._metrics.queued_orders.dec()
         self._metrics.orders.inc()
         self._metrics.order_latency.observe(time.monotonic() - received)
 
@@ -316,11 +321,15 @@ class OrderStream:
                 )
                 for pos, reason in errors
             ],
+            workers_busy=self._renderer.pool.busy_share(),
         )
         for record in targets:
             header.targets.add().MergeFromString(record)
-        nbytes = item.size * limits.sample_bytes(spec.height, spec.width, MASK in spec.fields)
-        chunk = OutChunk(header, self._slots.arena.view(item.slot, nbytes))
+        # Raw, or each sample as its worker encoded it (Setup.wire): what travels is counted.
+        pixels, sizes = self._renderer.payload(spec, item.shard, self._slots.arena, item.slot, item.size, errors)
+        header.encoded_sizes.extend(sizes)
+        nbytes = sum(sizes) if sizes else len(pixels)
+        chunk = OutChunk(header, pixels)
         await self._slots.send(self._context.write(chunk), self._slot_counts)
         m = self._metrics
         m.images.inc(item.size)

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import time
 
-from remoteloader.protos import limits, loader_pb2
+from remoteloader.protos import limits, loader_pb2, wire
 from remoteloader.server import targets as tg
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
 
@@ -43,6 +43,8 @@ class PipelineChecks:
         max_pixels: Largest image the pipelines decode.
         min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
         slot_bytes: Bytes of a chunk slot, which a sample with its mask must fit.
+
+    ``wires``: the wire encodings beside raw it offers (protos.wire.offered), as Describe says.
     """
 
     def __init__(self, allow_custom: bool, max_pixels: int, min_image_size: int, max_image_size: int, slot_bytes: int):
@@ -51,6 +53,7 @@ class PipelineChecks:
         self.max_pixels = max_pixels
         self.min_image_size = min_image_size
         self.max_image_size = max_image_size
+        self.wires = wire.offered()  # the encodings beside raw that its workers can make
         self._kept: dict[PipelineSpec, Pipeline] = {}
         self._checks: dict[PipelineSpec, _Check] = {}
         self._preset_checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="preset-check")
@@ -64,7 +67,9 @@ class PipelineChecks:
                     f"{name}={value} is outside the sizes this server offers: "
                     f"{self.min_image_size}..{self.max_image_size}"
                 )
-        spec = PipelineSpec(setup.pipeline, setup.height, setup.width, setup.albumentations_json, self._fields(setup))
+        spec = PipelineSpec(
+            setup.pipeline, setup.height, setup.width, setup.albumentations_json, self._fields(setup), self._wire(setup)
+        )
         pipeline = self._kept.get(spec)
         if pipeline is not None:
             return pipeline
@@ -94,12 +99,20 @@ class PipelineChecks:
                 tg.check_field_name(name)
             except tg.TargetError as exc:
                 raise PipelineError(f"fields: {exc}") from None
-        if tg.MASK in fields and limits.sample_bytes(setup.height, setup.width, mask=True) > self.slot_bytes:
+        if tg.MASK in fields and limits.sample_bytes(setup.height, setup.width, mask=True) > limits.pixel_bytes(
+            self.slot_bytes
+        ):
             raise PipelineError(
                 f"masks of {setup.height}x{setup.width} do not fit this server's chunk slots "
                 f"({self.slot_bytes} bytes); start it with a larger --chunk-bytes"
             )
         return fields
+
+    def _wire(self, setup: loader_pb2.Setup) -> str:
+        """The Setup's wire encoding (protos.wire); PipelineError for one this server does not offer."""
+        if setup.wire in ("", wire.RAW) or setup.wire in self.wires:
+            return setup.wire or wire.RAW
+        raise PipelineError(f"wire={setup.wire!r}: this server offers {', '.join([wire.RAW, *self.wires])}")
 
     def close(self) -> None:
         """Stops the checks (queued ones are dropped; one running finishes on its own)."""

@@ -59,6 +59,7 @@ class PipelineSpec:
     width: int
     albumentations_json: str = ""
     fields: tuple[str, ...] = ()  # target fields the stream asked for, "label" left out
+    wire: str = "raw"  # how the pixels travel (protos.wire): it changes nothing in the pipeline
 
 
 class PipelineError(ValueError):

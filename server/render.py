@@ -20,9 +20,12 @@ import asyncio
 
 import numpy as np
 
+from remoteloader.protos import limits
+from remoteloader.protos.wire import RAW
 from remoteloader.server.catalog import Shard, SyntheticShard
 from remoteloader.server.pipelines import PipelineSpec
-from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, SampleCache
+from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
+from remoteloader.server.targets import MASK
 from remoteloader.server.worker_pool import Rendered, Task, WorkerPool
 
 TASK_SAMPLES = 8  # fewest samples per worker task
@@ -67,7 +70,7 @@ class Renderer:
         # Split the chunk so that all workers share it (two tasks each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
         size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // (2 * self.pool.size))))
-        spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json, spec.fields)
+        spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json, spec.fields, spec.wire)
         firsts = _cut(locations, size)
         parts = [
             self.pool.submit(Task(slot, first, spec_tuple, locations[first:end], seeds[first:end], len(locations)))
@@ -89,6 +92,42 @@ class Renderer:
 
         future.add_done_callback(done)
         return future
+
+    def payload(
+        self, spec: PipelineSpec, shard: Shard, arena: Arena, slot: int, count: int, errors: list[tuple[int, str]]
+    ) -> tuple[memoryview | list[memoryview], list[int]]:
+        """A rendered chunk's pixels as they travel, and its ChunkHeader.encoded_sizes: the slot's
+        raw pixels (and masks), or with a wire encoding each sample's encoded image (then mask)
+        as its worker wrote it, of the sizes in the slot's size table (protos.limits)."""
+        image = limits.sample_bytes(spec.height, spec.width)
+        mask = spec.height * spec.width if MASK in spec.fields else 0
+        if spec.wire == RAW:
+            return arena.view(slot, count * (image + mask)), []
+        if isinstance(shard, SyntheticShard):  # its pixels were never rendered, so never encoded: raw
+            sizes = [image] * count + [mask] * (count if mask else 0)
+        else:
+            table = np.frombuffer(
+                arena.view(slot, arena.slot_bytes),
+                "<u4",
+                2 * limits.MAX_CHUNK_SAMPLES,
+                limits.pixel_bytes(arena.slot_bytes),
+            )
+            sizes = table[:count].tolist() + (
+                table[limits.MAX_CHUNK_SAMPLES : limits.MAX_CHUNK_SAMPLES + count].tolist() if mask else []
+            )
+            for pos, _ in errors:  # (a task that failed whole left its entries as they were)
+                sizes[pos] = 0
+                if mask:
+                    sizes[count + pos] = 0
+        assert all(size <= image for size in sizes[:count]) and all(size <= mask for size in sizes[count:]), (
+            "a worker wrote an encoded size over its raw size"
+        )
+        view = arena.view(slot, count * (image + mask))
+        pieces = [view[i * image : i * image + size] for i, size in enumerate(sizes[:count])]
+        pieces += [
+            view[count * image + i * mask : count * image + i * mask + size] for i, size in enumerate(sizes[count:])
+        ]
+        return pieces, sizes
 
 
 def _cut(locations: list[tuple], size: int) -> list[int]:

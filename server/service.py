@@ -68,6 +68,9 @@ class LoaderService:
         self.metrics = Metrics()
         self.metrics.queue_depth.set_function(lambda: pool.outstanding)
         self.metrics.active_streams.set_function(lambda: self.admission.active)
+        self.metrics.workers_busy.set_function(pool.busy_share)
+        self.metrics.worker_busy_seconds.set_function(pool.busy_seconds)
+        self.metrics.workers.set_function(lambda: pool.workers)
         self._draining = asyncio.Event()
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -114,6 +117,8 @@ class LoaderService:
             max_inflight_orders=c.max_inflight_orders,
             chunk_bytes=c.chunk_bytes,
             cancels=True,
+            workers=c.workers,
+            wires=self.checks.wires,
         )
 
     async def GetKeys(

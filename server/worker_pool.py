@@ -4,7 +4,8 @@ The arena (shared_memory.Arena) is one shared memory file cut into fixed-size sl
 the samples to render into it, a worker writes each sample's pixels straight into its
 place and answers with the per-sample errors only. Pixels never pass through pickling.
 Tasks go to the worker with the fewest outstanding ones over its own pipe, so when a
-worker dies the pool knows exactly which tasks to fail, and starts a new worker.
+worker dies the pool knows exactly which tasks to fail, and starts a new worker. The pool
+also measures how busy its workers are (BusyMeter): the signal for adding or removing servers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
+import math
 import multiprocessing as mp
+import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -49,6 +54,70 @@ class Rendered(NamedTuple):
         return cls([(i, reason) for i in range(count)], [])
 
 
+class BusyMeter:
+    """The share of workers busy, time-weighted, over the last ``window`` seconds.
+
+    The owner calls ``set(busy, workers)`` whenever either count changes; between calls both
+    are constant, so the integrals of ``busy`` and ``workers`` over time are exact. They are
+    remembered at every ``window / steps`` seconds (a ring of ``steps + 1`` marks), so a reading
+    covers between ``window`` and ``window + window / steps`` seconds (less only in the pool's
+    first ``window`` seconds) and costs O(1) per change. Thread-safe: the event loop sets, the
+    metrics thread and the loop read.
+
+    Args:
+        window: Seconds a reading covers (default 5).
+        steps: Marks per window (default 10): the resolution of the window's start.
+        clock: Seconds, monotonic (a test's fake clock).
+    """
+
+    def __init__(self, window: float = 5.0, steps: int = 10, clock: Callable[[], float] = time.monotonic):
+        if window <= 0 or steps < 1:
+            raise ValueError(f"BusyMeter(window={window!r}, steps={steps!r}): expected window > 0 and steps >= 1")
+        self._clock = clock
+        self._step = window / steps
+        self._steps = steps
+        self._lock = threading.Lock()
+        self._since = clock()  # the last change; busy and workers are constant since
+        self._busy = self._workers = 0
+        self._busy_seconds = self._worker_seconds = 0.0  # integrals up to _since
+        # (busy integral, workers integral) at the marks, oldest first: the window starts at the first.
+        self._marks: deque[tuple[float, float]] = deque([(0.0, 0.0)], maxlen=steps + 1)
+
+    def set(self, busy: int, workers: int) -> None:
+        """From now on ``busy`` of ``workers`` workers have work."""
+        with self._lock:
+            self._advance(self._clock())
+            self._busy, self._workers = busy, workers
+
+    def share(self) -> float:
+        """Busy worker-seconds over worker-seconds in the window: 0 (idle, or no workers) to 1."""
+        with self._lock:
+            self._advance(self._clock())
+            busy, workers = self._marks[0]
+            capacity = self._worker_seconds - workers
+            return min(1.0, (self._busy_seconds - busy) / capacity) if capacity > 0 else 0.0
+
+    def busy_seconds(self) -> float:
+        """Busy worker-seconds since the meter was made (a counter: its rate is busy workers)."""
+        with self._lock:
+            self._advance(self._clock())
+            return self._busy_seconds
+
+    def _advance(self, now: float) -> None:
+        """Integrates up to ``now``, marking the integrals at the steps passed (the last steps + 1 at most)."""
+        since, step = self._since, self._step
+        last = math.floor(now / step)
+        for k in range(max(math.floor(since / step) + 1, last - self._steps), last + 1):
+            elapsed = max(0.0, k * step - since)
+            self._marks.append(
+                (self._busy_seconds + self._busy * elapsed, self._worker_seconds + self._workers * elapsed)
+            )
+        elapsed = max(0.0, now - since)
+        self._busy_seconds += self._busy * elapsed
+        self._worker_seconds += self._workers * elapsed
+        self._since = max(since, now)
+
+
 _MAX_SPECS = 64  # pipeline specs a worker remembers before it is told to forget them
 # A task pipe holds at most AHEAD tasks and, for each, a pipeline spec (under 64 KiB of JSON,
 # pipelines.MAX_PIPELINE_JSON): less than this, so a write to it never blocks the loop. (Not
@@ -74,6 +143,7 @@ class WorkerPool:
             later are always decoded whole.
         cache: Shared cache of encoded samples, if any.
         sources: The server's ``--source`` (spec, JSON arguments), which each worker loads.
+        busy_window: Seconds over which ``busy_share`` is measured (default 5).
     """
 
     AHEAD = 2
@@ -88,6 +158,7 @@ class WorkerPool:
         region_decode: bool = True,
         indexed_ns: int = 0,
         sources: tuple[tuple[str, str], ...] = (),
+        busy_window: float = 5.0,
     ):
         self.size = workers
         self._arena = arena
@@ -110,11 +181,14 @@ class WorkerPool:
         self._queue: deque[tuple[int, tuple, asyncio.Future, int]] = deque()
         self._next_id = 0
         self._closed = False
+        self._meter = BusyMeter(busy_window)
+        self._counts = (0, 0)  # (busy workers, workers) as last told to the meter
 
     def start(self) -> None:
         """Starts the workers, driven from the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._workers = [self._spawn() for _ in range(self.size)]
+        self._measure()
 
     def _spawn(self) -> _Worker:
         from remoteloader.server import worker_process
@@ -150,6 +224,27 @@ class WorkerPool:
         """Tasks queued or in a worker."""
         return len(self._queue) + sum(len(w.pending) for w in self._workers)
 
+    @property
+    def workers(self) -> int:
+        """Worker processes running (fewer than ``size`` only when one could not be started again)."""
+        return len(self._workers)
+
+    def busy_share(self) -> float:
+        """The share of the workers that held a task, time-weighted over the last ``busy_window``
+        seconds: near 1, this server's CPUs are what limits it. Safe to call from any thread."""
+        return self._meter.share()
+
+    def busy_seconds(self) -> float:
+        """Worker-seconds spent holding a task since the pool was made (``busy_share`` without a window)."""
+        return self._meter.busy_seconds()
+
+    def _measure(self) -> None:
+        """Tells the meter how many workers hold a task, if that changed (after every change)."""
+        counts = (sum(1 for w in self._workers if w.pending), len(self._workers))
+        if counts != self._counts:
+            self._counts = counts
+            self._meter.set(*counts)
+
     def submit(self, task: Task) -> asyncio.Future:
         """Queues a task; the future gives its Rendered once a worker has done it."""
         if self._closed:
@@ -165,7 +260,7 @@ class WorkerPool:
         while self._queue and self._workers:
             worker = min(self._workers, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.AHEAD:
-                return
+                break
             task_id, message, future, count = self._queue.popleft()
             worker.pending[task_id] = (future, count)
             try:
@@ -180,6 +275,7 @@ class WorkerPool:
                 worker.tasks.send((*message[:3], worker.specs[spec], *message[4:]))
             except OSError:  # died before the loop saw it: fail its tasks, start another, go on
                 self._on_death(worker)
+        self._measure()
 
     def _on_readable(self, worker: _Worker) -> None:
         try:
@@ -202,6 +298,7 @@ class WorkerPool:
         code = worker.process.exitcode
         worker.fail(f"decode worker died (exit code {code})")
         if self._closed:
+            self._measure()
             return
         log.error("decode worker pid %s died with exit code %s; starting a new one", worker.process.pid, code)
         index = self._workers.index(worker)
@@ -215,6 +312,7 @@ class WorkerPool:
                     _, _, future, count = self._queue.popleft()
                     if not future.done():
                         future.set_result(Rendered.failed(count, "no decode worker could be started"))
+                self._measure()
                 return
         self._feed()
 
@@ -237,6 +335,7 @@ class WorkerPool:
             worker.fail("server shutting down")
             worker.tasks.close()
             worker.results.close()
+        self._meter.set(0, 0)
         while self._queue:
             _, _, future, count = self._queue.popleft()
             if not future.done():

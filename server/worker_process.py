@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import cv2
 import numpy as np
 
-from remoteloader.protos import limits, loader_pb2
+from remoteloader.protos import limits, loader_pb2, wire
 from remoteloader.server import targets as tg
 from remoteloader.server.decode import DecodeError
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
@@ -74,6 +74,7 @@ def main(
         cache = mmap.mmap(cache_fd, cache_bytes)
         os.close(cache_fd)
     pipelines = _Pipelines(allow_custom, max_pixels, region_decode)
+    encoders = _Encoders()
     objects = [_load(spec, args) for spec, args in sources]
     specs: dict[int, tuple] = {}
     while True:
@@ -91,7 +92,7 @@ def main(
             continue
         task_id, slot, first, spec_id, locations, seeds, chunk = message
         spec = specs[spec_id]
-        _, height, width, _, fields = spec
+        _, height, width, _, fields, wire_name = spec
         base = slot * slot_bytes
         out = np.ndarray(
             (len(locations), height, width, limits.CHANNELS),
@@ -109,8 +110,60 @@ def main(
             )
         renderer = _Samples(pipelines.get(spec), cache, indexed_ns, objects)
         errors, targets = renderer.render(out, masks, locations, seeds, bool(fields))
+        if wire_name != wire.RAW:
+            sizes = np.ndarray(
+                (2, limits.MAX_CHUNK_SAMPLES), "<u4", buffer=arena, offset=base + limits.pixel_bytes(slot_bytes)
+            )
+            encoders.get(wire_name).encode(out, masks, {i for i, _ in errors}, sizes[0, first:], sizes[1, first:])
+            del sizes
         del out, masks
         results.send((task_id, errors, targets))
+
+
+class _Encoders:
+    """The worker's wire encoders (protos.wire.Encoder), one per encoding, made when first needed."""
+
+    def __init__(self):
+        self._made: dict[str, _Encode] = {}
+
+    def get(self, name: str) -> _Encode:
+        encoder = self._made.get(name)
+        if encoder is None:
+            encoder = self._made[name] = _Encode(wire.Encoder(name))
+        return encoder
+
+
+class _Encode:
+    """Encodes a task's rendered samples in place (protos.limits: the slot's size table)."""
+
+    def __init__(self, encoder: wire.Encoder):
+        self.encoder = encoder
+
+    def encode(
+        self,
+        out: np.ndarray,
+        masks: np.ndarray | None,
+        failed: set[int],
+        image_sizes: np.ndarray,
+        mask_sizes: np.ndarray,
+    ) -> None:
+        """Writes each sample's encoded image over its pixels (and its mask's over the mask) where
+        that is smaller, and the sizes: 0 for a failed sample, the raw size where it stays raw."""
+        for i in range(len(out)):
+            if i in failed:
+                image_sizes[i] = mask_sizes[i] = 0
+                continue
+            image_sizes[i] = _put(out[i], self.encoder.image(out[i]))
+            if masks is not None:
+                mask_sizes[i] = _put(masks[i], self.encoder.mask(masks[i]))
+
+
+def _put(place: np.ndarray, data: bytes | None) -> int:
+    """Writes ``data`` at the start of ``place`` (None: leaves the raw bytes); returns the size sent."""
+    if data is None:
+        return place.nbytes
+    place.reshape(-1)[: len(data)] = np.frombuffer(data, np.uint8)
+    return len(data)
 
 
 def _load(spec: str, args: str) -> object:

@@ -495,15 +495,70 @@ def test_compose_server_exits_0_on_sigterm(compose_server):
 
 
 # ---- Kubernetes -----------------------------------------------------------------------------
-def _k8s_documents() -> list[dict]:
-    docs = []
-    for path in sorted(K8S.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches"}
+
+
+def _kustomize(folder: pathlib.Path) -> list[dict]:
+    """What ``kubectl kustomize folder`` builds, for what our kustomizations use: resources
+    (files, or folders with a kustomization) and JSON 6902 patches with a target; anything
+    else fails here, so that these tests never check less than kubectl applies."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert set(kustomization) <= _KUSTOMIZATION_KEYS, f"{folder}: {set(kustomization) - _KUSTOMIZATION_KEYS}"
+    docs: list[dict] = []
+    for resource in kustomization["resources"]:
+        path = (folder / resource).resolve()
+        assert path.exists(), f"{folder}/kustomization.yaml: resource {resource} does not exist"
+        if path.is_dir():
+            # kustomize refuses a folder that contains the one that names it ("cycle detected").
+            assert not folder.resolve().is_relative_to(path), f"{folder} is inside its resource {resource}"
+            docs += _kustomize(path)
+        else:
+            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        target = patch["target"]
+        matched = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]
+                   and d["apiVersion"] == "/".join(filter(None, (target.get("group"), target.get("version"))))]
+        assert len(matched) == 1, f"{folder}: patch {patch['path']} matches {len(matched)} objects"
+        patched = _json_patch(matched[0], yaml.safe_load((folder / patch["path"]).read_text()))
+        docs[docs.index(matched[0])] = patched
     return docs
 
 
-def _statefulset_and_service():
-    docs = _k8s_documents()
+def _json_patch(document: dict, operations: list[dict]) -> dict:
+    """RFC 6902 as kustomize applies it (the operations our patches use: test, replace, remove, add)."""
+    import copy
+
+    document = copy.deepcopy(document)
+    for operation in operations:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"].split("/")[1:]]
+        node = document
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = int(last) if isinstance(node, list) else last
+        op = operation["op"]
+        if op == "test":
+            assert node[key] == operation["value"], f"patch test failed at {operation['path']}: {node[key]!r}"
+        elif op == "replace":
+            assert (key in node) if isinstance(node, dict) else key < len(node), f"nothing to replace: {operation}"
+            node[key] = operation["value"]
+        elif op == "remove":
+            del node[key]
+        elif op == "add":
+            if isinstance(node, list):
+                node.insert(key, operation["value"])
+            else:
+                node[key] = operation["value"]
+        else:
+            raise AssertionError(f"operation {op!r} is not handled here")
+    return document
+
+
+def _k8s_documents() -> list[dict]:
+    return _kustomize(K8S)
+
+
+def _statefulset_and_service(docs: list[dict] | None = None):
+    docs = _k8s_documents() if docs is None else docs
     sets = [d for d in docs if d["kind"] == "StatefulSet"]
     assert len(sets) == 1, [d["kind"] for d in docs]
     statefulset = sets[0]
@@ -514,9 +569,23 @@ def _statefulset_and_service():
 def test_k8s_files_parse_and_kustomization_lists_them():
     docs = _k8s_documents()
     assert docs and all("kind" in d and "apiVersion" in d for d in docs)
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    for resource in kustomization["resources"]:
-        assert (K8S / resource).is_file(), resource
+    listed = set()
+    for folder in (K8S, K8S / "base", K8S / "autoscaling"):
+        kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        listed |= {(folder / r).resolve() for r in kustomization["resources"]}
+        listed |= {(folder / p["path"]).resolve() for p in kustomization.get("patches", [])}
+    manifests = {p.resolve() for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    helm_values = {(K8S / "autoscaling" / "prometheus-adapter.yaml").resolve()}  # for helm, not kubectl
+    assert manifests - helm_values <= listed, f"manifests no kustomization applies: {manifests - helm_values - listed}"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("folder", ["", "autoscaling"])
+def test_kubectl_kustomize_builds_what_these_tests_check(folder):
+    built = subprocess.run(["kubectl", "kustomize", str(K8S / folder)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(yaml.safe_load_all(built.stdout), key=key) == sorted(_kustomize(K8S / folder), key=key)
 
 
 def test_k8s_statefulset_has_a_headless_service_and_probes():
@@ -599,6 +668,106 @@ def test_k8s_termination_grace_covers_prestop_and_drain():
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     sleep = float(command[1]) if command[0] == "sleep" else 0.0
     assert termination > sleep + grace, (termination, sleep, grace)
+
+
+# ---- Kubernetes: autoscaling ----------------------------------------------------------------
+AUTOSCALING = K8S / "autoscaling"
+
+
+def _autoscaled() -> tuple[dict, dict]:
+    """What ``kubectl apply -k deploy/k8s/autoscaling`` applies: (StatefulSet, HorizontalPodAutoscaler)."""
+    docs = _kustomize(AUTOSCALING)
+    statefulset, _ = _statefulset_and_service(docs)
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    return statefulset, hpa
+
+
+def _adapter_rule(metric: str) -> dict:
+    values = yaml.safe_load((AUTOSCALING / "prometheus-adapter.yaml").read_text())
+    rules = [r for r in values["rules"]["custom"] if r["name"]["as"] == metric]
+    assert len(rules) == 1, f"{len(rules)} prometheus-adapter rules name the metric {metric!r}"
+    return rules[0]
+
+
+def _quantity(value) -> float:
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def test_k8s_hpa_scales_the_statefulset_whose_every_pod_serves_the_whole_dataset(tmp_path):
+    statefulset, hpa = _autoscaled()
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["kind"] == "HorizontalPodAutoscaler"
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == (
+        statefulset["apiVersion"], "StatefulSet", statefulset["metadata"]["name"])
+    assert "replicas" not in statefulset["spec"], "a replica count in the manifest resets the HPA's at every apply"
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    assert 0 < _quantity(metric["pods"]["target"]["averageValue"]) < 1  # a share of busy workers
+    _adapter_rule(metric["pods"]["metric"]["name"])
+    # Scaling down waits out an epoch's pauses (validation, the end of an epoch).
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+    # Every pod serves the same data, whatever its index: a pod added or removed changes who
+    # serves the samples, not which samples there are.
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    datas = set()
+    for index in ("0", "7"):
+        env = {e["name"]: index if "valueFrom" in e else str(e["value"]) for e in container["env"]}
+        args = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in container["args"]]
+        namespace = _parse(_server_parser(), args, env)
+        datas.add(tuple(namespace.data))
+        assert namespace.metrics_port, "the HPA's metric comes from --metrics-port"
+        assert namespace.grace, "pods removed by a scale-down drain for --grace"
+    assert datas == {("/data",)}, datas
+
+
+@pytest.fixture(scope="module")
+def metrics_text(module_cluster, tmp_path_factory, free_port, run_bounded):
+    """/metrics of a real server after it served an epoch."""
+    import urllib.request
+
+    from remoteloader.client import RemoteLoader
+
+    data = make_imagefolder(tmp_path_factory.mktemp("metrics-data"), ["x", "y"], 6, size=(48, 64), seed=2)
+    port = free_port()
+    index = module_cluster.add(data, "--metrics-port", str(port))
+    with RemoteLoader(module_cluster.address(index), batch_size=4, image_size=32, drop_last=False,
+                      connect_timeout=10) as loader:
+        run_bounded(loader, 60)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_the_adapter_rule_reads_series_the_server_exports(metrics_text):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {s.name: s.value for family in text_string_to_metric_families(metrics_text) for s in family.samples}
+    types = {f.name: f.type for f in text_string_to_metric_families(metrics_text)}
+    _, hpa = _autoscaled()
+    rule = _adapter_rule(hpa["spec"]["metrics"][0]["pods"]["metric"]["name"])
+    series = re.fullmatch(r"(\w+)\{.*\}", rule["seriesQuery"].strip())
+    assert series, rule["seriesQuery"]
+    assert series.group(1) in samples, f"the rule's series {series.group(1)} is not in /metrics"
+    assert re.search(rule["name"]["matches"], series.group(1)), rule["name"]
+    # rate() is taken of a counter only, and every series the query names is exported.
+    assert "rate(<<.Series>>" in rule["metricsQuery"] and types[series.group(1).removesuffix("_total")] == "counter"
+    named = set(re.findall(r"\bremoteloader_\w+", rule["metricsQuery"]))
+    assert named <= set(samples), f"the query names series the server does not export: {named - set(samples)}"
+    assert {o["resource"] for o in rule["resources"]["overrides"].values()} == {"namespace", "pod"}
+    # What the rule computes is what it says: busy worker-seconds were counted while the epoch ran.
+    assert samples["remoteloader_worker_busy_seconds_total"] > 0
+    assert samples["remoteloader_workers"] == 1
+    assert 0 <= samples["remoteloader_workers_busy_ratio"] <= 1
+    assert samples["remoteloader_queued_orders"] == 0  # the epoch is over
+
+
+def test_deploy_readme_names_every_metric_the_server_exports(metrics_text):
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    names = {line.split()[2] for line in metrics_text.splitlines() if line.startswith("# TYPE remoteloader_")}
+    names = {n for n in names if not n.endswith("_created")}  # prometheus_client's creation times
+    missing = sorted(n for n in names if n not in readme)
+    assert not missing, f"deploy/README.md does not mention {missing}"
 
 
 # ---- CI ------------------------------------------------------------------------------------

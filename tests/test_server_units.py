@@ -141,3 +141,96 @@ def test_max_order_samples_is_bounded_by_the_orders_clients_send():
     assert ServerConfig(data=("d",), max_order_samples=most).max_order_samples == most
     with pytest.raises(ValueError, match=f"max_order_samples={most + 1}: at most {most}"):
         ServerConfig(data=("d",), max_order_samples=most + 1)
+
+
+# ---- how busy the decode workers are ------------------------------------------------------
+class _Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_busy_meter_is_time_weighted_over_its_window():
+    from remoteloader.server.worker_pool import BusyMeter
+
+    clock = _Clock()
+    meter = BusyMeter(window=5.0, steps=10, clock=clock)
+    assert meter.share() == 0.0  # no workers yet
+    meter.set(0, 2)
+    clock.now += 10
+    assert meter.share() == 0.0  # two idle workers
+    meter.set(1, 2)  # one of two busy for 2 s, then both for 3 s
+    clock.now += 2
+    meter.set(2, 2)
+    clock.now += 3
+    assert meter.share() == pytest.approx((1 * 2 + 2 * 3) / (2 * 5), abs=0.02)
+    assert meter.busy_seconds() == pytest.approx(1 * 2 + 2 * 3)  # the counter: no window
+    clock.now += 5.5  # a whole window later, all of it saturated
+    assert meter.share() == pytest.approx(1.0)
+    meter.set(0, 2)
+    clock.now += 2.5  # half the window idle
+    assert meter.share() == pytest.approx(0.5, abs=0.06)
+    clock.now += 3600  # long idle: nothing of the busy time is left, and reading costs a window's marks
+    assert meter.share() == 0.0
+    meter.set(1, 1)  # a worker lost: the share is of the workers there were
+    clock.now += 5.5
+    assert meter.share() == pytest.approx(1.0)
+
+
+def test_busy_meter_at_start_covers_only_the_time_since():
+    from remoteloader.server.worker_pool import BusyMeter
+
+    clock = _Clock()
+    meter = BusyMeter(window=5.0, clock=clock)
+    meter.set(3, 4)
+    clock.now += 1
+    assert meter.share() == pytest.approx(0.75)  # not diluted by the 4 s before it existed
+
+
+def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
+    """A real pool: ~0 while its workers wait, ~1 while the event loop keeps them fed."""
+    import asyncio
+
+    import numpy as np
+
+    from remoteloader.server.pipelines import PipelineSpec
+    from remoteloader.server.render import Renderer
+    from remoteloader.server.shared_memory import Arena
+    from remoteloader.server.worker_pool import WorkerPool
+    from remoteloader.tools.textures import make_imagefolder
+
+    (shard,) = open_shards([str(make_imagefolder(tmp_path / "data", ["a"], 8, size=(192, 256)))])
+    spec = PipelineSpec("train", 64, 64)
+    window = 1.0
+
+    async def run() -> tuple[float, float, float]:
+        arena = Arena(4, 8 * 64 * 64 * 3)
+        pool = WorkerPool(arena, workers=2, allow_custom=False, max_pixels=10**8, busy_window=window)
+        try:
+            pool.start()
+            renderer = Renderer([shard], pool, None)
+            # Started and waiting: a warm-up task each, then a whole window with no work.
+            await asyncio.gather(*(renderer.render(spec, shard, np.arange(8), list(range(8)), s) for s in range(2)))
+            await asyncio.sleep(window * 1.2)
+            idle = pool.busy_share()
+            loop = asyncio.get_running_loop()
+            until = loop.time() + window * 1.5
+
+            async def keep_rendering(slot: int) -> None:  # four slots in turn keep two workers fed
+                while loop.time() < until:
+                    await renderer.render(spec, shard, np.arange(8), list(range(8)), slot)
+
+            await asyncio.gather(*(keep_rendering(s) for s in range(4)))
+            saturated = pool.busy_share()
+            await asyncio.sleep(window * 1.2)
+            return idle, saturated, pool.busy_share()
+        finally:
+            pool.close()
+            arena.close()
+
+    idle, saturated, after = asyncio.run(run())
+    assert idle < 0.05, idle
+    assert saturated > 0.9, saturated
+    assert after < 0.05, after

@@ -1,10 +1,10 @@
-"""``remoteloader serve|demo|pack|probe``: one command for the tools that may use both sides.
+"""``remoteloader serve|bench|demo|pack|probe``: one command for the tools that may use both sides.
 
 ``serve`` hands its flags as they are to the server's own entry point (``remoteloader-server``,
 ``remoteloader.server.cli``). Each other subcommand is a module with ``add_arguments(parser)``
 and ``run(args) -> exit code``, imported only when it is the one asked for: on a client-only
-install (``pip install remoteloader``, no ``server`` extra) ``probe`` and ``demo --connect`` work,
-and the rest say in one line that they need the extra (exit 2).
+install (``pip install remoteloader``, no ``server`` extra) ``probe``, ``bench`` and
+``demo --connect`` work, and the rest say in one line that they need the extra (exit 2).
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from remoteloader.server.cli import missing_server_extra, serve_main
 
 # Subcommand: (module, help).
 COMMANDS = {
+    "bench": (
+        "remoteloader.tools.bench",
+        "measure what loader servers deliver to this host, what limits it, and whether training is input-bound",
+    ),
     "demo": ("remoteloader.tools.demo", "train a small CNN fed by two local loader servers"),
     "pack": (
         "remoteloader.tools.pack",

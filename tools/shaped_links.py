@@ -14,6 +14,9 @@ splits the work between them. A warm-up epoch is read, then a timed one, and a J
 printed: images/s, each server's share (and the ideal one, its rate over the sum), and the
 utilization of the links' combined capacity by the samples delivered.
 
+With ``--bench FLAGS...`` (last), ``remoteloader bench FLAGS`` runs against the servers instead
+of the epoch, and prints what it prints: what bench says of a link of that speed.
+
 ``available()`` says why this cannot run here (no unshare, ip or tc, or user namespaces off),
 for the tests to skip with that reason.
 """
@@ -30,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from remoteloader.client import cpu
 from remoteloader.tools.local import ServerProcess, server_command
 
 NAMESPACE = ["unshare", "--user", "--map-root-user", "--net", "--mount"]
@@ -96,45 +100,63 @@ def make_link(i: int, rate_mbit: float) -> str:
     return server
 
 
-def _run_inside(args: argparse.Namespace) -> dict:
-    from remoteloader.client import RemoteLoader
-
-    work = pathlib.Path(tempfile.mkdtemp(prefix="shaped-links-"))
+def _start_servers(args: argparse.Namespace, work: pathlib.Path, servers: list[ServerProcess]) -> list[str]:
+    """In our own namespace: a server behind a shaped link per rate (appended to ``servers`` as
+    they start, for the caller to stop); returns their addresses once all listen."""
     subprocess.run(["mount", "-t", "tmpfs", "none", "/run"], check=True)  # for `ip netns` (our own mount namespace)
     _ip("ip", "link", "set", "lo", "up")
     token = work / "token"
     token.write_text(TOKEN)
     flags = ["--token-file", str(token), "--workers", "1", "--log-level", "WARNING"]
+    for i, rate in enumerate(args.rates):
+        host = make_link(i, rate)
+        certificate = ["--tls-cert", str(work / f"server{i}.pem"), "--tls-key", str(work / f"server{i}.key")]
+        data = ["--synthetic", str(args.samples)] if not args.data else ["--data", *args.data]
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            f"rl{i}",
+            *server_command(),
+            *data,
+            "--host",
+            host,
+            "--port",
+            "50051",
+            *flags,
+            *(certificate if args.tls else []),
+            *args.server_args,
+        ]
+        servers.append(ServerProcess(argv, log_path=work / f"server{i}.log"))
+    for server in servers:
+        server.wait_ready(60)
+    return [f"{server.host}:{server.port}" for server in servers]
+
+
+def _bench_inside(args: argparse.Namespace) -> int:
+    """``remoteloader bench`` against the servers behind their links; its output as it is."""
+    work = pathlib.Path(tempfile.mkdtemp(prefix="shaped-links-"))
     tls = _certificates(work, len(args.rates)) if args.tls else None
-    servers = []
+    servers: list[ServerProcess] = []
     try:
-        addresses = []
-        for i, rate in enumerate(args.rates):
-            host = make_link(i, rate)
-            data = ["--synthetic", str(args.samples)] if not args.data else ["--data", *args.data]
-            argv = [
-                "ip",
-                "netns",
-                "exec",
-                f"rl{i}",
-                *server_command(),
-                *data,
-                "--host",
-                host,
-                "--port",
-                "50051",
-                *flags,
-                *(
-                    ["--tls-cert", str(work / f"server{i}.pem"), "--tls-key", str(work / f"server{i}.key")]
-                    if tls
-                    else []
-                ),
-                *args.server_args,
-            ]
-            servers.append(ServerProcess(argv, log_path=work / f"server{i}.log"))
+        addresses = _start_servers(args, work, servers)
+        security = ["--token-file", str(work / "token"), *(["--tls", tls.ca] if tls else [])]
+        return subprocess.call(
+            [sys.executable, "-m", "remoteloader.tools.cli", "bench", ",".join(addresses), *security, *args.bench_args]
+        )
+    finally:
         for server in servers:
-            server.wait_ready(60)
-            addresses.append(f"{server.host}:{server.port}")
+            server.stop(10)
+
+
+def _run_inside(args: argparse.Namespace) -> dict:
+    from remoteloader.client import RemoteLoader
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="shaped-links-"))
+    tls = _certificates(work, len(args.rates)) if args.tls else None
+    servers: list[ServerProcess] = []
+    try:
+        addresses = _start_servers(args, work, servers)
         loader = RemoteLoader(
             addresses,
             batch_size=args.batch_size,
@@ -153,10 +175,14 @@ def _run_inside(args: argparse.Namespace) -> dict:
             before = loader.stats()["servers"]
             loader.set_epoch(1)
             seen = []
+            server_cpu = [cpu.tree_cpu(server.popen.pid) for server in servers]
+            trainer_cpu = os.times()
             started = time.perf_counter()
             for _images, _labels, ids in loader:
                 seen.extend(ids.tolist())
             seconds = time.perf_counter() - started
+            trainer = os.times()
+            server_seconds = sum(cpu.tree_cpu(server.popen.pid) - c for server, c in zip(servers, server_cpu))
             after = loader.stats()["servers"]
         sample_bytes = args.image_size * args.image_size * 3
         per_server = {}
@@ -180,6 +206,13 @@ def _run_inside(args: argparse.Namespace) -> dict:
             # servers' own counts include the twins of hedged orders (client/engine.py).
             "utilization": len(seen) * sample_bytes / capacity,
             "duplicates": total - len(seen),
+            # CPU per image delivered: the servers' (their decode workers included) and this
+            # process's (the trainer's: receiving, decoding a wire encoding, the loop).
+            "server_cpu_ms_per_image": server_seconds * 1e3 / max(1, len(seen)),
+            "trainer_cpu_ms_per_image": (trainer.user + trainer.system - trainer_cpu.user - trainer_cpu.system)
+            * 1e3
+            / max(1, len(seen)),
+            "wire_bytes_per_image": sum(after[a]["bytes"] - before[a]["bytes"] for a in addresses) / max(1, total),
             "servers": per_server,
         }
     finally:
@@ -243,13 +276,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", nargs="*", default=None, help="serve these paths instead of a synthetic shard")
     parser.add_argument("--loader-args", default="{}", help="JSON of further RemoteLoader arguments")
     parser.add_argument("--server-arg", dest="server_args", action="append", default=[])
+    parser.add_argument(
+        "--bench",
+        dest="bench_args",
+        nargs=argparse.REMAINDER,
+        default=None,
+        help="instead of an epoch, run `remoteloader bench` against the servers with these flags (the rest)",
+    )
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.inside and args.bench_args is not None:
+        return _bench_inside(args)
     if not args.inside:
         reason = available()
         if reason:
             print(f"shaped links cannot be made here: {reason}", file=sys.stderr)
             return 2
+        if args.bench_args is not None:
+            return subprocess.call(
+                [
+                    *NAMESPACE,
+                    sys.executable,
+                    "-m",
+                    "remoteloader.tools.shaped_links",
+                    "--inside",
+                    *(argv if argv is not None else sys.argv[1:]),
+                ]
+            )
         report = measure(
             args.rates,
             samples=args.samples,

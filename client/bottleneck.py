@@ -1,0 +1,82 @@
+"""What limits the images/s a training host gets: the one rule ``stats()`` and ``remoteloader bench`` use.
+
+Over a span of time (an epoch; a benchmark's run), each server says how busy its decode
+workers were (``ChunkHeader.workers_busy``) and this host measures how busy its receiver
+was (CPU seconds over wall seconds). A server whose workers were busy ``BUSY`` of the time
+was limited by its CPUs: more servers (or cores) help. A receiver as busy is this host's
+limit: more servers cannot help, a receiver process or fewer bytes per image can. Otherwise
+what held the server back lies between the two: its link (its bandwidth, or too little in
+flight for its latency). When the training loop hardly waited, its own step is the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BUSY = 0.75  # a share of the time at which CPUs count as the limit
+WAITED = 0.05  # below this share of the time waiting for data, the training step is the limit
+
+SERVERS = "servers' decode CPUs"
+RECEIVING = "this host's receiving"
+LINKS = "links"
+STEP = "the training step"
+REMEDY = {
+    SERVERS: "More loader servers, or more cores for them, would feed it faster",
+    RECEIVING: (
+        "More servers would not help: receiver='process' (another core for receiving) or fewer bytes "
+        "per image (a smaller image_size) would"
+    ),
+    LINKS: (
+        "The servers' decode workers had time to spare: faster links, servers behind other links, fewer "
+        "bytes per image (wire='zstd', or the lossy wire='jpeg95'), or more orders in flight (max_inflight, "
+        "for a link with a long round trip) would feed it faster"
+    ),
+    STEP: "The input keeps up",
+}
+
+
+@dataclass(frozen=True)
+class ServerSpan:
+    """What one server delivered over a span."""
+
+    images: int
+    bytes: int
+    workers_busy: float  # its workers' busy share, averaged over its images
+
+
+def spans(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) -> dict[str, ServerSpan]:
+    """Each server's span between two readings of ``stats()["servers"]`` (Link.counters)."""
+    out = {}
+    for address, now in after.items():
+        then = before.get(address, {})
+        images = int(now["samples"]) - int(then.get("samples", 0))
+        busy = float(now["busy_samples"]) - float(then.get("busy_samples", 0.0))
+        out[address] = ServerSpan(
+            images=images,
+            bytes=int(now["bytes"]) - int(then.get("bytes", 0)),
+            workers_busy=min(1.0, busy / images) if images > 0 else 0.0,
+        )
+    return out
+
+
+def server_limit(workers_busy: float, receiver_busy: float) -> str:
+    """What held one server's delivery back."""
+    if workers_busy >= BUSY:
+        return SERVERS
+    if receiver_busy >= BUSY:
+        return RECEIVING
+    return LINKS
+
+
+def likely_limit(servers: Mapping[str, ServerSpan], receiver_busy: float, waited: float | None = None) -> str:
+    """The limit of a span: ``STEP`` when the loop waited less than ``WAITED`` of it (``waited``
+    None: a benchmark, where it always waits), else this host's receiving, or the limit of the
+    servers that delivered most of the images."""
+    if waited is not None and waited < WAITED:
+        return STEP
+    if receiver_busy >= BUSY:
+        return RECEIVING
+    total = sum(s.images for s in servers.values())
+    on_cpus = sum(s.images for s in servers.values() if s.workers_busy >= BUSY)
+    return SERVERS if total and on_cpus * 2 >= total else LINKS

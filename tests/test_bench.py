@@ -1,0 +1,154 @@
+"""`remoteloader bench`: what servers deliver to this host, what limits it, and whether a
+training step would wait for data; and the likely limit each epoch's stats() line names."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from remoteloader.client import bottleneck
+from remoteloader.tools import shaped_links
+from remoteloader.tools.textures import make_imagefolder
+
+pytestmark = pytest.mark.timeout(240)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def two_servers(module_cluster, tmp_path_factory):
+    """Two servers of one decode worker, each on 120 JPEGs of its own."""
+    root = tmp_path_factory.mktemp("bench-data")
+    datas = [make_imagefolder(root / f"part{i}", ["a", "b", "c"], 40, size=(160, 200), seed=i) for i in range(2)]
+    module_cluster.add_many(datas)
+    return module_cluster
+
+
+def bench(cluster, tmp_path, *flags: str) -> tuple[dict, str]:
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "remoteloader.tools.cli", "bench", cluster.target, "--image-size", "64",
+         "--batch-size", "16", "--seconds", "2", "--warmup", "1", "--json", str(out), *flags],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_bench_measures_each_server_and_all_together_and_names_their_limit(two_servers, tmp_path):
+    report, printed = bench(two_servers, tmp_path, "--step-time", "1000", "--plot", str(tmp_path / "bench.png"))
+    runs = report["runs"]
+    assert [len(r["servers"]) for r in runs] == [1, 2]
+    assert runs[-1]["servers"] == two_servers.addresses
+    for run in runs:
+        assert run["images"] > 0 and run["images_per_s"] > 0 and run["host_cpu_ms"] > 0
+        assert run["limit"] in (bottleneck.SERVERS, bottleneck.LINKS, bottleneck.RECEIVING)
+        assert set(run["per_server"]) == set(run["servers"])
+        for server in run["per_server"].values():
+            assert server["workers"] == 1  # as the servers were started (Describe)
+            assert 0 < server["workers_busy"] <= 1  # their decode workers worked
+            assert server["images_per_s"] > 0 and server["server_cpu_ms"] > 0
+            assert server["limit"] == bottleneck.server_limit(server["workers_busy"], run["receiver_busy"])
+        # what each server delivered adds up to what the loop read (orders complete around the edges)
+        total = sum(s["images_per_s"] for s in run["per_server"].values())
+        assert total == pytest.approx(run["images_per_s"], rel=0.35)
+    # a step of 1000 s per batch is never waiting for these servers: not input-bound, and fewer would do
+    assert report["step_images_per_s"] == pytest.approx(16 / 1000)
+    assert any("not input-bound" in line for line in report["verdict"])
+    assert "not input-bound" in printed and "servers" in printed.splitlines()[0]
+    assert (tmp_path / "bench.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bench_says_how_many_more_servers_a_faster_step_needs(two_servers, tmp_path):
+    (tmp_path / "tinymodel.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))\n"
+    )
+    # (later flags win: batches of 128, where a step's fixed cost is small beside its images)
+    report, _ = bench(two_servers, tmp_path, "--model", "tinymodel:make", "--device", "cpu", "--batch-size", "128")
+    consumed, delivered = report["step_images_per_s"], report["runs"][-1]["images_per_s"]
+    assert consumed > 0
+    if consumed <= delivered:  # (a pooled linear layer on 16 images of 64 px outruns two 1-worker servers)
+        pytest.skip(f"the tiny model consumed only {consumed:.0f} images/s here, the servers gave {delivered:.0f}")
+    verdict = " ".join(report["verdict"])
+    assert "input-bound" in verdict and "not input-bound" not in verdict
+    if report["runs"][-1]["limit"] != bottleneck.RECEIVING:
+        per_server = delivered / 2
+        more = -(-consumed // per_server) - 2
+        assert f"About {more:.0f} more server(s)" in verdict
+
+
+def test_bench_refuses_bad_input_in_one_line(tmp_path):
+    for flags, says in (
+        (["127.0.0.1:1", "--step-time", "0"], "--step-time=0.0: expected seconds per step, > 0"),
+        (["127.0.0.1:1", "--seconds", "-1"], "--seconds=-1.0: expected seconds, > 0"),
+        (["127.0.0.1:1", "--model", "nocolon"], "expected MODULE:FUNCTION"),
+    ):
+        result = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "bench", *flags],
+                                capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert result.returncode != 0 and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("busy", "receiver", "waited", "limit"),
+    [
+        ((0.95, 0.9), 0.2, 0.5, bottleneck.SERVERS),
+        ((0.3, 0.2), 0.2, 0.5, bottleneck.LINKS),
+        ((0.95, 0.9), 0.95, 0.5, bottleneck.RECEIVING),
+        ((0.95, 0.9), 0.2, 0.01, bottleneck.STEP),
+        ((0.95, 0.2), 0.2, 0.5, bottleneck.SERVERS),  # the busy server delivered most of the images
+    ],
+)
+def test_the_likely_limit_rule(busy, receiver, waited, limit):
+    images = (300, 100)
+    spans = {f"s{i}": bottleneck.ServerSpan(images=n, bytes=n * 1000, workers_busy=b)
+             for i, (n, b) in enumerate(zip(images, busy))}
+    assert bottleneck.likely_limit(spans, receiver, waited) == limit
+
+
+def test_spans_average_the_servers_busy_share_over_their_images():
+    before = {"a": {"samples": 100, "bytes": 10, "busy_samples": 50.0}}
+    after = {"a": {"samples": 300, "bytes": 30, "busy_samples": 230.0},
+             "b": {"samples": 10, "bytes": 5, "busy_samples": 2.0}}  # joined since
+    spans = bottleneck.spans(before, after)
+    assert spans["a"] == bottleneck.ServerSpan(images=200, bytes=20, workers_busy=0.9)
+    assert spans["b"] == bottleneck.ServerSpan(images=10, bytes=5, workers_busy=0.2)
+
+
+def test_each_epoch_line_names_its_likely_limit(two_servers, run_bounded):
+    from remoteloader.client import RemoteLoader
+
+    with RemoteLoader(two_servers.addresses, batch_size=16, image_size=64) as loader:
+        run_bounded(loader)  # as fast as the servers go: the input is the limit
+        loader.set_epoch(1)
+        run_bounded(loader, on_batch=lambda *_: time.sleep(0.3))  # a slow step: the servers wait for it
+        fast, slow = loader.stats()["epochs"]
+    assert fast["wait_fraction"] > bottleneck.WAITED and fast["limit"] != bottleneck.STEP
+    assert set(fast["workers_busy"]) == set(two_servers.addresses)
+    assert all(0 < busy <= 1 for busy in fast["workers_busy"].values())
+    assert 0 < fast["receiver_busy"] < 1.5
+    assert slow["wait_fraction"] < bottleneck.WAITED and slow["limit"] == bottleneck.STEP
+
+
+def test_bench_names_a_slow_link_as_the_limit(tmp_path):
+    reason = shaped_links.available()
+    if reason:
+        pytest.skip(f"shaped links cannot be made here: {reason}")
+    data = make_imagefolder(tmp_path / "data", ["a", "b"], 60, size=(160, 200))
+    out = tmp_path / "bench.json"
+    # 64-px crops are 12 KB: 20 Mbit/s carries about 200 a second, a fraction of what one decode
+    # worker renders, so the worker waits for the link and says so
+    code = shaped_links.main(["--rates", "20", "--data", str(data), "--bench", "--image-size", "64",
+                              "--batch-size", "16", "--seconds", "3", "--warmup", "2", "--json", str(out)])
+    assert code == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    (server,) = run["per_server"].values()
+    assert run["limit"] == bottleneck.LINKS and server["limit"] == bottleneck.LINKS
+    assert 0 < server["workers_busy"] < bottleneck.BUSY
+    assert 0.5 < run["mb_per_s"] * 8 < 20 * 1.1  # what the link carried, within its rate

@@ -1,0 +1,356 @@
+"""``remoteloader bench ADDRESS``: is the training job input-bound, and what would fix it?
+
+Run from the training host against the loader servers it trains with. It reads batches from
+1, 2, 4, ... of the servers, then all of them, as fast as they come, and prints a table:
+images/s and MB/s per server and together, and what held each back (its decode CPUs, its
+link, or this host's receiving: ``remoteloader.client.bottleneck``'s rule, the one
+``stats()`` uses each epoch). Given the training step (``--step-time`` seconds per batch, or
+``--model module:function`` to time one), it says whether the job is input-bound, by how
+much, and how many more servers of this kind would close the gap; and what a local
+DataLoader would need of this host for the same images/s. ``--plot`` draws images/s against
+servers and against link bandwidth (a PNG, with matplotlib: ``pip install remoteloader[bench]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from remoteloader.client import RemoteLoader, bottleneck, cpu
+from remoteloader.client.discovery import discover
+from remoteloader.protos import wire
+
+MB = 1e6
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("address", help="the servers, as RemoteLoader takes them (a list, or a DNS name for many)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--pipeline", default="train", help="a preset the servers offer (default train)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured per configuration (default 10)")
+    parser.add_argument("--warmup", type=float, default=3.0, help="read first, not measured (default 3)")
+    parser.add_argument("--receiver", choices=("thread", "process"), default=None, help="RemoteLoader's receiver")
+    parser.add_argument("--wire", choices=wire.WIRES, default=wire.RAW, help="RemoteLoader's wire (jpeg95 is lossy)")
+    parser.add_argument("--token-file", help="a file holding the servers' token")
+    parser.add_argument("--tls", metavar="CA_PEM", help="connect with TLS, trusting this CA")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("--step-time", type=float, help="seconds one training step takes on a batch")
+    step.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="a function returning a torch.nn.Module: its forward and backward on a batch are timed",
+    )
+    parser.add_argument("--device", default="auto", help="where --model is timed: auto, cpu or cuda")
+    parser.add_argument("--plot", metavar="PNG", help="write a plot of images/s against servers and link bandwidth")
+    parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+
+
+@dataclass
+class Run:
+    """One configuration's figures: ``count`` servers read together for ``seconds``."""
+
+    servers: list[str]
+    seconds: float
+    images: int
+    images_per_s: float
+    mb_per_s: float
+    host_cpu_ms: float  # this host's CPU (this process and its children) per image
+    receiver_busy: float  # the receiver's CPU seconds per second
+    limit: str
+    per_server: dict[str, dict] = field(default_factory=dict)
+
+
+def host_cpu() -> float:
+    """CPU seconds of this process and its children (a receiver process, DataLoader workers)."""
+    return cpu.tree_cpu(os.getpid())
+
+
+def _not_waiting(record: logging.LogRecord) -> bool:
+    """Leaves out the loader's warning that the loop waits for data: here it waits by design."""
+    return not hasattr(record, "remoteloader_waited")
+
+
+def measure(servers: list[str], args: argparse.Namespace, loader_args: dict) -> Run:
+    """Reads batches from ``servers`` for ``args.warmup`` then ``args.seconds`` seconds."""
+    with RemoteLoader(servers, **loader_args) as loader:
+        start = time.perf_counter()
+        measuring = None  # (time, images, stats, host cpu) when the measured span began
+        images = 0
+        epoch = 0
+        while True:
+            loader.set_epoch(epoch)
+            if not len(loader):
+                raise SystemExit(f"{', '.join(servers)}: no batch of {args.batch_size} to read")
+            for _, labels in loader:
+                images += len(labels)
+                now = time.perf_counter()
+                if measuring is None and now - start >= args.warmup:
+                    measuring = (now, images, loader.stats(), host_cpu())
+                elif measuring is not None and now - measuring[0] >= args.seconds:
+                    break
+            else:
+                epoch += 1
+                continue
+            break
+        end, after, used = time.perf_counter(), loader.stats(), host_cpu()
+    began, images_before, before, cpu_before = measuring
+    seconds, images = end - began, images - images_before
+    spans = bottleneck.spans(before["servers"], after["servers"])
+    receiver_busy = (after["receiver_cpu_s"] - before["receiver_cpu_s"]) / seconds
+    per_server = {}
+    for address, span in spans.items():
+        workers = int(after["servers"][address].get("workers", 0))
+        rate = span.images / seconds
+        per_server[address] = {
+            "images_per_s": rate,
+            "mb_per_s": span.bytes / seconds / MB,
+            "workers": workers,
+            "workers_busy": span.workers_busy,
+            # CPU an image costs the server (its workers' busy time over its images)
+            "server_cpu_ms": 1000 * workers * span.workers_busy / rate if rate else 0.0,
+            "limit": bottleneck.server_limit(span.workers_busy, receiver_busy),
+        }
+    return Run(
+        servers=servers,
+        seconds=seconds,
+        images=images,
+        images_per_s=images / seconds,
+        mb_per_s=sum(s.bytes for s in spans.values()) / seconds / MB,
+        host_cpu_ms=1000 * (used - cpu_before) / images if images else 0.0,
+        receiver_busy=receiver_busy,
+        limit=bottleneck.likely_limit(spans, receiver_busy),
+        per_server=per_server,
+    )
+
+
+def counts(n: int) -> list[int]:
+    """The server counts measured: 1, 2, 4, ... and n."""
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def step_images_per_s(args: argparse.Namespace) -> tuple[float, str] | None:
+    """Images/s the training step consumes, and how it was found; None when not asked."""
+    if args.step_time is not None:
+        if not args.step_time > 0:
+            raise SystemExit(f"--step-time={args.step_time}: expected seconds per step, > 0")
+        return args.batch_size / args.step_time, f"--step-time {args.step_time:g} s per batch of {args.batch_size}"
+    if args.model is None:
+        return None
+    import torch
+
+    module_name, _, function_name = args.model.partition(":")
+    if not function_name:
+        raise SystemExit(f"--model={args.model!r}: expected MODULE:FUNCTION, e.g. mymodels:resnet50")
+    sys.path.insert(0, os.getcwd())
+    try:
+        model = getattr(importlib.import_module(module_name), function_name)()
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"--model={args.model!r}: {exc}") from None
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    model = model.to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        output = model(batch)
+        (output if isinstance(output, torch.Tensor) else output[0]).float().mean().backward()
+        optimizer.step()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        step()
+    sync()
+    began, steps = time.perf_counter(), 0
+    while steps < 5 or time.perf_counter() - began < 3.0:
+        step()
+        steps += 1
+        if steps % 5 == 0:
+            sync()
+    sync()
+    seconds = (time.perf_counter() - began) / steps
+    return args.batch_size / seconds, f"{args.model} on {device}: {seconds:.3f} s per batch of {args.batch_size}"
+
+
+def verdict(runs: list[Run], consumed: float | None) -> list[str]:
+    """What the figures mean: the job's limit and what would lift it."""
+    every = runs[-1]
+    n = len(every.servers)
+    per_server = every.images_per_s / n
+    lines = [
+        f"{n} server(s) deliver {every.images_per_s:.0f} images/s ({every.mb_per_s:.0f} MB/s) to this host; "
+        f"likely limit: {every.limit}."
+    ]
+    if every.limit == bottleneck.RECEIVING:
+        lines.append(
+            f"This host's receiver was busy {every.receiver_busy:.0%} of the time: more servers would not help. "
+            + bottleneck.REMEDY[bottleneck.RECEIVING]
+            + "."
+        )
+    if consumed is None:
+        lines.append("Give --step-time or --model to compare with what the training step consumes.")
+        return lines
+    if every.images_per_s >= consumed:
+        lines.append(
+            f"The training step consumes {consumed:.0f} images/s: not input-bound "
+            f"({every.images_per_s / consumed - 1:.0%} to spare)."
+        )
+        needed = math.ceil(consumed / per_server) if per_server else n
+        if needed < n:
+            lines.append(f"About {needed} such server(s) would keep up.")
+        return lines
+    lines.append(
+        f"The training step consumes {consumed:.0f} images/s: input-bound; the loop would wait for data "
+        f"{1 - every.images_per_s / consumed:.0%} of the time."
+    )
+    if every.limit != bottleneck.RECEIVING and per_server:
+        more = math.ceil(consumed / per_server) - n
+        behind = " behind links of their own" if every.limit == bottleneck.LINKS else ""
+        lines.append(
+            f"About {more} more server(s) of this kind{behind} would close the gap ({per_server:.0f} images/s each)."
+        )
+    return lines
+
+
+def dataloader_line(every: Run, wanted: float) -> str | None:
+    """What a local DataLoader would need of this host for ``wanted`` images/s."""
+    costs = [(s["server_cpu_ms"], s["images_per_s"]) for s in every.per_server.values() if s["server_cpu_ms"] > 0]
+    if not costs:
+        return None
+    cost_ms = sum(c * r for c, r in costs) / sum(r for _, r in costs)
+    cores = os.cpu_count() or 1
+    return (
+        f"A local DataLoader doing the same work would need about {wanted * cost_ms / 1000:.1f} of this host's "
+        f"{cores} cores for {wanted:.0f} images/s (the servers spend {cost_ms:.1f} ms of CPU per image, at their "
+        f"cores' speed); through the servers this host spends {every.host_cpu_ms:.2f} ms per image."
+    )
+
+
+def table(runs: list[Run]) -> str:
+    rows = [f"{'servers':>7} {'images/s':>9} {'MB/s':>7} {'host ms/img':>11}  limit"]
+    for run in runs:
+        rows.append(
+            f"{len(run.servers):>7} {run.images_per_s:9.0f} {run.mb_per_s:7.0f} {run.host_cpu_ms:11.2f}  {run.limit}"
+        )
+    rows.append("")
+    rows.append(f"{'server':<24} {'images/s':>9} {'MB/s':>7} {'workers':>7} {'busy':>5} {'cpu ms/img':>10}  limit")
+    for address, s in runs[-1].per_server.items():
+        rows.append(
+            f"{address:<24} {s['images_per_s']:9.0f} {s['mb_per_s']:7.0f} {s['workers']:7d} {s['workers_busy']:5.0%} "
+            f"{s['server_cpu_ms']:10.1f}  {s['limit']}"
+        )
+    return "\n".join(rows)
+
+
+def plot(path: str, runs: list[Run], consumed: float | None) -> None:
+    """images/s against servers (measured, and each server's share extended) and against
+    link bandwidth (projected from the bytes per image and the measured capacities)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'remoteloader[bench]'") from None
+    every = runs[-1]
+    n = len(every.servers)
+    per_server = every.images_per_s / n
+    receive_ceiling = every.images_per_s / every.receiver_busy if every.receiver_busy > 0.05 else None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = [len(r.servers) for r in runs]
+    most = max(n * 2, math.ceil(consumed / per_server) + 1 if consumed and per_server else 0)
+    left.plot(xs, [r.images_per_s for r in runs], "o-", label="measured")
+    left.plot([0, most], [0, most * per_server], "--", color="grey", label=f"{per_server:.0f} images/s per server")
+    if consumed:
+        left.axhline(consumed, color="tab:green", label="training step consumes")
+    top = 1.3 * max([r.images_per_s for r in runs] + [consumed or 0.0, most * per_server])
+    if receive_ceiling and receive_ceiling < top:
+        left.axhline(receive_ceiling, color="tab:red", linestyle=":", label="this host's receiving (estimate)")
+    elif receive_ceiling:
+        left.plot([], [], " ", label=f"this host's receiving: ~{receive_ceiling:.0f} (estimate)")
+    left.set(xlabel="servers", ylabel="images/s", title="images/s against servers", xlim=(0, most), ylim=(0, top))
+    left.xaxis.get_major_locator().set_params(integer=True)
+    left.legend(fontsize=8)
+    bytes_per_image = every.mb_per_s * MB / every.images_per_s
+    capacity = sum(
+        s["images_per_s"] / s["workers_busy"] if s["workers_busy"] > 0.2 else s["images_per_s"]
+        for s in every.per_server.values()
+    )
+    ceilings = [capacity] + ([receive_ceiling] if receive_ceiling else [])
+    gbits = [0.1 * 1.1**i for i in range(int(math.log(1000) / math.log(1.1)) + 1)]
+    projected = [min([g * 1e9 / 8 / bytes_per_image] + ceilings) for g in gbits]
+    right.plot(gbits, projected, label=f"projected ({bytes_per_image / 1e3:.0f} kB per image)")
+    right.plot([every.mb_per_s * 8 / 1e3], [every.images_per_s], "o", label="measured (its rate, not its link)")
+    if consumed:
+        right.axhline(consumed, color="tab:green", label="training step consumes")
+    right.set_xscale("log")
+    right.set(xlabel="link bandwidth, Gbit/s", ylabel="images/s", title=f"images/s against bandwidth, {n} server(s)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("seconds", "warmup"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name}={getattr(args, name)}: expected seconds, > 0")
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    loader_args = dict(
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        pipeline=args.pipeline,
+        drop_last=False,
+        receiver=args.receiver,
+        wire=args.wire,
+        token=token,
+        tls=args.tls,
+    )
+    try:
+        servers = discover(args.address)
+    except ConnectionError as exc:
+        raise SystemExit(str(exc)) from None
+    if not servers:
+        raise SystemExit(f"{args.address!r}: no server address")
+    consumed = step_images_per_s(args)
+    logging.getLogger("remoteloader.client").addFilter(_not_waiting)
+    runs = []
+    for count in counts(len(servers)):
+        print(f"reading from {count} server(s) for {args.warmup + args.seconds:g} s ...", file=sys.stderr, flush=True)
+        runs.append(measure(servers[:count], args, loader_args))
+    print(table(runs))
+    print()
+    if consumed is not None:
+        print(f"training step: {consumed[0]:.0f} images/s ({consumed[1]})")
+    lines = verdict(runs, consumed[0] if consumed else None)
+    local = dataloader_line(runs[-1], consumed[0] if consumed else runs[-1].images_per_s)
+    for line in lines + ([local] if local else []):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            report = {"runs": [asdict(r) for r in runs], "step_images_per_s": consumed[0] if consumed else None}
+            json.dump(report | {"verdict": lines + ([local] if local else [])}, f, indent=2)
+    if args.plot:
+        plot(args.plot, runs, consumed[0] if consumed else None)
+        print(f"plot: {args.plot}")
+    return 0
