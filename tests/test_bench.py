@@ -3,6 +3,7 @@ training step would wait for data; and the likely limit each epoch's stats() lin
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from remoteloader.client import bottleneck
+from remoteloader.tools import bench as remoteloader_bench
 from remoteloader.tools import shaped_links
 from remoteloader.tools.textures import make_imagefolder
 
@@ -63,24 +65,43 @@ def test_bench_measures_each_server_and_all_together_and_names_their_limit(two_s
     assert (tmp_path / "bench.png").read_bytes().startswith(PNG_MAGIC)
 
 
-def test_bench_says_how_many_more_servers_a_faster_step_needs(two_servers, tmp_path):
+def test_a_models_step_is_timed(tmp_path, monkeypatch):
     (tmp_path / "tinymodel.py").write_text(
         "import torch\n"
         "def make():\n"
         "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))\n"
     )
-    # (later flags win: batches of 128, where a step's fixed cost is small beside its images)
-    report, _ = bench(two_servers, tmp_path, "--model", "tinymodel:make", "--device", "cpu", "--batch-size", "128")
-    consumed, delivered = report["step_images_per_s"], report["runs"][-1]["images_per_s"]
-    assert consumed > 0
-    if consumed <= delivered:  # (a pooled linear layer on 16 images of 64 px outruns two 1-worker servers)
-        pytest.skip(f"the tiny model consumed only {consumed:.0f} images/s here, the servers gave {delivered:.0f}")
-    verdict = " ".join(report["verdict"])
-    assert "input-bound" in verdict and "not input-bound" not in verdict
-    if report["runs"][-1]["limit"] != bottleneck.RECEIVING:
-        per_server = delivered / 2
-        more = -(-consumed // per_server) - 2
-        assert f"About {more:.0f} more server(s)" in verdict
+    monkeypatch.chdir(tmp_path)  # where bench looks for the model's module, as from a training script's folder
+    args = argparse.Namespace(step_time=None, model="tinymodel:make", device="cpu", batch_size=32, image_size=32)
+    rate, how = remoteloader_bench.step_images_per_s(args)
+    assert rate > 0 and "tinymodel:make on cpu" in how and "batch of 32" in how
+
+
+def run_of(rates: list[float], limit: str) -> remoteloader_bench.Run:
+    per_server = {f"s{i}:1": {"images_per_s": r} for i, r in enumerate(rates)}
+    return remoteloader_bench.Run(servers=list(per_server), seconds=10, images=int(10 * sum(rates)),
+                                  images_per_s=sum(rates), mb_per_s=sum(rates) * 0.15, host_cpu_ms=0.1,
+                                  receiver_busy=0.9 if limit == bottleneck.RECEIVING else 0.2, limit=limit,
+                                  per_server=per_server)
+
+
+@pytest.mark.parametrize(
+    ("limit", "consumed", "says", "never"),
+    [
+        (bottleneck.SERVERS, 3000, ["input-bound", "wait for data 67%", "About 4 more server(s) of this kind would"],
+         ["not input-bound"]),
+        (bottleneck.LINKS, 3000, ["About 4 more server(s) of this kind behind links of their own"], []),
+        (bottleneck.RECEIVING, 3000, ["more servers would not help", "receiver='process'"], ["more server(s)"]),
+        (bottleneck.SERVERS, 400, ["not input-bound (150% to spare)", "About 1 such server(s) would keep up"], []),
+        (bottleneck.SERVERS, None, ["Give --step-time or --model"], ["input-bound"]),
+    ],
+)
+def test_the_verdict_says_whether_the_job_is_input_bound_and_what_closes_the_gap(limit, consumed, says, never):
+    verdict = " ".join(remoteloader_bench.verdict([run_of([500], limit), run_of([500, 500], limit)], consumed))
+    for text in says:
+        assert text in verdict, verdict
+    for text in never:
+        assert text not in verdict, verdict
 
 
 def test_bench_refuses_bad_input_in_one_line(tmp_path):
