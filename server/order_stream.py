@@ -126,8 +126,7 @@ class OrderStream:
         # _End or None: what the reader makes of the client's messages, in their order.
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, float] | _End | None] = asyncio.Queue()
         self._slot_counts = StreamSlots()
-        self._inflight = 0  # orders received whose last chunk is not written yet
-        self._live: set[int] = set()  # their ids
+        self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
     async def run(self) -> None:
@@ -153,8 +152,8 @@ class OrderStream:
         finally:
             reader.cancel()
             starter.cancel()
-            self._metrics.queued_orders.dec(self._inflight)  # the orders the stream ends with
-            self._inflight = 0
+            self._metrics.queued_orders.dec(len(self._live))  # the orders the stream ends with
+            self._live.clear()
             # Slots still being written by a worker go back only when the worker is done.
             while not self._queue.empty():
                 item = self._queue.get_nowait()
@@ -188,7 +187,6 @@ class OrderStream:
                 if error:
                     self._orders.put_nowait(error)
                     return
-                self._inflight += 1
                 self._metrics.queued_orders.inc()
                 self._live.add(request.order.order_id)
                 self._orders.put_nowait((request.order, time.monotonic()))
@@ -227,7 +225,12 @@ class OrderStream:
                 f"order {order.order_id}: index {max(order.indices)} is "
                 f"out of range for shard {order.shard_id} of {size} samples",
             )
-        if self._inflight >= c.max_inflight_orders:
+        if order.order_id in self._live:  # (its chunks, its cancel, its end could not be told apart)
+            return _End(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"order {order.order_id} is already in flight on this stream; order ids must differ",
+            )
+        if len(self._live) >= c.max_inflight_orders:
             return _End(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"more than max_inflight_orders={c.max_inflight_orders} orders in flight on one stream",
@@ -292,7 +295,6 @@ class OrderStream:
 
     def _finish(self, order: loader_pb2.Order, received: float) -> None:
         """The order's last chunk is written (or it was cancelled): it is no longer in flight."""
-        self._inflight -= 1
         self._live.discard(order.order_id)
         self._cancelled.discard(order.order_id)
         self._metrics.queued_orders.dec()

@@ -299,6 +299,19 @@ def test_more_orders_in_flight_than_allowed_are_refused(servers):
     assert chunks <= 2 * 8
 
 
+def test_an_order_id_already_in_flight_is_refused(servers):
+    """Two orders in flight with one id: their chunks, a Cancel and their ends could not be told apart."""
+    with grpc.insecure_channel(servers.address(SMALL)) as channel:
+        shard_id = _shard_id(channel)
+        method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
+                                       response_deserializer=codec.decode_chunk)
+        requests = [_setup("train", 128), _order(3, shard_id, range(8)), _order(3, shard_id, range(8))]
+        chunks, code, details = _finish(method(iter(requests), timeout=20))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "order 3 is already in flight" in details, details
+    assert chunks <= 8
+
+
 def test_orders_within_every_limit_are_served(servers):
     """max_order_samples-sized orders, several in flight on one stream: all within the limits."""
     with grpc.insecure_channel(servers.address(METERED)) as channel:
