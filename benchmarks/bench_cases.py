@@ -61,10 +61,10 @@ def run_case(name: str, data: pathlib.Path, args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="default: all three")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured per configuration")
     parser.add_argument("--data", type=pathlib.Path, default=_common.DEFAULT_DATA, help="cached ImageFolder")
-    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--images", type=int, default=2000, help="images in --data (default 2000), packed once")
     args = parser.parse_args()
     root = _common.ensure_dataset(args.data, args.images)
     data = _common.served_data(root, "packed", _common.default_cores())

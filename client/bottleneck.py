@@ -29,8 +29,8 @@ REMEDY = {
     ),
     LINKS: (
         "The servers' decode workers had time to spare: faster links, servers behind other links, fewer "
-        "bytes per image (wire='zstd', or the lossy wire='jpeg95'), or more orders in flight (max_inflight, "
-        "for a link with a long round trip) would feed it faster"
+        'bytes per image (RemoteLoader\'s wire option, README "Wire choices"), or more orders in flight '
+        "(max_inflight, for a link with a long round trip) would feed it faster"
     ),
     STEP: "The input keeps up",
 }

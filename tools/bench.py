@@ -22,8 +22,10 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from remoteloader.client import RemoteLoader, bottleneck, cpu
+from remoteloader.client.batches import LoaderError
 from remoteloader.client.discovery import discover
 from remoteloader.protos import wire
 
@@ -32,15 +34,25 @@ MB = 1e6
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="the servers, as RemoteLoader takes them (a list, or a DNS name for many)")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=256, help="default 256")
+    parser.add_argument("--image-size", type=int, default=224, help="default 224")
     parser.add_argument("--pipeline", default="train", help="a preset the servers offer (default train)")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured per configuration (default 10)")
-    parser.add_argument("--warmup", type=float, default=3.0, help="read first, not measured (default 3)")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=6.0,
+        help="read first, not measured (default 6: the servers' busy share covers their last 5 s)",
+    )
     parser.add_argument("--receiver", choices=("thread", "process"), default=None, help="RemoteLoader's receiver")
     parser.add_argument("--wire", choices=wire.WIRES, default=wire.RAW, help="RemoteLoader's wire (jpeg95 is lossy)")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, help="seconds a server may take to answer")
     parser.add_argument("--token-file", help="a file holding the servers' token")
-    parser.add_argument("--tls", metavar="CA_PEM", help="connect with TLS, trusting this CA")
+    parser.add_argument(
+        "--tls",
+        metavar="CA_PEM",
+        help="connect with TLS, trusting this CA (server certificates must name the addresses a DNS name resolves to)",
+    )
     step = parser.add_mutually_exclusive_group()
     step.add_argument("--step-time", type=float, help="seconds one training step takes on a batch")
     step.add_argument(
@@ -48,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODULE:FUNCTION",
         help="a function returning a torch.nn.Module: its forward and backward on a batch are timed",
     )
-    parser.add_argument("--device", default="auto", help="where --model is timed: auto, cpu or cuda")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where --model is timed")
     parser.add_argument("--plot", metavar="PNG", help="write a plot of images/s against servers and link bandwidth")
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
 
@@ -114,8 +126,8 @@ def measure(servers: list[str], args: argparse.Namespace, loader_args: dict) -> 
             "mb_per_s": span.bytes / seconds / MB,
             "workers": workers,
             "workers_busy": span.workers_busy,
-            # CPU an image costs the server (its workers' busy time over its images)
-            "server_cpu_ms": 1000 * workers * span.workers_busy / rate if rate else 0.0,
+            # its decode workers' busy time per image (their CPU, and their waits for a CPU)
+            "busy_ms": 1000 * workers * span.workers_busy / rate if rate else 0.0,
             "limit": bottleneck.server_limit(span.workers_busy, receiver_busy),
         }
     return Run(
@@ -143,16 +155,12 @@ def counts(n: int) -> list[int]:
 def step_images_per_s(args: argparse.Namespace) -> tuple[float, str] | None:
     """Images/s the training step consumes, and how it was found; None when not asked."""
     if args.step_time is not None:
-        if not args.step_time > 0:
-            raise SystemExit(f"--step-time={args.step_time}: expected seconds per step, > 0")
         return args.batch_size / args.step_time, f"--step-time {args.step_time:g} s per batch of {args.batch_size}"
     if args.model is None:
         return None
     import torch
 
     module_name, _, function_name = args.model.partition(":")
-    if not function_name:
-        raise SystemExit(f"--model={args.model!r}: expected MODULE:FUNCTION, e.g. mymodels:resnet50")
     sys.path.insert(0, os.getcwd())
     try:
         model = getattr(importlib.import_module(module_name), function_name)()
@@ -160,6 +168,8 @@ def step_images_per_s(args: argparse.Namespace) -> tuple[float, str] | None:
         raise SystemExit(f"--model={args.model!r}: {exc}") from None
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device")
     else:
         device = torch.device(args.device)
     model = model.to(device).train()
@@ -225,22 +235,30 @@ def verdict(runs: list[Run], consumed: float | None) -> list[str]:
         more = math.ceil(consumed / per_server) - n
         behind = " behind links of their own" if every.limit == bottleneck.LINKS else ""
         lines.append(
-            f"About {more} more server(s) of this kind{behind} would close the gap ({per_server:.0f} images/s each)."
+            f"About {more} more server(s) of this kind{behind} would close the gap ({per_server:.0f} images/s each, "
+            f"as {n} gave together)."
+        )
+    if every.limit == bottleneck.LINKS:
+        lines.append(
+            "Or fewer bytes per image on the same links: --wire zstd (lossless) or --wire jpeg95 (lossy) measures "
+            'them (README, "Wire choices"). "links" means the servers\' workers had time to spare and this host\'s '
+            "receiver was not busy: their links, or anything between (the servers' sending, too little in flight)."
         )
     return lines
 
 
 def dataloader_line(every: Run, wanted: float) -> str | None:
     """What a local DataLoader would need of this host for ``wanted`` images/s."""
-    costs = [(s["server_cpu_ms"], s["images_per_s"]) for s in every.per_server.values() if s["server_cpu_ms"] > 0]
+    costs = [(s["busy_ms"], s["images_per_s"]) for s in every.per_server.values() if s["busy_ms"] > 0]
     if not costs:
         return None
     cost_ms = sum(c * r for c, r in costs) / sum(r for _, r in costs)
     cores = os.cpu_count() or 1
     return (
         f"A local DataLoader doing the same work would need about {wanted * cost_ms / 1000:.1f} of this host's "
-        f"{cores} cores for {wanted:.0f} images/s (the servers spend {cost_ms:.1f} ms of CPU per image, at their "
-        f"cores' speed); through the servers this host spends {every.host_cpu_ms:.2f} ms per image."
+        f"{cores} cores for {wanted:.0f} images/s (the servers' workers are busy {cost_ms:.1f} ms per image, at "
+        f"their cores' speed and load); through the servers this host spends {every.host_cpu_ms:.2f} ms of CPU "
+        f"per image."
     )
 
 
@@ -251,18 +269,18 @@ def table(runs: list[Run]) -> str:
             f"{len(run.servers):>7} {run.images_per_s:9.0f} {run.mb_per_s:7.0f} {run.host_cpu_ms:11.2f}  {run.limit}"
         )
     rows.append("")
-    rows.append(f"{'server':<24} {'images/s':>9} {'MB/s':>7} {'workers':>7} {'busy':>5} {'cpu ms/img':>10}  limit")
+    rows.append(f"each of the {len(runs[-1].servers)} server(s), read together:")
+    rows.append(f"{'server':<24} {'images/s':>9} {'MB/s':>7} {'workers':>7} {'busy':>5} {'busy ms/img':>11}  limit")
     for address, s in runs[-1].per_server.items():
         rows.append(
             f"{address:<24} {s['images_per_s']:9.0f} {s['mb_per_s']:7.0f} {s['workers']:7d} {s['workers_busy']:5.0%} "
-            f"{s['server_cpu_ms']:10.1f}  {s['limit']}"
+            f"{s['busy_ms']:11.1f}  {s['limit']}"
         )
     return "\n".join(rows)
 
 
-def plot(path: str, runs: list[Run], consumed: float | None) -> None:
-    """images/s against servers (measured, and each server's share extended) and against
-    link bandwidth (projected from the bytes per image and the measured capacities)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files; SystemExit saying how to install it."""
     try:
         import matplotlib
 
@@ -270,6 +288,13 @@ def plot(path: str, runs: list[Run], consumed: float | None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install 'remoteloader[bench]'") from None
+    return plt
+
+
+def plot(path: str, runs: list[Run], consumed: float | None) -> None:
+    """images/s against servers (measured, and each server's share extended) and against
+    link bandwidth (projected from the bytes per image and the measured capacities)."""
+    plt = _pyplot()
     every = runs[-1]
     n = len(every.servers)
     per_server = every.images_per_s / n
@@ -278,15 +303,20 @@ def plot(path: str, runs: list[Run], consumed: float | None) -> None:
     xs = [len(r.servers) for r in runs]
     most = max(n * 2, math.ceil(consumed / per_server) + 1 if consumed and per_server else 0)
     left.plot(xs, [r.images_per_s for r in runs], "o-", label="measured")
-    left.plot([0, most], [0, most * per_server], "--", color="grey", label=f"{per_server:.0f} images/s per server")
+    left.plot(
+        [0, most], [0, most * per_server], "--", color="grey", label=f"{per_server:.0f} images/s per server (all {n})"
+    )
     if consumed:
-        left.axhline(consumed, color="tab:green", label="training step consumes")
+        left.axhline(consumed, color="tab:green", label=f"training step consumes {consumed:.0f}")
     top = 1.3 * max([r.images_per_s for r in runs] + [consumed or 0.0, most * per_server])
     if receive_ceiling and receive_ceiling < top:
-        left.axhline(receive_ceiling, color="tab:red", linestyle=":", label="this host's receiving (estimate)")
-    elif receive_ceiling:
-        left.plot([], [], " ", label=f"this host's receiving: ~{receive_ceiling:.0f} (estimate)")
-    left.set(xlabel="servers", ylabel="images/s", title="images/s against servers", xlim=(0, most), ylim=(0, top))
+        left.axhline(
+            receive_ceiling, color="tab:red", linestyle=":", label=f"this host's receiving ~{receive_ceiling:.0f}"
+        )
+    elif receive_ceiling:  # (off the chart: said in the title)
+        left.set_title(f"receiving here tops out near {receive_ceiling:.0f} (off the chart)", fontsize=8, loc="right")
+    left.set(xlabel="servers", ylabel="images/s", xlim=(0, most), ylim=(0, top))
+    left.set_title("images/s against servers", loc="left")
     left.xaxis.get_major_locator().set_params(integer=True)
     left.legend(fontsize=8)
     bytes_per_image = every.mb_per_s * MB / every.images_per_s
@@ -298,20 +328,37 @@ def plot(path: str, runs: list[Run], consumed: float | None) -> None:
     gbits = [0.1 * 1.1**i for i in range(int(math.log(1000) / math.log(1.1)) + 1)]
     projected = [min([g * 1e9 / 8 / bytes_per_image] + ceilings) for g in gbits]
     right.plot(gbits, projected, label=f"projected ({bytes_per_image / 1e3:.0f} kB per image)")
-    right.plot([every.mb_per_s * 8 / 1e3], [every.images_per_s], "o", label="measured (its rate, not its link)")
+    right.plot(
+        [every.mb_per_s * 8 / 1e3], [every.images_per_s], "o", label="measured: the rate it ran at, not a link's speed"
+    )
     if consumed:
-        right.axhline(consumed, color="tab:green", label="training step consumes")
+        right.axhline(consumed, color="tab:green", label=f"training step consumes {consumed:.0f}")
     right.set_xscale("log")
-    right.set(xlabel="link bandwidth, Gbit/s", ylabel="images/s", title=f"images/s against bandwidth, {n} server(s)")
+    right.set(
+        xlabel="bandwidth into this host, Gbit/s (all servers' links together)",
+        ylabel="images/s",
+        title=f"images/s against bandwidth, {n} server(s) (projected)",
+    )
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in ("seconds", "warmup"):
+def check(args: argparse.Namespace) -> None:
+    """SystemExit naming the first bad flag, before anything is connected or measured."""
+    for name in ("seconds", "warmup", "connect_timeout"):
         if not getattr(args, name) > 0:
-            raise SystemExit(f"--{name}={getattr(args, name)}: expected seconds, > 0")
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected seconds, > 0")
+    if args.step_time is not None and not args.step_time > 0:
+        raise SystemExit(f"--step-time={args.step_time}: expected seconds per step, > 0")
+    if args.model is not None and not all(args.model.partition(":")[::2]):
+        raise SystemExit(f"--model={args.model!r}: expected MODULE:FUNCTION, e.g. mymodels:resnet50")
+    if args.plot:
+        _pyplot()  # before minutes of measuring
+
+
+def run(args: argparse.Namespace) -> int:
+    check(args)
     token = None
     if args.token_file:
         with open(args.token_file) as f:
@@ -325,10 +372,13 @@ def run(args: argparse.Namespace) -> int:
         wire=args.wire,
         token=token,
         tls=args.tls,
+        connect_timeout=args.connect_timeout,
     )
     try:
         servers = discover(args.address)
-    except ConnectionError as exc:
+        with RemoteLoader(servers, **loader_args):  # every server can serve this, before any is measured
+            pass
+    except (ConnectionError, PermissionError, ValueError, LoaderError) as exc:
         raise SystemExit(str(exc)) from None
     if not servers:
         raise SystemExit(f"{args.address!r}: no server address")
