@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from remoteloader.protos import limits
+
 BUSY = 0.75  # a share of the time at which CPUs count as the limit
 WAITED = 0.05  # below this share of the time waiting for data, the training step is the limit
 
@@ -21,6 +23,7 @@ SERVERS = "servers' decode CPUs"
 RECEIVING = "this host's receiving"
 LINKS = "links"
 STEP = "the training step"
+UNKNOWN = "unknown (a span shorter than the servers' busy window)"
 REMEDY = {
     SERVERS: "More loader servers, or more cores for them, would feed it faster",
     RECEIVING: (
@@ -33,6 +36,7 @@ REMEDY = {
         "(max_inflight, for a link with a long round trip) would feed it faster"
     ),
     STEP: "The input keeps up",
+    UNKNOWN: "A longer epoch, or `remoteloader bench`, would say which part",
 }
 
 
@@ -69,12 +73,17 @@ def server_limit(workers_busy: float, receiver_busy: float) -> str:
     return LINKS
 
 
-def likely_limit(servers: Mapping[str, ServerSpan], receiver_busy: float, waited: float | None = None) -> str:
+def likely_limit(
+    servers: Mapping[str, ServerSpan], receiver_busy: float, waited: float | None = None, seconds: float | None = None
+) -> str:
     """The limit of a span: ``STEP`` when the loop waited less than ``WAITED`` of it (``waited``
-    None: a benchmark, where it always waits), else this host's receiving, or the limit of the
-    servers that delivered most of the images."""
+    None: a benchmark, where it always waits); ``UNKNOWN`` for a span of fewer ``seconds`` than
+    the servers' busy share covers (it would mix in their time before it); else this host's
+    receiving, or the limit of the servers that delivered most of the images."""
     if waited is not None and waited < WAITED:
         return STEP
+    if seconds is not None and seconds < limits.BUSY_WINDOW:
+        return UNKNOWN
     if receiver_busy >= BUSY:
         return RECEIVING
     total = sum(s.images for s in servers.values())

@@ -501,7 +501,7 @@ class RemoteLoader:
         s = self._throughput
         share = waited / seconds if seconds else 0.0
         rate = images / seconds if seconds else 0.0
-        limit = bottleneck.likely_limit(servers, receiver_busy, share)
+        limit = bottleneck.likely_limit(servers, receiver_busy, share, seconds)
         busy = {a: round(span.workers_busy, 3) for a, span in servers.items()}
         s.epochs.append(
             {
@@ -528,7 +528,7 @@ class RemoteLoader:
             s.warned = True
             log.warning(
                 "epoch %d: the training loop waited for data %.0f%% of the time (%.0f images/s): its input is "
-                "the limit, likely %s. %s; stats()['epochs'] and ['servers'] show each epoch and each server, "
+                "the limit; likely: %s. %s; stats()['epochs'] and ['servers'] show each epoch and each server, "
                 "and `remoteloader bench` measures what more servers would give",
                 epoch,
                 100 * share,

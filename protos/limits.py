@@ -28,6 +28,7 @@ from __future__ import annotations
 MiB = 1 << 20
 HEADER_BYTES = MiB  # most bytes of a chunk's header (ChunkHeader), beside its pixels
 CHANNELS = 3  # samples are RGB uint8
+BUSY_WINDOW = 5.0  # seconds ChunkHeader.workers_busy covers, before the chunk
 MAX_ORDER_MESSAGE_BYTES = 16 * MiB  # the largest order message a client sends and a server accepts
 TARGET_BYTES = 32 * 1024  # most bytes of one sample's serialized targets (loader_pb2.Targets)
 TARGETS_PER_CHUNK = 32  # most samples in a chunk that carries targets

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import NamedTuple
 
+from remoteloader.protos import limits
 from remoteloader.server.shared_memory import Arena, SampleCache
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ class BusyMeter:
         clock: Seconds, monotonic (a test's fake clock).
     """
 
-    def __init__(self, window: float = 5.0, steps: int = 10, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, window: float = limits.BUSY_WINDOW, steps: int = 10, clock: Callable[[], float] = time.monotonic
+    ):
         if window <= 0 or steps < 1:
             raise ValueError(f"BusyMeter(window={window!r}, steps={steps!r}): expected window > 0 and steps >= 1")
         self._clock = clock
@@ -158,7 +161,7 @@ class WorkerPool:
         region_decode: bool = True,
         indexed_ns: int = 0,
         sources: tuple[tuple[str, str], ...] = (),
-        busy_window: float = 5.0,
+        busy_window: float = limits.BUSY_WINDOW,
     ):
         self.size = workers
         self._arena = arena

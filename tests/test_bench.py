@@ -132,6 +132,10 @@ def test_the_likely_limit_rule(busy, receiver, waited, limit):
     spans = {f"s{i}": bottleneck.ServerSpan(images=n, bytes=n * 1000, workers_busy=b)
              for i, (n, b) in enumerate(zip(images, busy))}
     assert bottleneck.likely_limit(spans, receiver, waited) == limit
+    assert bottleneck.likely_limit(spans, receiver, waited, seconds=60) == limit
+    # shorter than the servers' busy window: the input's part cannot be told (the step's can)
+    short = bottleneck.likely_limit(spans, receiver, waited, seconds=2)
+    assert short == (bottleneck.STEP if limit == bottleneck.STEP else bottleneck.UNKNOWN)
 
 
 def test_spans_average_the_servers_busy_share_over_their_images():
