@@ -10,7 +10,9 @@ Normalize give it):
 
   remote  RemoteLoader fed by one local ``remoteloader-server`` (--workers K, 127.0.0.1), reading
           by default the tar shards ``remoteloader pack`` writes once from the same ImageFolder
-          (JPEGs rewritten losslessly: the same pixels; --remote-data folder: the files themselves)
+          (JPEGs rewritten losslessly: the same pixels; --remote-data folder: the files themselves),
+          its batches through the same-host path (the server's memory, README "Same host")
+  grpc    (only when asked: --loaders remote,grpc,pil,opencv) the same over gRPC, shared_memory=False
   pil     torch DataLoader(num_workers=K): PIL open/convert, torchvision's RandomResizedCrop
           algorithm re-implemented on PIL, flip, pil_to_tensor, default collate
   opencv  torch DataLoader(num_workers=K): cv2.imread + cvtColor, albumentations
@@ -53,8 +55,11 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
 
 from remoteloader.tools.local import LocalServer  # noqa: E402
 
-LOADERS = ("remote", "pil", "opencv")
-TITLES = {"remote": "RemoteLoader (1 local server)", "pil": "DataLoader + PIL",
+LOADERS = ("remote", "grpc", "pil", "opencv")
+DEFAULT_LOADERS = ("remote", "pil", "opencv")
+REMOTE = {"remote", "grpc"}  # RemoteLoaders of the one server: its same-host path, and over gRPC
+TITLES = {"remote": "RemoteLoader (1 local server)", "grpc": "RemoteLoader, shared_memory=False",
+          "pil": "DataLoader + PIL",
           "opencv": "DataLoader + OpenCV/albumentations"}
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
@@ -196,7 +201,7 @@ CPU_PARTS = ("client", "client_children", "server_main", "server_workers")
 def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batch: int, size: int,
               expect_images: int, output: str = "uint8") -> dict:
     """Iterates one whole epoch; the loop only touches each batch (shape, label sum)."""
-    if name == "remote":
+    if name in REMOTE:
         loader.set_epoch(epoch)
     me = os.getpid()
     cpu0 = _common.cpu_split(me, server_pid)
@@ -234,7 +239,7 @@ def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batc
 def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: int, size: int,
                  output: str = "uint8") -> None:
     # RemoteLoader: uint8 NHWC, or normalized NCHW (channels_last memory); DataLoaders: NCHW.
-    shape = (batch, size, size, 3) if name == "remote" and output == "uint8" else (batch, 3, size, size)
+    shape = (batch, size, size, 3) if name in REMOTE and output == "uint8" else (batch, 3, size, size)
     dtype = torch.uint8 if output == "uint8" else torch.float32
     if tuple(images.shape) != shape or images.dtype != dtype:
         raise RuntimeError(f"{name}: got a batch of {tuple(images.shape)} {images.dtype}, expected {shape} {dtype}")
@@ -290,7 +295,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", type=pathlib.Path, default=_common.DEFAULT_DATA,
                         help=f"cached ImageFolder (default {_common.DEFAULT_DATA})")
     _common.add_remote_data_argument(parser)
-    parser.add_argument("--loaders", default=",".join(LOADERS),
+    parser.add_argument("--loaders", default=",".join(DEFAULT_LOADERS),
                         help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
     parser.add_argument("--output", choices=OUTPUTS, default="uint8",
                         help="what every loader delivers: uint8 images (default), or float32 NCHW normalized "
@@ -363,7 +368,7 @@ def main(argv=None) -> int:
     records: list[dict] = []
     ok = False
     try:
-        if "remote" in args.loaders:
+        if REMOTE & set(args.loaders):
             served = _common.served_data(root, args.remote_data, cores)
             started = time.perf_counter()
             server = LocalServer(served, args=["--workers", str(args.workers), "--grace", "2", "--log-level", "INFO",
@@ -396,17 +401,21 @@ def main(argv=None) -> int:
         if server is not None:
             from remoteloader.client.loader import RemoteLoader
 
-            remote = RemoteLoader(server.address, batch_size=args.batch_size, image_size=args.image_size,
-                                  pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0,
-                                  normalize=(MEAN, STD) if args.output == "float" else None)
-            if remote.num_samples != len(samples):
-                raise RuntimeError(f"the server serves {remote.num_samples} samples, expected {len(samples)}")
-            loaders["remote"] = remote
-            for _ in range(args.warmup):
-                r = run_epoch("remote", remote, epoch_no["remote"], server_pid, expect, args.image_size, per_epoch,
-                              args.output)
-                epoch_no["remote"] += 1
-                print(f"warm-up remote: {r['images_per_s']:.0f} img/s", flush=True)
+            for name in (n for n in LOADERS if n in REMOTE and n in args.loaders):
+                remote = RemoteLoader(server.address, batch_size=args.batch_size, image_size=args.image_size,
+                                      pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0,
+                                      normalize=(MEAN, STD) if args.output == "float" else None,
+                                      shared_memory=name == "remote")
+                if remote.num_samples != len(samples):
+                    raise RuntimeError(f"the server serves {remote.num_samples} samples, expected {len(samples)}")
+                loaders[name] = remote
+                for _ in range(args.warmup):
+                    r = run_epoch(name, remote, epoch_no[name], server_pid, expect, args.image_size, per_epoch,
+                                  args.output)
+                    epoch_no[name] += 1
+                    print(f"warm-up {name}: {r['images_per_s']:.0f} img/s", flush=True)
+                path = "same-host" if remote.stats()["servers"][server.address]["shared_memory"] else "gRPC"
+                print(f"{name}: the {path} path", flush=True)
         order = [n for n in LOADERS if n in loaders]
         for round_no in range(args.epochs):
             for name in order:
@@ -430,8 +439,8 @@ def main(argv=None) -> int:
         # A second Ctrl-C must not cut the cleanup short (it is bounded: about 30 s at worst).
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            if remote is not None:
-                remote.close()
+            for name in REMOTE & set(loaders):
+                loaders[name].close()
             for dl in dataloaders.values():
                 shutdown_dataloader(dl)
             if server is not None:
@@ -456,18 +465,18 @@ def main(argv=None) -> int:
         print(f"| {TITLES[name]} | {p['client']:.2f} | {p['client_children']:.2f} | {p['server_main']:.2f} | "
               f"{p['server_workers']:.2f} |")
     ratios = {}
-    if "remote" in summary:
+    for mine in (n for n in LOADERS if n in REMOTE and n in summary):
         for other in ("pil", "opencv"):
             if other in summary and summary[other]["median_images_per_s"] > 0:
-                remote, theirs = summary["remote"], summary[other]
-                ratios[f"remote/{other}"] = remote["median_images_per_s"] / theirs["median_images_per_s"]
-                cpu = remote["median_cpu_ms_per_image"] / max(theirs["median_cpu_ms_per_image"], 1e-9)
-                ratios[f"cpu remote/{other}"] = cpu
-                ratios[f"full-cpu remote/{other}"] = 1 / cpu
-                print(f"\nRemoteLoader / {TITLES[other]}: **{ratios[f'remote/{other}']:.2f}x** images/s "
+                ours, theirs = summary[mine], summary[other]
+                ratios[f"{mine}/{other}"] = ours["median_images_per_s"] / theirs["median_images_per_s"]
+                cpu = ours["median_cpu_ms_per_image"] / max(theirs["median_cpu_ms_per_image"], 1e-9)
+                ratios[f"cpu {mine}/{other}"] = cpu
+                ratios[f"full-cpu {mine}/{other}"] = 1 / cpu
+                print(f"\n{TITLES[mine]} / {TITLES[other]}: **{ratios[f'{mine}/{other}']:.2f}x** images/s "
                       f"(at full CPU: {1 / cpu:.2f}x; CPU per image {cpu:.2f}x)", end="")
         print()
-    idle = {n: s["server_cpu_s"] for n, s in summary.items() if n != "remote"}
+    idle = {n: s["server_cpu_s"] for n, s in summary.items() if n not in REMOTE}
     if idle:
         print("\nserver CPU while the other loaders ran: "
               + ", ".join(f"{n} {v:.2f}s" for n, v in idle.items())

@@ -111,14 +111,20 @@ def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
         if receiver == "grpcio":
             source = BareGrpc([s.address for s in started], args)
             read_epoch, child = source.epoch, None
-        else:
+        else:  # thread, process: over gRPC; local-thread, local-process: the same-host path
+            local = receiver.startswith("local-")
+            receiver = receiver.removeprefix("local-")
             source = RemoteLoader([s.address for s in started], batch_size=args.batch_size,
                                   image_size=args.image_size, shuffle=False, prefetch=args.prefetch,
-                                  receiver=receiver)
+                                  receiver=receiver, shared_memory=local)
             child = source._io.process.pid if receiver == "process" else None
+            receiver = f"local-{receiver}" if local else receiver
 
             def read_epoch(_epoch: int) -> int:
-                return sum(len(labels) for _, labels in source)
+                images = sum(len(labels) for _, labels in source)
+                paths = {s["shared_memory"] for s in source.stats()["servers"].values()}
+                assert paths == {local}, "not the path asked for"
+                return images
         try:
             rows = []
             for epoch in range(args.epochs + 1):
@@ -194,10 +200,13 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument("--chunk-bytes", type=int, nargs="+", default=[ServerConfig.chunk_bytes],
                         help="pixel bytes per message (default: the server's)")
-    parser.add_argument("--receiver", nargs="+", default=["grpcio", "thread", "process"],
-                        choices=["grpcio", "thread", "process"],
+    parser.add_argument("--receiver", nargs="+", default=["grpcio", "thread", "process", "local-thread",
+                                                            "local-process"],
+                        choices=["grpcio", "thread", "process", "local-thread", "local-process"],
                         help="where the client receives: an I/O thread of the training process, or a child "
-                             "process; grpcio: the streams read with grpcio alone, no remoteloader client")
+                             "process, over gRPC; local-: the same, with the pixels read from the servers' memory "
+                             "(the same-host path); grpcio: the streams read with grpcio alone, no remoteloader "
+                             "client")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--codecs", action="store_true", help="time the wire encodings on photos instead")
     parser.add_argument("--photos", type=int, default=300, help="photos for --codecs")

@@ -365,9 +365,18 @@ class Engine:
     def on_chunk(self, link: Link[_Order], chunk: codec.DecodedChunk) -> None:
         """Copies a chunk's pixels and labels into its batch's rows; completes orders and batches."""
         header, pixels = chunk
+        shared = header.shared if header.HasField("shared") else None  # its pixels in the server's memory
+        if shared is not None:
+            try:
+                pixels = link.shared_payload(shared)
+            except ValueError as exc:
+                link.fail(ConnectionError(f"bad shared chunk from {link.address} (order {header.order_id}): {exc}"))
+                return
         order = link.order(header.order_id)
         if order is None and link.dropped(header.order_id):  # already on the way when it was cancelled
             link.received(len(pixels), header.count, header.workers_busy)
+            if shared is not None:
+                link.release(shared)
             return
         h, w = self.setup.height, self.setup.width
         expected = header.count * self._sample_bytes
@@ -426,6 +435,13 @@ class Engine:
                         )
                     )
                     return
+            if shared is not None and not link.release(shared):
+                link.fail(
+                    ConnectionError(
+                        f"shared chunk from {link.address} (order {header.order_id}) was overwritten while copied"
+                    )
+                )
+                return
             labels = np.fromiter(header.labels, np.int64, header.count)  # (asarray of a repeated field: 2-3x slower)
             batch.labels[where] = self.space.global_labels(order.shard, labels)
             if targets is not None:
@@ -435,6 +451,8 @@ class Engine:
                 if header.start <= e.position < header.start + header.count:
                     row = order.positions[e.position]
                     order.failures.append(SampleFailure(int(batch.ids[row]), e.key, e.reason, link.address))
+        elif shared is not None:  # (another server's twin won: nothing to copy)
+            link.release(shared)
         order.received += header.count
         if order.received == order.samples:
             link.complete(order)

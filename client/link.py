@@ -30,6 +30,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
+from remoteloader.client import same_host
 from remoteloader.client.security import TLSConfig
 from remoteloader.protos import SERVICE, codec, limits, loader_pb2, loader_pb2_grpc
 
@@ -88,6 +89,8 @@ class LinkOptions:
     reconnect_timeout: float
     tls: TLSConfig | None
     metadata: tuple[tuple[str, str], ...]
+    token: str | None = None  # (also in metadata) for a same-host server's local socket
+    shared_memory: bool = False  # read a same-host server's chunks from its memory (client/same_host.py)
 
 
 class Work(Protocol):
@@ -158,6 +161,7 @@ class Link(Generic[OrderT]):
         self._up_since = 0.0
         self._healthy = False  # the current stream has delivered a chunk
         self._setup: loader_pb2.Setup | None = None
+        self.shared: same_host.SharedChunks | None = None  # a same-host server's chunk memory, on this stream
         self._control: grpc.aio.Channel | None = None
         self._data: grpc.aio.Channel | None = None
         self._call: Any = None
@@ -193,6 +197,7 @@ class Link(Generic[OrderT]):
             "failures": self.failures,
             "reconnects": self.reconnects,
             "workers": self.describe.workers if self.describe is not None else 0,
+            "shared_memory": self.shared is not None,
             "workers_busy": self.workers_busy,
             "busy_samples": self.busy_samples,
             "state": self.state.value,
@@ -247,6 +252,11 @@ class Link(Generic[OrderT]):
         """Opens the order stream (after fetch_describe) and starts the reader and writer: UP."""
         assert self.describe is not None, "open_stream before fetch_describe"
         self._setup = setup
+        await self._map_shared()
+        if self.shared is not None:
+            setup = loader_pb2.Setup()
+            setup.CopyFrom(self._setup)
+            setup.shared_memory = True
         limit = limits.max_message_bytes(self.describe.chunk_bytes, limits.sample_bytes(setup.height, setup.width))
         if self._data is None:
             self._data = self._channel(limit)
@@ -263,6 +273,41 @@ class Link(Generic[OrderT]):
         self._healthy = False  # until a chunk arrives on this stream
         self._up_since = self._last_progress = time.monotonic()
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
+
+    async def _map_shared(self) -> None:
+        """Maps the server's chunk memory when it runs on this host and offers it (each new
+        stream: the server may have restarted); else the stream carries the pixels."""
+        self._unmap_shared()
+        describe = self.describe
+        if not (self.options.shared_memory and describe is not None and same_host.on_this_host(describe)):
+            return
+        try:
+            self.shared = await asyncio.get_running_loop().run_in_executor(
+                None, same_host.SharedChunks.open, describe.local_socket, self.options.token
+            )
+        except (OSError, ValueError) as exc:  # elsewhere after all (another container), or refused
+            log.info(
+                "loader server %s: its memory is not shared with this client (%s); reading over gRPC", self.address, exc
+            )
+
+    def _unmap_shared(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+    def shared_payload(self, shared: loader_pb2.SharedPayload) -> memoryview:
+        """A chunk's bytes in the server's memory (ValueError: not in it, or its slot reused)."""
+        if self.shared is None:
+            raise ValueError("a shared chunk on a stream that did not ask for them")
+        return self.shared.payload(shared)
+
+    def release(self, shared: loader_pb2.SharedPayload) -> bool:
+        """The chunk was copied out: its memory goes back to the server. Whether the copy is
+        whole (the server did not reuse the slot meanwhile)."""
+        assert self.shared is not None
+        whole = self.shared.generation(shared) == shared.generation
+        self._outbox.put_nowait(loader_pb2.StreamRequest(release=loader_pb2.Release(tickets=[shared.ticket])))
+        return whole
 
     def send(self, order: OrderT, request: loader_pb2.Order) -> None:
         """Sends an order (the engine checked ``credits``); it is in flight until ``complete``."""
@@ -422,6 +467,7 @@ class Link(Generic[OrderT]):
         if self._call is not None:
             self._call.cancel()
             self._call = None
+        self._unmap_shared()  # a dead server's memory must not live on in this process
 
     async def _reset_channels(self) -> None:
         for channel in (self._control, self._data):

@@ -139,6 +139,11 @@ class RemoteLoader:
             servers encode, this process (or its receiver process) decodes, at some CPU per
             image: worth it only where the link is the limit. Needs ``pip install
             'remoteloader[wire]'`` and servers that offer it.
+        shared_memory: Servers on this host hand over their chunk memory, and batches are
+            copied from where their decode workers wrote them instead of through gRPC
+            (README, "Same host"); found out per server, by its host id and a Unix socket only
+            local processes can open; servers elsewhere are read over gRPC. Default True;
+            False reads every server over gRPC. Only with ``wire="raw"``.
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.
@@ -164,6 +169,7 @@ class RemoteLoader:
     prefetch: Option[int] = Option()
     receiver: Option[str] = Option()
     wire: Option[str] = Option()
+    shared_memory: Option[bool] = Option()
 
     def __init__(
         self,
@@ -194,6 +200,7 @@ class RemoteLoader:
         token: str | None = None,
         receiver: str | None = None,
         wire: str = "raw",
+        shared_memory: bool = True,
     ):
         self._close_lock = threading.Lock()
         self._closed = False
@@ -223,6 +230,7 @@ class RemoteLoader:
             token=token,
             receiver=receiver,
             wire=wire,
+            shared_memory=shared_memory,
         )
         self._position = EpochPosition(self.plan, replayable=sampler is None)
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed

@@ -62,7 +62,9 @@ class LoaderOptions:
     progress_timeout: float
     receiver: Literal["thread", "process"]
     wire: str  # protos.wire: how the pixels travel (also in setup.wire)
+    shared_memory: bool  # same-host servers' chunks read from their memory (client/same_host.py)
     tls: TLSConfig | None
+    token: str | None
     metadata: tuple[tuple[str, str], ...]
 
     @classmethod
@@ -94,6 +96,7 @@ class LoaderOptions:
         token: Any,
         receiver: Any,
         wire: Any = RAW,
+        shared_memory: Any = True,
     ) -> LoaderOptions:
         """Validates RemoteLoader's arguments (ValueError naming the first bad one)."""
         batch_size = check_int("batch_size", batch_size, 1)
@@ -147,7 +150,9 @@ class LoaderOptions:
             progress_timeout=progress_timeout,
             receiver=_receiver(receiver, device),
             wire=setup.wire,
+            shared_memory=bool(shared_memory),
             tls=tls_config(tls),
+            token=token.strip() if isinstance(token, str) else None,
             metadata=token_metadata(token),
         )
 
@@ -189,6 +194,8 @@ class LoaderOptions:
             reconnect_timeout=self.reconnect_timeout,
             tls=self.tls,
             metadata=self.metadata,
+            token=self.token,
+            shared_memory=self.shared_memory and self.wire == RAW,
         )
 
 

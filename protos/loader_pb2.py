@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n remoteloader/protos/loader.proto\x12\x0fremoteloader.v1\"\x11\n\x0f\x44\x65scribeRequest\"[\n\x05Shard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\x13\n\x0b\x63lass_names\x18\x04 \x03(\t\x12\x0e\n\x06\x66ields\x18\x05 \x03(\t\"\xa6\x02\n\x10\x44\x65scribeResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12&\n\x06shards\x18\x02 \x03(\x0b\x32\x16.remoteloader.v1.Shard\x12\x11\n\tpipelines\x18\x03 \x03(\t\x12\x18\n\x10\x63ustom_pipelines\x18\x04 \x01(\x08\x12\x16\n\x0emin_image_size\x18\x05 \x01(\r\x12\x16\n\x0emax_image_size\x18\x06 \x01(\r\x12\x19\n\x11max_order_samples\x18\x07 \x01(\r\x12\x1b\n\x13max_inflight_orders\x18\x08 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x63\x61ncels\x18\n \x01(\x08\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\r\n\x05wires\x18\x0c \x03(\t\"@\n\x0eGetKeysRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x1f\n\x0fGetKeysResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"s\n\x05Setup\x12\x10\n\x08pipeline\x18\x01 \x01(\t\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x1b\n\x13\x61lbumentations_json\x18\x04 \x01(\t\x12\x0e\n\x06\x66ields\x18\x05 \x03(\t\x12\x0c\n\x04wire\x18\x06 \x01(\t\"Y\n\x05Order\x12\x10\n\x08order_id\x18\x01 \x01(\x04\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x0f\n\x07indices\x18\x03 \x03(\x04\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"\x1a\n\x06\x43\x61ncel\x12\x10\n\x08order_id\x18\x01 \x01(\x04\"\x94\x01\n\rStreamRequest\x12\'\n\x05setup\x18\x01 \x01(\x0b\x32\x16.remoteloader.v1.SetupH\x00\x12\'\n\x05order\x18\x02 \x01(\x0b\x32\x16.remoteloader.v1.OrderH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.remoteloader.v1.CancelH\x00\x42\x06\n\x04kind\"K\n\x0bSampleError\x12\x10\n\x08position\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x98\x02\n\x0b\x43hunkHeader\x12\x10\n\x08order_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x12\n\norder_size\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x05width\x18\x06 \x01(\r\x12\x10\n\x08\x63hannels\x18\x07 \x01(\r\x12\x0e\n\x06labels\x18\x08 \x03(\x03\x12,\n\x06\x65rrors\x18\t \x03(\x0b\x32\x1c.remoteloader.v1.SampleError\x12)\n\x07targets\x18\n \x03(\x0b\x32\x18.remoteloader.v1.Targets\x12\x14\n\x0cworkers_busy\x18\x0b \x01(\x02\x12\x15\n\rencoded_sizes\x18\x0c \x03(\r\"G\n\x0bTargetArray\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"w\n\x06Region\x12\r\n\x05value\x18\x01 \x01(\r\x12*\n\x08polygons\x18\x02 \x03(\x0b\x32\x18.remoteloader.v1.Polygon\x12\x0b\n\x03rle\x18\x03 \x03(\r\x12\x12\n\nrle_height\x18\x04 \x01(\r\x12\x11\n\trle_width\x18\x05 \x01(\r\"\x15\n\x07Polygon\x12\n\n\x02xy\x18\x01 \x03(\x02\"\x9a\x01\n\x07Targets\x12,\n\x06\x61rrays\x18\x01 \x03(\x0b\x32\x1c.remoteloader.v1.TargetArray\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x13\n\x0bmask_offset\x18\x03 \x01(\x04\x12\x13\n\x0bmask_length\x18\x04 \x01(\x04\x12(\n\x07regions\x18\x05 \x03(\x0b\x32\x17.remoteloader.v1.Region\"E\n\x05\x43hunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.remoteloader.v1.ChunkHeader\x12\x0e\n\x06pixels\x18\x02 \x01(\x0c\x32\xed\x01\n\x06Loader\x12O\n\x08\x44\x65scribe\x12 .remoteloader.v1.DescribeRequest\x1a!.remoteloader.v1.DescribeResponse\x12L\n\x07GetKeys\x12\x1f.remoteloader.v1.GetKeysRequest\x1a .remoteloader.v1.GetKeysResponse\x12\x44\n\x06Stream\x12\x1e.remoteloader.v1.StreamRequest\x1a\x16.remoteloader.v1.Chunk(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n remoteloader/protos/loader.proto\x12\x0fremoteloader.v1\"\x11\n\x0f\x44\x65scribeRequest\"[\n\x05Shard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12\x13\n\x0b\x63lass_names\x18\x04 \x03(\t\x12\x0e\n\x06\x66ields\x18\x05 \x03(\t\"\xcd\x02\n\x10\x44\x65scribeResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12&\n\x06shards\x18\x02 \x03(\x0b\x32\x16.remoteloader.v1.Shard\x12\x11\n\tpipelines\x18\x03 \x03(\t\x12\x18\n\x10\x63ustom_pipelines\x18\x04 \x01(\x08\x12\x16\n\x0emin_image_size\x18\x05 \x01(\r\x12\x16\n\x0emax_image_size\x18\x06 \x01(\r\x12\x19\n\x11max_order_samples\x18\x07 \x01(\r\x12\x1b\n\x13max_inflight_orders\x18\x08 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x63\x61ncels\x18\n \x01(\x08\x12\x0f\n\x07workers\x18\x0b \x01(\r\x12\r\n\x05wires\x18\x0c \x03(\t\x12\x14\n\x0clocal_socket\x18\r \x01(\t\x12\x0f\n\x07host_id\x18\x0e \x01(\t\"@\n\x0eGetKeysRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x1f\n\x0fGetKeysResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x8a\x01\n\x05Setup\x12\x10\n\x08pipeline\x18\x01 \x01(\t\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x1b\n\x13\x61lbumentations_json\x18\x04 \x01(\t\x12\x0e\n\x06\x66ields\x18\x05 \x03(\t\x12\x0c\n\x04wire\x18\x06 \x01(\t\x12\x15\n\rshared_memory\x18\x07 \x01(\x08\"Y\n\x05Order\x12\x10\n\x08order_id\x18\x01 \x01(\x04\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x0f\n\x07indices\x18\x03 \x03(\x04\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"\x1a\n\x06\x43\x61ncel\x12\x10\n\x08order_id\x18\x01 \x01(\x04\"\xc1\x01\n\rStreamRequest\x12\'\n\x05setup\x18\x01 \x01(\x0b\x32\x16.remoteloader.v1.SetupH\x00\x12\'\n\x05order\x18\x02 \x01(\x0b\x32\x16.remoteloader.v1.OrderH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.remoteloader.v1.CancelH\x00\x12+\n\x07release\x18\x04 \x01(\x0b\x32\x18.remoteloader.v1.ReleaseH\x00\x42\x06\n\x04kind\"\x1a\n\x07Release\x12\x0f\n\x07tickets\x18\x01 \x03(\x04\"n\n\rSharedPayload\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0e\n\x06ticket\x18\x03 \x01(\x04\x12\x19\n\x11generation_offset\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"K\n\x0bSampleError\x12\x10\n\x08position\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xc8\x02\n\x0b\x43hunkHeader\x12\x10\n\x08order_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x12\n\norder_size\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\r\n\x05width\x18\x06 \x01(\r\x12\x10\n\x08\x63hannels\x18\x07 \x01(\r\x12\x0e\n\x06labels\x18\x08 \x03(\x03\x12,\n\x06\x65rrors\x18\t \x03(\x0b\x32\x1c.remoteloader.v1.SampleError\x12)\n\x07targets\x18\n \x03(\x0b\x32\x18.remoteloader.v1.Targets\x12\x14\n\x0cworkers_busy\x18\x0b \x01(\x02\x12\x15\n\rencoded_sizes\x18\x0c \x03(\r\x12.\n\x06shared\x18\r \x01(\x0b\x32\x1e.remoteloader.v1.SharedPayload\"G\n\x0bTargetArray\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"w\n\x06Region\x12\r\n\x05value\x18\x01 \x01(\r\x12*\n\x08polygons\x18\x02 \x03(\x0b\x32\x18.remoteloader.v1.Polygon\x12\x0b\n\x03rle\x18\x03 \x03(\r\x12\x12\n\nrle_height\x18\x04 \x01(\r\x12\x11\n\trle_width\x18\x05 \x01(\r\"\x15\n\x07Polygon\x12\n\n\x02xy\x18\x01 \x03(\x02\"\x9a\x01\n\x07Targets\x12,\n\x06\x61rrays\x18\x01 \x03(\x0b\x32\x1c.remoteloader.v1.TargetArray\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x13\n\x0bmask_offset\x18\x03 \x01(\x04\x12\x13\n\x0bmask_length\x18\x04 \x01(\x04\x12(\n\x07regions\x18\x05 \x03(\x0b\x32\x17.remoteloader.v1.Region\"E\n\x05\x43hunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.remoteloader.v1.ChunkHeader\x12\x0e\n\x06pixels\x18\x02 \x01(\x0c\x32\xed\x01\n\x06Loader\x12O\n\x08\x44\x65scribe\x12 .remoteloader.v1.DescribeRequest\x1a!.remoteloader.v1.DescribeResponse\x12L\n\x07GetKeys\x12\x1f.remoteloader.v1.GetKeysRequest\x1a .remoteloader.v1.GetKeysResponse\x12\x44\n\x06Stream\x12\x1e.remoteloader.v1.StreamRequest\x1a\x16.remoteloader.v1.Chunk(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARD']._serialized_start=72
   _globals['_SHARD']._serialized_end=163
   _globals['_DESCRIBERESPONSE']._serialized_start=166
-  _globals['_DESCRIBERESPONSE']._serialized_end=460
-  _globals['_GETKEYSREQUEST']._serialized_start=462
-  _globals['_GETKEYSREQUEST']._serialized_end=526
-  _globals['_GETKEYSRESPONSE']._serialized_start=528
-  _globals['_GETKEYSRESPONSE']._serialized_end=559
-  _globals['_SETUP']._serialized_start=561
-  _globals['_SETUP']._serialized_end=676
-  _globals['_ORDER']._serialized_start=678
-  _globals['_ORDER']._serialized_end=767
-  _globals['_CANCEL']._serialized_start=769
-  _globals['_CANCEL']._serialized_end=795
-  _globals['_STREAMREQUEST']._serialized_start=798
-  _globals['_STREAMREQUEST']._serialized_end=946
-  _globals['_SAMPLEERROR']._serialized_start=948
-  _globals['_SAMPLEERROR']._serialized_end=1023
-  _globals['_CHUNKHEADER']._serialized_start=1026
-  _globals['_CHUNKHEADER']._serialized_end=1306
-  _globals['_TARGETARRAY']._serialized_start=1308
-  _globals['_TARGETARRAY']._serialized_end=1379
-  _globals['_REGION']._serialized_start=1381
-  _globals['_REGION']._serialized_end=1500
-  _globals['_POLYGON']._serialized_start=1502
-  _globals['_POLYGON']._serialized_end=1523
-  _globals['_TARGETS']._serialized_start=1526
-  _globals['_TARGETS']._serialized_end=1680
-  _globals['_CHUNK']._serialized_start=1682
-  _globals['_CHUNK']._serialized_end=1751
-  _globals['_LOADER']._serialized_start=1754
-  _globals['_LOADER']._serialized_end=1991
+  _globals['_DESCRIBERESPONSE']._serialized_end=499
+  _globals['_GETKEYSREQUEST']._serialized_start=501
+  _globals['_GETKEYSREQUEST']._serialized_end=565
+  _globals['_GETKEYSRESPONSE']._serialized_start=567
+  _globals['_GETKEYSRESPONSE']._serialized_end=598
+  _globals['_SETUP']._serialized_start=601
+  _globals['_SETUP']._serialized_end=739
+  _globals['_ORDER']._serialized_start=741
+  _globals['_ORDER']._serialized_end=830
+  _globals['_CANCEL']._serialized_start=832
+  _globals['_CANCEL']._serialized_end=858
+  _globals['_STREAMREQUEST']._serialized_start=861
+  _globals['_STREAMREQUEST']._serialized_end=1054
+  _globals['_RELEASE']._serialized_start=1056
+  _globals['_RELEASE']._serialized_end=1082
+  _globals['_SHAREDPAYLOAD']._serialized_start=1084
+  _globals['_SHAREDPAYLOAD']._serialized_end=1194
+  _globals['_SAMPLEERROR']._serialized_start=1196
+  _globals['_SAMPLEERROR']._serialized_end=1271
+  _globals['_CHUNKHEADER']._serialized_start=1274
+  _globals['_CHUNKHEADER']._serialized_end=1602
+  _globals['_TARGETARRAY']._serialized_start=1604
+  _globals['_TARGETARRAY']._serialized_end=1675
+  _globals['_REGION']._serialized_start=1677
+  _globals['_REGION']._serialized_end=1796
+  _globals['_POLYGON']._serialized_start=1798
+  _globals['_POLYGON']._serialized_end=1819
+  _globals['_TARGETS']._serialized_start=1822
+  _globals['_TARGETS']._serialized_end=1976
+  _globals['_CHUNK']._serialized_start=1978
+  _globals['_CHUNK']._serialized_end=2047
+  _globals['_LOADER']._serialized_start=2050
+  _globals['_LOADER']._serialized_end=2287
 # @@protoc_insertion_point(module_scope)

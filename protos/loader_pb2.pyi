@@ -25,7 +25,7 @@ class Shard(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels", "workers", "wires")
+    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels", "workers", "wires", "local_socket", "host_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class DescribeResponse(_message.Message):
     CANCELS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WIRES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pipelines: _containers.RepeatedScalarFieldContainer[str]
@@ -50,7 +52,9 @@ class DescribeResponse(_message.Message):
     cancels: bool
     workers: int
     wires: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ..., workers: _Optional[int] = ..., wires: _Optional[_Iterable[str]] = ...) -> None: ...
+    local_socket: str
+    host_id: str
+    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ..., workers: _Optional[int] = ..., wires: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class GetKeysRequest(_message.Message):
     __slots__ = ("shard_id", "start", "count")
@@ -69,20 +73,22 @@ class GetKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Setup(_message.Message):
-    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire")
+    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire", "shared_memory")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     ALBUMENTATIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     height: int
     width: int
     albumentations_json: str
     fields: _containers.RepeatedScalarFieldContainer[str]
     wire: str
-    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
     __slots__ = ("order_id", "shard_id", "indices", "seed", "epoch")
@@ -105,14 +111,36 @@ class Cancel(_message.Message):
     def __init__(self, order_id: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("setup", "order", "cancel")
+    __slots__ = ("setup", "order", "cancel", "release")
     SETUP_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     setup: Setup
     order: Order
     cancel: Cancel
-    def __init__(self, setup: _Optional[_Union[Setup, _Mapping]] = ..., order: _Optional[_Union[Order, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    release: Release
+    def __init__(self, setup: _Optional[_Union[Setup, _Mapping]] = ..., order: _Optional[_Union[Order, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("tickets",)
+    TICKETS_FIELD_NUMBER: _ClassVar[int]
+    tickets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tickets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SharedPayload(_message.Message):
+    __slots__ = ("offset", "length", "ticket", "generation_offset", "generation")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    ticket: int
+    generation_offset: int
+    generation: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., ticket: _Optional[int] = ..., generation_offset: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class SampleError(_message.Message):
     __slots__ = ("position", "index", "key", "reason")
@@ -127,7 +155,7 @@ class SampleError(_message.Message):
     def __init__(self, position: _Optional[int] = ..., index: _Optional[int] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets", "workers_busy", "encoded_sizes")
+    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets", "workers_busy", "encoded_sizes", "shared")
     ORDER_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +168,7 @@ class ChunkHeader(_message.Message):
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_BUSY_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SIZES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     order_id: int
     start: int
     count: int
@@ -152,7 +181,8 @@ class ChunkHeader(_message.Message):
     targets: _containers.RepeatedCompositeFieldContainer[Targets]
     workers_busy: float
     encoded_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ..., workers_busy: _Optional[float] = ..., encoded_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    shared: SharedPayload
+    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ..., workers_busy: _Optional[float] = ..., encoded_sizes: _Optional[_Iterable[int]] = ..., shared: _Optional[_Union[SharedPayload, _Mapping]] = ...) -> None: ...
 
 class TargetArray(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")

@@ -22,9 +22,11 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remoteloader.protos import SERVICE, limits, malloc
+from remoteloader.protos.same_host import host_id
 from remoteloader.server.catalog import Shard, SyntheticShard, open_shards
 from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
+from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import LoaderService
@@ -91,8 +93,8 @@ class RenderResources:
             undo.callback(checks.close)
             if config.synthetic:
                 # Transport benchmark: fill the slots once with noise; synthetic samples are never decoded.
-                np.frombuffer(arena.buffer, np.uint8)[:] = np.random.default_rng(0).integers(
-                    0, 256, arena.size, dtype=np.uint8
+                np.frombuffer(arena.buffer, np.uint8, arena.slots_size)[:] = np.random.default_rng(0).integers(
+                    0, 256, arena.slots_size, dtype=np.uint8
                 )
             if config.data or config.source:
                 pool.start()
@@ -123,6 +125,7 @@ class LoaderServer:
         health_servicer: health.aio.HealthServicer,
         port: int,
         resources: RenderResources,
+        local: LocalSocket | None = None,
     ):
         self.config = config
         self.grpc_server = grpc_server
@@ -130,6 +133,7 @@ class LoaderServer:
         self.health = health_servicer
         self.port = port
         self.resources = resources
+        self.local = local  # the same-host socket, if it offers one
         self._stopped = False
 
     @property
@@ -143,6 +147,8 @@ class LoaderServer:
         self._stopped = True
         grace = self.config.grace if grace is None else grace
         await self.health.enter_graceful_shutdown()
+        if self.local is not None:  # no new client maps the chunks; those that have keep them
+            await self.local.close()
         self.service.drain()
         await self.grpc_server.stop(grace)
         self.resources.close()
@@ -234,13 +240,27 @@ async def _serve_on(
                 f"cannot bind the metrics port {config.metrics_port} on {config.host}: "
                 f"{exc.strerror or exc} (choose another --metrics-port, or 0 for none)"
             ) from None
+    local = _offer_local(config, service, resources.arena, token)
     for name in (SERVICE, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _log_start(config, shards, started, metrics_port)
-    return LoaderServer(config, server, service, health_servicer, port, resources)
+    _log_start(config, shards, started, metrics_port, local)
+    return LoaderServer(config, server, service, health_servicer, port, resources, local)
 
 
-def _log_start(config: ServerConfig, shards: list[Shard], started: float, metrics_port: int) -> None:
+def _offer_local(config: ServerConfig, service: LoaderService, arena: Arena, token: bytes | None) -> LocalSocket | None:
+    """Starts the same-host socket (--local-socket) where this host can say who it is, and has
+    Describe offer it."""
+    host = host_id() if config.local_socket else ""
+    # Authenticated by certificate alone, the server hands its memory to its own user only (local_socket).
+    local = LocalSocket.start(arena, token, same_user=bool(config.tls_client_ca)) if host else None
+    if local is not None:
+        service.offer_local(local.address, host)
+    return local
+
+
+def _log_start(
+    config: ServerConfig, shards: list[Shard], started: float, metrics_port: int, local: LocalSocket | None
+) -> None:
     """What a started server tells its operator: what it serves, how it decodes, how it is reached."""
     samples = sum(len(s) for s in shards)
     log.info(
@@ -263,6 +283,16 @@ def _log_start(config: ServerConfig, shards: list[Shard], started: float, metric
                 else ": `remoteloader pack` would cut the decode CPU of the others "
                 "by about a quarter (measured on ImageNet-sized photos)",
             )
+    if local is not None:
+        log.info(
+            "same-host clients map the chunks through the local socket %s (%s)",
+            local.address,
+            "with the token"
+            if config.token_file
+            else "this user's processes"
+            if config.tls_client_ca
+            else "any local process: no --token-file",
+        )
     if metrics_port:
         log.info("Prometheus metrics on http://%s:%d/metrics", bracketed(config.host), metrics_port)
     warning = auth_warning(config)

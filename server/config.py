@@ -94,6 +94,12 @@ class ServerConfig:
     tls_key: str = _setting("", "PEM private key of tls_cert")
     tls_client_ca: str = _setting("", "PEM CA: require client certificates it signed (mutual TLS)")
     token_file: str = _setting("", "file holding the bearer token clients must send")  # health checks need none
+    # The socket sends the chunk memory's descriptor (read-only) after the token, when there is one.
+    local_socket: bool = _setting(
+        True,
+        "offer clients on this host the chunk memory over an abstract Unix socket, so that batches skip gRPC; "
+        "false: none",
+    )
     max_streams: int = _setting(64, "open order streams accepted in all")
     # 16: a train and an eval loader on each of 8 GPU ranks of one host.
     max_streams_per_client: int = _setting(16, "open order streams accepted per client address")

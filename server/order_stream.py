@@ -14,6 +14,12 @@ rendering is done. Invariants:
   is ignored. The reader reads on while orders wait for slots, so a Cancel acts at once.
 * Whatever ends the stream (the client's EOF, a bad message, draining, a stall, a server
   bug) ends it with a status that says why; the reader never hangs it.
+* Shared memory (Setup.shared_memory, a same-host client that maps the arena): a chunk goes
+  out as its header alone, with ChunkHeader.shared saying where its payload lies, and its
+  slot is lent to the client (slots.Slots.lend) until a Release names its ticket, or the
+  stream ends; a cancelled order's chunks already sent are no exception. A Release of a
+  ticket the stream has not lent ends it (INVALID_ARGUMENT); a client that keeps a slot
+  unreleased is ended as one that does not read is.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from remoteloader.server.targets import MASK
 from remoteloader.server.worker_pool import Rendered
 
 log = logging.getLogger(__name__)
+
+
+_EMPTY = memoryview(b"")
 
 
 class OutChunk(NamedTuple):
@@ -95,6 +104,7 @@ class OrderStream:
         limiter: The server-wide rate limit, if any.
         metrics: The server's counters.
         draining: Set when the server drains: the stream takes no more orders.
+        shared: Whether the client maps the arena (Setup.shared_memory).
     """
 
     def __init__(
@@ -110,6 +120,7 @@ class OrderStream:
         limiter: RateLimiter | None,
         metrics: Metrics,
         draining: asyncio.Event,
+        shared: bool = False,
     ):
         self._context = context
         self._peer = peer
@@ -121,6 +132,8 @@ class OrderStream:
         self._limiter = limiter
         self._metrics = metrics
         self._draining = draining
+        self._shared = shared
+        self._failed: _End | None = None  # with shared memory: how the stream ends, ahead of its chunks
         self._queue: asyncio.Queue[_Pending | _Cut | _End | None] = asyncio.Queue()  # None: the client is done
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
@@ -136,10 +149,12 @@ class OrderStream:
         starter = asyncio.create_task(self._start_orders())
         try:
             while True:
-                item = await self._queue.get()
+                item = await (self._next_shared() if self._shared else self._queue.get())
                 if item is None:
                     return
                 if isinstance(item, _End):
+                    if self._shared and item is not self._failed:  # draining: the copies under way finish
+                        await self._until_released()
                     await context.abort(item.code, item.details)
                     return
                 if isinstance(item, _Cut):
@@ -159,33 +174,67 @@ class OrderStream:
                 item = self._queue.get_nowait()
                 if isinstance(item, _Pending):
                     self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+            self._slots.give_all_lent(self._slot_counts)  # (their generations change: a copy under way fails)
+
+    async def _next_shared(self) -> _Pending | _Cut | _End | None:
+        """The next item to write; raises Stalled once the client has kept a lent slot too long,
+        whether or not the stream has anything to write meanwhile."""
+        while True:
+            if self._failed is not None:
+                return self._failed
+            self._slots.check_lent(self._slot_counts)
+            try:
+                return await asyncio.wait_for(self._queue.get(), min(1.0, self._slots.stall_timeout))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _until_released(self) -> None:
+        """Returns once the client has released every slot lent to it (the stall rules apply)."""
+        while self._slot_counts.lent and self._failed is None:
+            self._slots.check_lent(self._slot_counts)
+            await asyncio.sleep(0.01)
 
     async def _read_orders(self) -> None:
         drain = asyncio.ensure_future(self._draining.wait())
+        read = None
+        drained = False
         try:
             while True:
-                read = asyncio.ensure_future(self._context.read())
-                done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+                if read is None:
+                    read = asyncio.ensure_future(self._context.read())
+                done, _ = await asyncio.wait({read} if drained else {read, drain}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
-                    read.cancel()
                     self._orders.put_nowait(
                         _End(
                             grpc.StatusCode.UNAVAILABLE,
                             "server is draining (SIGTERM or SIGINT); send unfinished orders elsewhere",
                         )
                     )
-                    return
-                request = read.result()
+                    if not self._shared:
+                        return
+                    drained = True  # shared memory: read on, for the client's Releases
+                    continue
+                request, read = read.result(), None
                 if request is grpc.aio.EOF:
-                    self._orders.put_nowait(None)
+                    if not drained:
+                        self._orders.put_nowait(None)
                     return
-                if request.WhichOneof("kind") == "cancel":
+                kind = request.WhichOneof("kind")
+                if kind == "cancel":
                     if request.cancel.order_id in self._live:
                         self._cancelled.add(request.cancel.order_id)
                     continue
+                if kind == "release":
+                    error = self._release(request.release)
+                    if error:
+                        self._fail(error)
+                        return
+                    continue
+                if drained:  # (the stream ends UNAVAILABLE once its orders in flight are written)
+                    continue
                 error = self._check(request)
                 if error:
-                    self._orders.put_nowait(error)
+                    self._fail(error)
                     return
                 self._metrics.queued_orders.inc()
                 self._live.add(request.order.order_id)
@@ -193,12 +242,37 @@ class OrderStream:
         except asyncio.CancelledError:
             pass
         except DecodeError as exc:  # a message that is not a StreamRequest
-            self._orders.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}"))
+            self._fail(_End(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StreamRequest: {exc}"))
         except Exception as exc:  # surface server bugs as a stream error, never a hang
             log.exception("stream reader failed")
-            self._orders.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
+            self._fail(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
         finally:
             drain.cancel()
+            if read is not None:
+                read.cancel()
+
+    def _fail(self, end: _End) -> None:
+        """Ends the stream for what the client sent (or a server bug): after the chunks already
+        started; with shared memory at once, as the client's Releases are no longer read, so
+        chunks that wait for its slots would never come."""
+        self._orders.put_nowait(end)
+        if self._shared and self._failed is None:
+            self._failed = end
+            self._queue.put_nowait(end)  # (wakes _next_shared)
+
+    def _release(self, release: loader_pb2.Release) -> _End | None:
+        """Gives back the slots the client has copied out of; why the stream must end, or None."""
+        if not self._shared:
+            return _End(
+                grpc.StatusCode.INVALID_ARGUMENT, "Release on a stream whose Setup did not ask for shared_memory"
+            )
+        for ticket in release.tickets:
+            if not self._slots.give_lent(self._slot_counts, ticket):
+                return _End(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"Release of ticket {ticket}, which this stream does not hold (never sent, or released already)",
+                )
+        return None
 
     def _check(self, request: loader_pb2.StreamRequest) -> _End | None:
         """Why an order cannot be served, or None."""
@@ -282,14 +356,19 @@ class OrderStream:
             self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
 
     async def _write_chunk(self, item: _Pending) -> None:
+        lent = False
         try:
             # Shielded: a cancelled stream must not cancel the chunk's future, which completes
             # only when every worker task is done with the slot.
             rendered = await asyncio.shield(item.future)
             if item.order.order_id not in self._cancelled:  # (cancelled: another server sent it first)
-                await self._send(item, rendered)
+                # Lent before the write: the client may release it before the write returns.
+                ticket = self._slots.lend(self._slot_counts, item.slot) if self._shared else 0
+                lent = self._shared
+                await self._send(item, rendered, ticket)
         finally:
-            self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+            if not lent:  # (a lent slot comes back by its Release, or when the stream ends)
+                self._slots.give_when_done(self._slot_counts, item.slot, item.future)
         if item.start + item.size == len(item.indices):
             self._finish(item.order, item.received)
 
@@ -301,7 +380,9 @@ class OrderStream:
         self._metrics.orders.inc()
         self._metrics.order_latency.observe(time.monotonic() - received)
 
-    async def _send(self, item: _Pending, rendered: Rendered) -> None:
+    async def _send(self, item: _Pending, rendered: Rendered, ticket: int) -> None:
+        """Writes a rendered chunk: its pixels in the message, or (``ticket``: shared memory, its
+        slot lent under that ticket) where they lie in the arena."""
         spec = self._spec
         errors, targets = rendered
         indices = item.indices[item.start : item.start + item.size]
@@ -331,6 +412,14 @@ class OrderStream:
         pixels, sizes = self._renderer.payload(spec, item.shard, self._slots.arena, item.slot, item.size, errors)
         header.encoded_sizes.extend(sizes)
         nbytes = sum(sizes) if sizes else len(pixels)
+        if ticket:  # raw pixels (pipeline_checks), left in the slot the client maps
+            arena = self._slots.arena
+            header.shared.offset = arena.offset(item.slot)
+            header.shared.length = nbytes
+            header.shared.ticket = ticket
+            header.shared.generation_offset = arena.generation_offset(item.slot)
+            header.shared.generation = arena.generation(item.slot)
+            pixels = _EMPTY
         chunk = OutChunk(header, pixels)
         await self._slots.send(self._context.write(chunk), self._slot_counts)
         m = self._metrics

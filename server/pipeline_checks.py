@@ -109,7 +109,12 @@ class PipelineChecks:
         return fields
 
     def _wire(self, setup: loader_pb2.Setup) -> str:
-        """The Setup's wire encoding (protos.wire); PipelineError for one this server does not offer."""
+        """The Setup's wire encoding (protos.wire); PipelineError for one this server does not offer,
+        or for any but raw with shared memory (the client reads the slots as the workers wrote them)."""
+        if setup.shared_memory and setup.wire not in ("", wire.RAW):
+            raise PipelineError(
+                f"wire={setup.wire!r} with shared_memory: shared chunks are raw pixels; ask for one or the other"
+            )
         if setup.wire in ("", wire.RAW) or setup.wire in self.wires:
             return setup.wire or wire.RAW
         raise PipelineError(f"wire={setup.wire!r}: this server offers {', '.join([wire.RAW, *self.wires])}")

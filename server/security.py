@@ -1,4 +1,4 @@
-"""TLS / mutual TLS credentials and the bearer-token check."""
+"""TLS / mutual TLS credentials and the bearer-token check (gRPC calls and server.local_socket)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def read_token(path: str) -> bytes:
     return token
 
 
+def token_matches(given: bytes, expected: bytes) -> bool:
+    """Whether a client sent the expected token: compared in constant time, so how long it takes
+    says nothing about the token."""
+    return hmac.compare_digest(given, expected)
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <token>`` (constant-time comparison)."""
 
@@ -54,6 +60,6 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
                 break
-        if hmac.compare_digest(given, self._expected):
+        if token_matches(given, self._expected):
             return await continuation(details)
         return self._deny_stream if details.method.endswith("/Stream") else self._deny_unary

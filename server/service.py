@@ -72,6 +72,14 @@ class LoaderService:
         self.metrics.worker_busy_seconds.set_function(pool.busy_seconds)
         self.metrics.workers.set_function(lambda: pool.workers)
         self._draining = asyncio.Event()
+        # The same-host socket Describe offers (app._offer_local) and the host it is on; "": none.
+        self.local_socket = ""
+        self.host_id = ""
+
+    def offer_local(self, address: str, host_id: str) -> None:
+        """Describe offers ``address`` (``@name``), a socket on the host ``host_id``, and streams
+        may ask for shared memory."""
+        self.local_socket, self.host_id = address, host_id
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -119,6 +127,8 @@ class LoaderService:
             cancels=True,
             workers=c.workers,
             wires=self.checks.wires,
+            local_socket=self.local_socket,
+            host_id=self.host_id,
         )
 
     async def GetKeys(
@@ -156,7 +166,21 @@ class LoaderService:
             except PipelineError as exc:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             spec = pipeline.spec
-            log.info("stream opened by %s: pipeline %s %dx%d", peer, spec.name, spec.height, spec.width)
+            if setup.shared_memory and not self.local_socket:
+                await _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "shared_memory: this server offers no local socket (--local-socket false, or it "
+                    "cannot tell which host it is on); leave shared_memory unset",
+                )
+            log.info(
+                "stream opened by %s: pipeline %s %dx%d%s",
+                peer,
+                spec.name,
+                spec.height,
+                spec.width,
+                ", shared memory" if setup.shared_memory else "",
+            )
             await OrderStream(
                 context,
                 peer,
@@ -168,6 +192,7 @@ class LoaderService:
                 limiter=self.limiter,
                 metrics=self.metrics,
                 draining=self._draining,
+                shared=setup.shared_memory,
             ).run()
 
     async def _read_setup(self, context: grpc.aio.ServicerContext) -> loader_pb2.Setup | None:

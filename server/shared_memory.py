@@ -69,25 +69,52 @@ def _detach(dup) -> int:
 
 
 class Arena(SharedFile):
-    """Shared memory cut into ``count`` slots of ``slot_bytes`` for decoded chunks."""
+    """Shared memory cut into ``count`` slots of ``slot_bytes`` for decoded chunks, then (8-byte
+    aligned, in the same file) a little-endian uint64 generation word per slot.
+
+    A slot's generation changes each time it is given back (``release``), before anything may
+    write into it again: a same-host client that maps the file (server.local_socket) and reads
+    a slot's generation unchanged after copying out of it knows its copy is whole. Workers map
+    only the slots (the first ``count * slot_bytes`` bytes); ``size`` is the whole file.
+    """
 
     def __init__(self, count: int, slot_bytes: int):
-        super().__init__(count * slot_bytes, "remoteloader-slots-")
         self.count = count
         self.slot_bytes = slot_bytes
+        self._generations_at = -(-count * slot_bytes // 8) * 8
+        super().__init__(self._generations_at + 8 * count, "remoteloader-slots-")
+        self._generations = np.frombuffer(self.buffer, "<u8", count, self._generations_at)
         self._free: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(count):
             self._free.put_nowait(slot)
+
+    @property
+    def slots_size(self) -> int:
+        """Bytes of the slots, at the start of the file (what the workers map)."""
+        return self.count * self.slot_bytes
 
     async def acquire(self) -> int:
         return await self._free.get()
 
     def release(self, slot: int) -> None:
+        """Gives a slot back, its generation changed first (one aligned 8-byte store)."""
+        self._generations[slot : slot + 1] += 1  # (wraps after 2**64 uses)
         self._free.put_nowait(slot)
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = slot * self.slot_bytes
         return self.buffer[start : start + nbytes]
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of a slot in the file."""
+        return slot * self.slot_bytes
+
+    def generation(self, slot: int) -> int:
+        return int(self._generations[slot])
+
+    def generation_offset(self, slot: int) -> int:
+        """Byte offset of a slot's generation word in the file."""
+        return self._generations_at + 8 * slot
 
 
 _RESERVED = -3  # cache index values <= this: reserved at offset (_RESERVED - value), not filled

@@ -9,6 +9,10 @@ Invariants:
   left unread for ``stall_timeout`` ends its stream, and so does one left unread for
   ``CONTENDED_STALL`` while another stream waits for a free slot (``send``). The stream's
   client reconnects and re-sends its orders; a reading client's writes wait milliseconds.
+* A same-host client that maps the arena (Setup.shared_memory) is lent each chunk's slot
+  (``lend``) and gives it back by its ticket (``give_lent``); a lent slot counts among its
+  stream's held slots, and the same rule ends a stream whose client keeps one unreleased
+  (``check_lent``). Whatever is still lent when the stream ends goes back (``give_all_lent``).
 
 Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 """
@@ -41,6 +45,10 @@ class StreamSlots:
     def __init__(self) -> None:
         self.held = 0  # slots taken (or being taken past the fair-share check) and not given back
         self.waiting = 0  # takes of this stream waiting for a free slot
+        # Slots lent to the client (shared memory): ticket -> (slot, time.monotonic() when
+        # lent), oldest first; each also counts in ``held``.
+        self.lent: dict[int, tuple[int, float]] = {}
+        self.last_ticket = 0
 
 
 class Slots:
@@ -92,6 +100,42 @@ class Slots:
         else:
             rendering.add_done_callback(lambda _f: self.give(stream, slot))
 
+    def lend(self, stream: StreamSlots, slot: int) -> int:
+        """Lends a rendered chunk's slot to the stream's client, which maps the arena; its ticket."""
+        stream.last_ticket += 1
+        stream.lent[stream.last_ticket] = (slot, time.monotonic())
+        return stream.last_ticket
+
+    def give_lent(self, stream: StreamSlots, ticket: int) -> bool:
+        """Gives back the slot lent under ``ticket``; False when the stream has no such loan."""
+        loan = stream.lent.pop(ticket, None)
+        if loan is None:
+            return False
+        self.give(stream, loan[0])
+        return True
+
+    def give_all_lent(self, stream: StreamSlots) -> None:
+        """Gives back every slot still lent (the stream ends): their generations change."""
+        while stream.lent:
+            self.give(stream, stream.lent.popitem()[1][0])
+
+    def check_lent(self, stream: StreamSlots) -> None:
+        """Raises Stalled when the stream's client has kept a lent slot as long as ``send``
+        lets a chunk wait unread."""
+        if stream.lent:
+            _slot, since = next(iter(stream.lent.values()))
+            reason = self._stalled(stream, time.monotonic() - since)
+            if reason:
+                raise Stalled(f"released no shared chunk for {reason}")
+
+    def _stalled(self, stream: StreamSlots, waited: float) -> str | None:
+        """Why ``stream`` is stalled after waiting ``waited`` seconds on its client, or None."""
+        if waited >= self.stall_timeout:
+            return f"stall_timeout={self.stall_timeout:g}s"
+        if waited >= CONTENDED_STALL and self._waiters > stream.waiting:
+            return f"{waited:.0f}s while streams waited for the chunk slots it holds"
+        return None
+
     async def _notify_freed(self) -> None:
         async with self._freed:
             self._freed.notify_all()
@@ -104,11 +148,9 @@ class Slots:
         stall = self.stall_timeout
         try:
             while not (await asyncio.wait({writing}, timeout=min(1.0, stall)))[0]:
-                waited = time.monotonic() - started
-                if waited >= stall:
-                    raise Stalled(f"read nothing for stall_timeout={stall:g}s")
-                if waited >= CONTENDED_STALL and self._waiters > stream.waiting:
-                    raise Stalled(f"read nothing for {waited:.0f}s while streams waited for the chunk slots it holds")
+                reason = self._stalled(stream, time.monotonic() - started)
+                if reason:
+                    raise Stalled(f"read nothing for {reason}")
         except BaseException:  # stalled, or this stream is ending: the write must not outlive it
             writing.cancel()
             raise
