@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -104,17 +105,20 @@ def test_the_verdict_says_whether_the_job_is_input_bound_and_what_closes_the_gap
         assert text not in verdict, verdict
 
 
-def test_bench_refuses_bad_input_in_one_line(tmp_path):
+def test_bench_refuses_bad_flags_before_connecting_and_an_unreachable_server_in_one_line(tmp_path):
+    parser = argparse.ArgumentParser()
+    remoteloader_bench.add_arguments(parser)
     for flags, says in (
-        (["127.0.0.1:1", "--step-time", "0"], "--step-time=0.0: expected seconds per step, > 0"),
-        (["127.0.0.1:1", "--seconds", "-1"], "--seconds=-1.0: expected seconds, > 0"),
-        (["127.0.0.1:1", "--model", "nocolon"], "expected MODULE:FUNCTION"),
-        (["127.0.0.1:1", "--connect-timeout", "2"], "127.0.0.1:1"),  # nothing listens there: one line naming it
+        (["--step-time", "0"], "--step-time=0.0: expected seconds per step, > 0"),
+        (["--seconds", "-1"], "--seconds=-1.0: expected seconds, > 0"),
+        (["--model", "nocolon"], "expected MODULE:FUNCTION"),
     ):
-        result = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "bench", *flags],
-                                capture_output=True, text=True, timeout=60, cwd=tmp_path)
-        assert result.returncode != 0 and says in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            remoteloader_bench.check(parser.parse_args(["127.0.0.1:1", *flags]))
+    result = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "bench", "127.0.0.1:1",
+                             "--connect-timeout", "2"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode != 0 and "127.0.0.1:1" in result.stderr, result.stderr  # nothing listens there
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -171,7 +175,7 @@ def test_bench_names_a_slow_link_as_the_limit(tmp_path):
     # 64-px crops are 12 KB: 20 Mbit/s carries about 200 a second, a fraction of what one decode
     # worker renders, so the worker waits for the link and says so
     code = shaped_links.main(["--rates", "20", "--data", str(data), "--bench", "--image-size", "64",
-                              "--batch-size", "16", "--seconds", "3", "--warmup", "2", "--json", str(out)])
+                              "--batch-size", "16", "--seconds", "2", "--warmup", "1.5", "--json", str(out)])
     assert code == 0
     (run,) = json.loads(out.read_text())["runs"]
     (server,) = run["per_server"].values()
