@@ -24,6 +24,7 @@ for the tests to skip with that reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -32,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from remoteloader.client import cpu
 from remoteloader.tools.local import ServerProcess, server_command
@@ -133,30 +136,41 @@ def _start_servers(args: argparse.Namespace, work: pathlib.Path, servers: list[S
     return [f"{server.host}:{server.port}" for server in servers]
 
 
-def _bench_inside(args: argparse.Namespace) -> int:
-    """``remoteloader bench`` against the servers behind their links; its output as it is."""
+class _Behind(NamedTuple):
+    addresses: list[str]
+    servers: list[ServerProcess]
+    tls: Any  # the client's TLSConfig with --tls, else None
+    token_file: pathlib.Path
+
+
+@contextlib.contextmanager
+def _behind_links(args: argparse.Namespace) -> Iterator[_Behind]:
+    """In our own namespace: the servers behind their links (a token; TLS with --tls); stopped
+    on the way out."""
     work = pathlib.Path(tempfile.mkdtemp(prefix="shaped-links-"))
     tls = _certificates(work, len(args.rates)) if args.tls else None
     servers: list[ServerProcess] = []
     try:
-        addresses = _start_servers(args, work, servers)
-        security = ["--token-file", str(work / "token"), *(["--tls", tls.ca] if tls else [])]
-        return subprocess.call(
-            [sys.executable, "-m", "remoteloader.tools.cli", "bench", ",".join(addresses), *security, *args.bench_args]
-        )
+        yield _Behind(_start_servers(args, work, servers), servers, tls, work / "token")
     finally:
         for server in servers:
             server.stop(10)
 
 
+def _bench_inside(args: argparse.Namespace) -> int:
+    """``remoteloader bench`` against the servers behind their links; its output as it is."""
+    with _behind_links(args) as behind:
+        security = ["--token-file", str(behind.token_file), *(["--tls", behind.tls.ca] if behind.tls else [])]
+        return subprocess.call(
+            [sys.executable, "-m", "remoteloader.tools.cli", "bench", ",".join(behind.addresses), *security]
+            + args.bench_args
+        )
+
+
 def _run_inside(args: argparse.Namespace) -> dict:
     from remoteloader.client import RemoteLoader
 
-    work = pathlib.Path(tempfile.mkdtemp(prefix="shaped-links-"))
-    tls = _certificates(work, len(args.rates)) if args.tls else None
-    servers: list[ServerProcess] = []
-    try:
-        addresses = _start_servers(args, work, servers)
+    with _behind_links(args) as (addresses, servers, tls, _):
         loader = RemoteLoader(
             addresses,
             batch_size=args.batch_size,
@@ -215,9 +229,6 @@ def _run_inside(args: argparse.Namespace) -> dict:
             "wire_bytes_per_image": sum(after[a]["bytes"] - before[a]["bytes"] for a in addresses) / max(1, total),
             "servers": per_server,
         }
-    finally:
-        for server in servers:
-            server.stop(10)
 
 
 def _certificates(work: pathlib.Path, count: int):
