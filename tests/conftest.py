@@ -35,6 +35,10 @@ from remoteloader.tools.local import LocalServer, ServerProcess
 READY_TIMEOUT = 30.0  # seconds a server may take to index its data and bind
 STOP_TIMEOUT = 30.0  # seconds a SIGTERMed server may take to drain and exit
 DEFAULT_ARGS = ("--workers", "1", "--grace", "5", "--log-level", "INFO")
+# How a `python -m` command that caught Ctrl-C, cleaned up and returned 130 may end: with 130,
+# or dying by SIGINT, which CPython does when the KeyboardInterrupt had ended a string exec on
+# its way (an import's dataclass or namedtuple). A shell or container runtime reads 130 for both.
+CTRL_C_EXITS = (130, -signal.SIGINT)
 
 _LIVE: weakref.WeakSet[Cluster] = weakref.WeakSet()
 

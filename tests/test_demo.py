@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from conftest import CTRL_C_EXITS
 
 DEMO = [sys.executable, "-m", "remoteloader.tools.cli", "demo"]
 
@@ -105,6 +106,23 @@ def test_a_sigterm_while_the_demo_starts_stops_it_and_connect_stops_no_servers(t
     assert "Traceback" not in output, output
 
 
+def test_a_sigterm_that_lands_in_a_string_exec_still_exits_130(tmp_path):
+    """Torch's imports run string execs (dataclasses); a SIGTERM that lands in one must not turn
+    the demo's 130 into a death by SIGINT (as a KeyboardInterrupt there would, under -m)."""
+    (tmp_path / "stopped_in_exec.py").write_text(
+        "import sys\n"
+        "from remoteloader.tools import cli, demo\n"
+        "def _run(args):\n"
+        "    exec('import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)', {})\n"
+        "demo._run = _run\n"
+        "sys.exit(cli.main(['demo', '--connect', '127.0.0.1:1']))\n"
+    )
+    done = subprocess.run([sys.executable, "-m", "stopped_in_exec"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr.strip() == "interrupted", done.stderr
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(tmp_path, signum):
     # With --data the dataset is kept; without, it lives in a temp dir that must go.
@@ -126,7 +144,7 @@ def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(
         code = proc.wait(60)
     finally:
         proc.kill()
-    assert code == 130
+    assert code == 130 if signum == signal.SIGTERM else code in CTRL_C_EXITS
     time.sleep(0.5)
     assert not (server_pids() & started), "Ctrl-C left loader servers running"
     for pid in started:

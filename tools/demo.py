@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         # SIGTERM (docker stop, kill) cleans up as Ctrl-C does: servers and temp data. Installed
         # first: as a container's PID 1, a signal that comes while torch imports would be lost.
-        with signals.StopSignals(sigterm=KeyboardInterrupt):
+        with signals.StopSignals():
             return _run(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, signals.Terminated):
         # The local servers were stopped by _run's ExitStack, on the way out; --connect stops none.
         print("interrupted" if args.connect else "interrupted; loader servers stopped", file=sys.stderr)
         return 130

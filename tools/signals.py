@@ -6,6 +6,13 @@ into an exception, and it swallows (prints) an exception raised while a finalize
 library's: a stop could be lost there. So ``StopSignals`` raises on either signal *and*
 remembers it, and ``raise_if_stopped()``, called at each step of the command's loop, raises it
 again.
+
+SIGTERM raises ``Terminated``, never ``KeyboardInterrupt``, even where a command ends both the
+same way: under ``python -m``, a KeyboardInterrupt that ends any string ``exec``/``eval``
+(dataclasses, namedtuple and torch's imports run many) marks the interpreter, and it then dies
+by SIGINT on exit, whatever exit code the command returned after catching it (CPython's
+``unhandled_keyboard_interrupt``). For Ctrl-C that death is the shell's convention (it reads
+130 either way); for SIGTERM it would be a wrong signal.
 """
 
 from __future__ import annotations
@@ -32,13 +39,11 @@ _active: StopSignals | None = None  # the StopSignals entered (only one at a tim
 
 
 class StopSignals:
-    """While entered, SIGINT raises ``KeyboardInterrupt`` and SIGTERM raises ``sigterm`` (by
-    default ``Terminated``) in the main thread; on exit the previous handlers come back.
+    """While entered, SIGINT raises ``KeyboardInterrupt`` and SIGTERM raises ``Terminated`` in
+    the main thread; on exit the previous handlers come back.
     Outside the main thread, where Python cannot set handlers, it does nothing.
 
     Args:
-        sigterm: The exception SIGTERM raises (the demo: ``KeyboardInterrupt``, one exit code
-            for both).
         once: The first signal stops the command and both are ignored from then on, for good
             (not restored on exit): no second Ctrl-C can cut the clean-up short, not even one
             that comes before the clean-up begins (pack).
@@ -46,8 +51,7 @@ class StopSignals:
             stays ignored.
     """
 
-    def __init__(self, *, sigterm: type[BaseException] = Terminated, once: bool = False, keep_ignored: bool = False):
-        self.sigterm = sigterm
+    def __init__(self, *, once: bool = False, keep_ignored: bool = False):
         self.once = once
         self.keep_ignored = keep_ignored
         self.received: int | None = None  # the first signal that came, if one did
@@ -83,7 +87,7 @@ class StopSignals:
 
     def raise_if_stopped(self) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt() if self.received == signal.SIGINT else self.sigterm()
+            raise KeyboardInterrupt() if self.received == signal.SIGINT else Terminated()
 
 
 def raise_if_stopped() -> None:
