@@ -68,8 +68,16 @@ class ServerConfig:
     workers: int = field(default_factory=default_workers, metadata={"help": "decode/augment worker processes"})
     # 2 MiB by measurement (benchmarks/wire.py --chunk-bytes ...): 1.5-2 MiB moved the most per receiver CPU-second.
     chunk_bytes: int = _setting(2 * MiB, "pixel bytes per streamed message")
+    # A same-host client reads a chunk where the workers wrote it: no message bounds it, and each
+    # chunk costs both sides a header, a wake-up and a release. 8 MiB by measurement
+    # (benchmarks/detection.py, 640 px): the server's main process 0.7 -> 0.3 ms per image.
+    shared_chunk_bytes: int = _setting(
+        8 * MiB, "pixel bytes per chunk for clients on this host (--local-socket), which read it in place"
+    )
     slots: int = _setting(
-        0, "shared chunk buffers (memory = slots x max(chunk_bytes, largest sample)); 0: 4 x workers + 4"
+        0,
+        "shared chunk buffers (memory = slots x max(chunk_bytes, shared_chunk_bytes, largest sample)); "
+        "0: 4 x workers + 4",
     )
     max_order_samples: int = _setting(1024, "most samples in one order")
     max_inflight_orders: int = _setting(16, "most outstanding orders per stream")  # more: RESOURCE_EXHAUSTED
@@ -139,6 +147,7 @@ class ServerConfig:
             self,
             "workers",
             "chunk_bytes",
+            "shared_chunk_bytes",
             "max_order_samples",
             "max_inflight_orders",
             "min_image_size",
@@ -188,10 +197,15 @@ class ServerConfig:
         """Pixel bytes of the largest sample clients may ask for."""
         return limits.sample_bytes(self.max_image_size, self.max_image_size)
 
+    def stream_chunk_bytes(self, shared: bool) -> int:
+        """Pixel bytes of a stream's chunks: ``shared``, read in place by a same-host client."""
+        return self.shared_chunk_bytes if shared and self.local_socket else self.chunk_bytes
+
     @property
     def slot_bytes(self) -> int:
         """Bytes of one shared slot: any chunk of this server's (protos.limits.slot_bytes)."""
-        return limits.slot_bytes(self.chunk_bytes, self.max_sample_bytes)
+        chunk = max(self.stream_chunk_bytes(shared=False), self.stream_chunk_bytes(shared=True))
+        return limits.slot_bytes(chunk, self.max_sample_bytes)
 
     @property
     def max_message_bytes(self) -> int:

@@ -315,7 +315,7 @@ class OrderStream:
         """Starts the orders the reader passes on, in turn; passes on the end of the stream."""
         spec = self._spec
         per_chunk = limits.samples_per_chunk(
-            self._config.chunk_bytes,
+            self._config.stream_chunk_bytes(self._shared),
             limits.sample_bytes(spec.height, spec.width, MASK in spec.fields),
             bool(spec.fields),
         )

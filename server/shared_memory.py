@@ -37,8 +37,8 @@ class SharedFile:
             os.close(self.fd)
             raise OSError(
                 f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory or 'the temp dir'}: "
-                f"{exc} (slots x max(--chunk-bytes, --max-image-size^2 x 3), plus --cache-bytes; lower "
-                f"those, or give a container more shm_size)"
+                f"{exc} (slots x max(--chunk-bytes, --shared-chunk-bytes, --max-image-size^2 x 3), plus "
+                f"--cache-bytes; lower those, or give a container more shm_size)"
             ) from None
         except AttributeError:  # not on this platform
             os.ftruncate(self.fd, size)

@@ -1,7 +1,8 @@
 """Same-host shared memory, server side: the arena's generation words, the local socket that
 hands out its descriptor, and streams whose chunks stay in the arena (Setup.shared_memory).
 
-Servers for the module (--max-image-size 64 --chunk-bytes 16384: 5 samples of 32x32 a chunk):
+Servers for the module (--max-image-size 64; 32x32 samples, 5 a chunk in messages with
+--chunk-bytes 16384, 4 a chunk in shared memory with --shared-chunk-bytes 12288):
     TOKEN  --token-file --slots 4 (a lone stream holds 2) --stall-timeout 3
     OPEN   no token: any local process may map the chunks
     OFF    --local-socket false
@@ -28,10 +29,11 @@ pytestmark = pytest.mark.timeout(120)
 STREAM = "/remoteloader.v1.Loader/Stream"
 TOKEN = "local-s3cret-0123456789-abcdef"
 SIZE = 32
-PER_CHUNK = 16384 // (SIZE * SIZE * 3)
+PER_CHUNK = 16384 // (SIZE * SIZE * 3)  # samples a chunk of a stream through gRPC
+PER_SHARED_CHUNK = 12288 // (SIZE * SIZE * 3)  # and of a stream through shared memory
 N = 12  # samples in the shard
 TOKEN_SERVER, OPEN, OFF = 0, 1, 2
-SERVER_ARGS = ("--max-image-size", "64", "--chunk-bytes", "16384")
+SERVER_ARGS = ("--max-image-size", "64", "--chunk-bytes", "16384", "--shared-chunk-bytes", "12288")
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +265,10 @@ def test_a_shared_stream_points_at_exactly_the_pixels_a_normal_stream_sends(serv
             shared.release(s.ticket)
             if header.start + header.count == header.order_size:
                 break
-        assert got == expected and len(got) == -(-len(indices) // PER_CHUNK)
+        # The same pixels, in chunks of --shared-chunk-bytes rather than --chunk-bytes.
+        assert b"".join(got[k] for k in sorted(got)) == b"".join(expected[k] for k in sorted(expected))
+        assert sorted(got) == list(range(0, len(indices), PER_SHARED_CHUNK))
+        assert sorted(expected) == list(range(0, len(indices), PER_CHUNK))
     finally:
         shared.close()
         memory.close()
@@ -274,7 +279,7 @@ def test_released_slots_let_a_long_order_through_a_few_slots(servers):
     memory = _map(servers, TOKEN_SERVER)
     stream = Stream(servers, TOKEN_SERVER, _setup(True))
     try:
-        indices = [i % N for i in range(200)]  # 40 chunks through a stream's 2 slots
+        indices = [i % N for i in range(200)]  # 50 chunks through a stream's 2 slots
         stream.order(1, shard_id, indices)
         received, uses, previous = 0, {}, None
         for header, _pixels in stream.call:
@@ -290,7 +295,7 @@ def test_released_slots_let_a_long_order_through_a_few_slots(servers):
         assert received == len(indices) and len(uses) <= 4
         # Each use of a slot has a generation of its own.
         assert all(gens == sorted(set(gens)) for gens in uses.values()), uses
-        assert sum(len(gens) for gens in uses.values()) == len(indices) // PER_CHUNK
+        assert sum(len(gens) for gens in uses.values()) == len(indices) // PER_SHARED_CHUNK
     finally:
         stream.close()
         memory.close()

@@ -143,6 +143,23 @@ def test_max_order_samples_is_bounded_by_the_orders_clients_send():
         ServerConfig(data=("d",), max_order_samples=most + 1)
 
 
+def test_shared_chunks_size_the_slots_only_where_same_host_clients_can_come():
+    """Same-host streams get chunks of --shared-chunk-bytes, and the slots hold them; a server
+    with --local-socket false keeps slots of max(--chunk-bytes, largest sample)."""
+    from remoteloader.protos import limits
+    from remoteloader.server.config import ServerConfig
+
+    MiB = 1 << 20
+    local = ServerConfig(data=("d",), chunk_bytes=2 * MiB, shared_chunk_bytes=8 * MiB, max_image_size=1024)
+    assert (local.stream_chunk_bytes(shared=False), local.stream_chunk_bytes(shared=True)) == (2 * MiB, 8 * MiB)
+    assert limits.pixel_bytes(local.slot_bytes) == 8 * MiB
+    remote = ServerConfig(data=("d",), chunk_bytes=2 * MiB, shared_chunk_bytes=8 * MiB, local_socket=False)
+    assert remote.stream_chunk_bytes(shared=True) == 2 * MiB
+    assert limits.pixel_bytes(remote.slot_bytes) == 1024 * 1024 * 3  # the largest sample
+    with pytest.raises(ValueError, match="shared_chunk_bytes=0"):
+        ServerConfig(data=("d",), shared_chunk_bytes=0)
+
+
 # ---- how busy the decode workers are ------------------------------------------------------
 class _Clock:
     def __init__(self, now: float = 1000.0):
