@@ -36,6 +36,7 @@ def test_demo_trains_prints_figures_and_stops_its_servers(tmp_path):
     assert all(int(r[1]) > 0 for r in rows)  # images/s
     assert losses[-1] < losses[0], f"the loss should fall: {losses}"
     assert re.search(r"accuracy \(eval pipeline, \d+ images\)", result.stdout)
+    assert "batches read from the servers' shared memory (same host" in result.stdout  # its servers are local
     assert not server_pids(data=tmp_path), "the demo left loader servers running"
 
 

@@ -126,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"{args.batch_size}: no whole batch to train on"
             )
         _train(model, train, args.epochs)
+        print(_path(train))
         correct, total = _accuracy(model, evaluate)
         print(f"accuracy (eval pipeline, {total} images): {correct / total:.1%}")
     return 0
@@ -207,6 +208,17 @@ def _train(model, train, epochs: int) -> None:
             signals.raise_if_stopped()
         elapsed = time.perf_counter() - start
         print(f"{epoch:>5} {seen / elapsed:>9.0f} {waited / elapsed:>8.0%} {total_loss / seen:>7.3f}", flush=True)
+
+
+def _path(loader) -> str:
+    """How the batches came: from same-host servers' memory, or over gRPC (``stats()["servers"]``)."""
+    servers = loader.stats()["servers"]
+    shared = sorted(a for a, s in servers.items() if s["shared_memory"])
+    if len(shared) == len(servers):
+        return "batches read from the servers' shared memory (same host; RemoteLoader(shared_memory=False): gRPC)"
+    if not shared:
+        return "batches received over gRPC"
+    return f"batches read from shared memory from {', '.join(shared)} (same host), over gRPC from the others"
 
 
 def _accuracy(model, evaluate) -> tuple[int, int]:
