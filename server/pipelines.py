@@ -5,7 +5,9 @@ seed derived from (seed, epoch, shard, index), so the same order gives the same 
 any server. When its first transform is a random-resized crop, the crop is chosen on the
 JPEG header's dimensions and the JPEG is decoded at the smallest DCT scale that keeps the
 crop at least the output size, only the crop's region once the file is known to decode
-(decode.decode_crop); a first resize likewise decodes no larger than it needs.
+(decode.decode_crop); a first resize likewise decodes no larger than it needs. A first fit
+(Longest/SmallestMaxSize) followed by a RandomScale, as the detection and segmentation
+training presets start, resizes the image once, to the size the two give (``DeferredFit``).
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
 draw the same random numbers, so they give the same pixels up to resampling rounding.
 
@@ -243,6 +245,13 @@ class Pipeline:
             transforms[0] = first
             self.compose = A.Compose(transforms, p=self.compose.p, **_processor_params(self.compose))
         self._rest = A.Compose(transforms[1:]) if self._crop is not None else None
+        # A fit (Longest/SmallestMaxSize) then a RandomScale: one resize, of the source (ResizeOnce).
+        self._fit: DeferredFit | None = None
+        if self._crop is None and len(transforms) > 1 and DeferredFit.fits(transforms[0], transforms[1]):
+            self._fit = DeferredFit.like(transforms[0])
+            transforms[:2] = [self._fit, ResizeOnce.like(transforms[1], self._fit)]
+            self.compose = A.Compose(transforms, p=self.compose.p, **_processor_params(self.compose))
+            first = transforms[0]
         # A first resize needs the image decoded at least this large: (height, width, cover)
         # where cover=True means "scale to cover both" and False "at least this short side".
         self._resize_target = None
@@ -323,7 +332,17 @@ class Pipeline:
                 scale = max(th / height, tw / width) if cover else th / min(height, width)
                 min_h, min_w = math.ceil(height * scale), math.ceil(width * scale)
         image = dec.decode(data, fmt, min_h, min_w, height, width)
-        return self.compose(image=image)["image"]
+        return self._compose(fused, image=image)["image"]
+
+    def _compose(self, fused: bool, **data) -> dict:
+        """The compose's result; ``fused`` False: a fit and scale resize twice, as plain albumentations."""
+        if self._fit is None or fused:
+            return self.compose(**data)
+        self._fit.fuse = False
+        try:
+            return self.compose(**data)
+        finally:
+            self._fit.fuse = True
 
     def with_targets(
         self,
@@ -332,11 +351,13 @@ class Pipeline:
         arrays: dict[str, np.ndarray],
         mask_of: Callable[[int, int], np.ndarray | None],
         verified: bool = False,
+        fused: bool = True,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         """The sample's pixels, its targets for the stream's fields, and its mask (None: it has none).
 
         ``image``: encoded bytes or a uint8 RGB array; ``arrays``: its targets as the source gave
-        them (boxes in the image's pixels); ``mask_of(height, width)``: its mask at the image's size."""
+        them (boxes in the image's pixels); ``mask_of(height, width)``: its mask at the image's size;
+        ``fused`` False: a first fit and scale resize twice, as plain albumentations (DeferredFit)."""
         fields = self.spec.fields
         if isinstance(image, np.ndarray):
             if image.shape[0] * image.shape[1] > self.max_pixels:
@@ -346,7 +367,7 @@ class Pipeline:
             self.reseed(seed)
             pixels = image
         elif not any(f in MOVING for f in fields):  # nothing moves with the pixels: the fused path
-            return self(image, seed, verified=verified), _passed(arrays, fields), None
+            return self(image, seed, fused, verified), _passed(arrays, fields), None
         else:
             fmt, height, width = dec.read_size(image, self.max_pixels)
             self.reseed(seed)
@@ -357,13 +378,17 @@ class Pipeline:
             else:
                 pixels = dec.decode(image, fmt, 0, 0, height, width)
         try:
-            return self._transform(pixels, arrays, mask_of)
+            return self._transform(pixels, arrays, mask_of, fused)
         finally:
             if isinstance(self._crop, RegionCrop):
                 self._crop.render = None
 
     def _transform(
-        self, pixels: np.ndarray, arrays: dict[str, np.ndarray], mask_of: Callable[[int, int], np.ndarray | None]
+        self,
+        pixels: np.ndarray,
+        arrays: dict[str, np.ndarray],
+        mask_of: Callable[[int, int], np.ndarray | None],
+        fused: bool = True,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         fields = self.spec.fields
         height, width = pixels.shape[:2]
@@ -378,7 +403,7 @@ class Pipeline:
         points = arrays.get(tg.KEYPOINTS, np.zeros((0, 3), np.float32))
         if tg.KEYPOINTS in fields:
             kwargs[tg.KEYPOINTS] = points[:, :2]
-        result = self.compose(**kwargs)
+        result = self._compose(fused, **kwargs)
         out = result["image"]
         targets = _passed(arrays, fields)
         kept = np.zeros(0, np.int64)
@@ -454,6 +479,91 @@ class RegionCrop(A.RandomResizedCrop):
         if self.render is not None:
             return self.render(crop_coords)
         return super().apply(img, crop_coords, **params)
+
+
+class DeferredFit:
+    """Mixed into a pipeline's first Longest/SmallestMaxSize when a RandomScale follows: it
+    keeps the image (``source``) and passes on an empty placeholder of the fitted shape, so
+    that the scale (``ResizeOnce``) resizes the source once, to the very size the two resizes
+    give. Targets go through both transforms unchanged (boxes and points are albumentations'
+    result: the shapes are the same); the pixels differ from two resizes' by resampling only.
+    ``fuse`` False: both resize, as plain albumentations."""
+
+    source: np.ndarray | None = None
+    fuse: bool = True
+
+    @staticmethod
+    def fits(first, second) -> bool:
+        plain = (A.LongestMaxSize, A.SmallestMaxSize)
+        return (
+            type(first) in plain
+            and type(second) is A.RandomScale
+            and first.p >= 1
+            and second.p >= 1
+            and first.interpolation == second.interpolation
+            and first.area_for_downscale is None
+            and second.area_for_downscale is None
+        )
+
+    @classmethod
+    def like(cls, fit: A.LongestMaxSize | A.SmallestMaxSize) -> DeferredFit:
+        kind = _FIT_KINDS[type(fit)]
+        return kind(
+            max_size=fit.max_size,
+            max_size_hw=fit.max_size_hw,
+            interpolation=fit.interpolation,
+            mask_interpolation=fit.mask_interpolation,
+            area_for_downscale=fit.area_for_downscale,
+            p=fit.p,
+        )
+
+    def apply(self, img: np.ndarray, scale: float, **params) -> np.ndarray:
+        if not self.fuse:
+            return super().apply(img, scale, **params)  # type: ignore[misc]  # the max-size transform's
+        self.source = img
+        height, width = img.shape[:2]  # the fitted size, as MaxSizeTransform.apply rounds it
+        return np.empty((max(1, round(height * scale)), max(1, round(width * scale)), 0), np.uint8)
+
+
+class _DeferredLongest(DeferredFit, A.LongestMaxSize):
+    pass
+
+
+class _DeferredSmallest(DeferredFit, A.SmallestMaxSize):
+    pass
+
+
+_FIT_KINDS = {A.LongestMaxSize: _DeferredLongest, A.SmallestMaxSize: _DeferredSmallest}
+
+
+class ResizeOnce(A.RandomScale):
+    """The RandomScale after a ``DeferredFit``: its scale drawn as albumentations draws it, the
+    output size computed from the fitted size as albumentations computes it, and the fit's
+    source resized to that size in one step."""
+
+    fit: DeferredFit
+
+    @classmethod
+    def like(cls, scale: A.RandomScale, fit: DeferredFit) -> ResizeOnce:
+        once = cls(
+            scale_limit=scale.scale_limit,
+            interpolation=scale.interpolation,
+            mask_interpolation=scale.mask_interpolation,
+            area_for_downscale=scale.area_for_downscale,
+            p=scale.p,
+        )
+        once.fit = fit
+        return once
+
+    def apply(self, img: np.ndarray, scale: float, **params) -> np.ndarray:
+        source, self.fit.source = self.fit.source, None
+        if source is None:  # the fit resized (fuse False)
+            return super().apply(img, scale, **params)
+        height, width = img.shape[:2]  # the placeholder's: as fgeometric.scale rounds it
+        size = (int(height * scale), int(width * scale))
+        if size == source.shape[:2]:
+            return source
+        return cv2.resize(source, (size[1], size[0]), interpolation=self.interpolation)
 
 
 def _processor_params(compose: A.Compose) -> dict:

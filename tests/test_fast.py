@@ -194,6 +194,52 @@ def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, deco
     assert reduced == 15, f"only {reduced} of 15 large-photo decodes used a reduced DCT scale"
 
 
+@pytest.mark.parametrize("name", ["detection-train", "segmentation-train"])
+def test_a_fit_then_a_scale_resize_once_and_move_targets_as_albumentations(name, monkeypatch):
+    """The detection and segmentation training presets start with a fit and a RandomScale: the
+    image is resized once, to the size the two give, and the boxes, points and mask are
+    albumentations' own result (the plain path's, which resizes twice)."""
+    import cv2
+
+    pipeline = Pipeline(PipelineSpec(name, 64, 64, fields=("bboxes", "bbox_labels", "keypoints", "mask")))
+    resizes = []
+    real_resize = cv2.resize
+
+    def counting(src, *args, **kwargs):
+        resizes.append(src.ndim == 3)
+        return real_resize(src, *args, **kwargs)
+
+    monkeypatch.setattr(cv2, "resize", counting)
+    rng = np.random.default_rng(7)
+    counts = {True: 0, False: 0}  # image resizes, fused and plain
+    for seed, (h, w) in enumerate([(48, 80), (90, 60), (64, 64), (33, 101), (120, 77), (50, 50)] * 3):
+        image = make_image(0, 5, rng, h, w)
+        arrays = {
+            "bboxes": np.asarray([[2, 3, w // 2, h // 2], [w // 3, h // 4, w - 1, h - 2]], np.float32),
+            "bbox_labels": np.asarray([4, 9], np.int64),
+            "keypoints": np.asarray([[5, 6, 2], [w - 3, h - 4, 1]], np.float32),
+        }
+        mask = rng.integers(0, 5, (h, w), dtype=np.uint8)
+        results = {}
+        for fused in (True, False):
+            resizes.clear()
+            results[fused] = pipeline.with_targets(image, seed, arrays, lambda *_, m=mask: m, fused=fused)
+            counts[fused] += sum(resizes)
+            assert sum(resizes) <= 1 or not fused, f"seed {seed}: {sum(resizes)} image resizes fused"
+        (pixels, targets, out_mask), (plain, plain_targets, plain_mask) = results[True], results[False]
+        assert pixels.shape == plain.shape == (64, 64, 3)
+        assert targets.keys() == plain_targets.keys() == {"bboxes", "bbox_labels", "keypoints"}
+        for field, value in targets.items():
+            assert np.array_equal(value, plain_targets[field]), f"seed {seed}: {field} differ"
+        assert np.array_equal(out_mask, plain_mask)
+        diff = np.abs(pixels.astype(np.float64) - plain.astype(np.float64))
+        corr = np.corrcoef(pixels.ravel().astype(np.float64), plain.ravel().astype(np.float64))[0, 1]
+        # Resampling once instead of twice: within rounding on a texture whose neighbours differ by ~17.
+        assert diff.mean() < 5 and corr > 0.99, f"seed {seed}: mean |fused - plain| {diff.mean():.2f}, corr {corr:.4f}"
+    # Fused, at most one resize per image; plain, the fit's too (where the image does not fit already).
+    assert counts[True] <= 18 < counts[False], counts
+
+
 def jpeg_variants() -> dict[str, tuple[bytes, int, int]]:
     """JPEGs in the layouts photos come in: chroma subsamplings, grey, progressive, restart markers."""
     rng = np.random.default_rng(5)
