@@ -1,7 +1,9 @@
 """Delivery on the CPU: batches handed to the user in the memory they were received into.
 
 Each batch is received into its own buffer (huge-page backed, ``HostPool``) that is handed
-to the user as is, and reused for a later batch once the user has dropped it.
+to the user as is, and reused for a later batch once the user has dropped it. A receiver
+process's batches are lent to the user in its slots (``LentSlots``), up to two at a time,
+and copied out beyond that.
 Normalization, when asked for, runs in the consumer's thread, in one pass over cache-sized
 pieces into an output buffer from a pool of its own (``normalize.normalize_host``).
 """
@@ -100,6 +102,47 @@ class HostPool:
             self._free.clear()
 
 
+class LentSlots:
+    """A receiver process's slots lent to the user as the batch itself: no copy out of them.
+
+    A training loop holds one or two batches at a time, so at most ``most`` slots are lent;
+    a batch beyond those (a loop that keeps its batches) is copied out as before, and the
+    receiver always keeps the rest of its slots to receive into. A slot goes back to the
+    receiver once every array lent from it is gone (tracked, as in ``HostPool``, by weak
+    references checked whenever a batch is delivered: dropping a batch runs no code).
+    """
+
+    def __init__(self, receiver: SlotReceiver, most: int = 2):
+        self.receiver = receiver
+        self.most = most
+        self._lent: list[tuple[list[weakref.ref], np.ndarray]] = []  # (the arrays lent, the slot's view)
+
+    def lend(self, pixels: np.ndarray, masks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Arrays of the batch in its slot, for the user; None when ``most`` are lent already."""
+        self.collect()
+        if len(self._lent) >= self.most:
+            return None
+        images = pixels.view()  # arrays of their own, alive exactly as long as the user's tensors
+        lent_masks = masks.view() if masks is not None else None
+        refs = [weakref.ref(a) for a in (images, lent_masks) if a is not None]
+        self._lent.append((refs, pixels))
+        return images, lent_masks
+
+    def collect(self) -> None:
+        """Gives back to the receiver the slots whose lent arrays are all gone."""
+        still = []
+        for refs, pixels in self._lent:
+            if any(ref() is not None for ref in refs):
+                still.append((refs, pixels))
+            else:
+                self.receiver.free(pixels)
+        self._lent = still
+
+    def lent(self) -> int:
+        self.collect()
+        return len(self._lent)
+
+
 class HostDelivery:
     """CPU: batches handed to the user as received; optional normalization in the consumer thread.
 
@@ -107,7 +150,8 @@ class HostDelivery:
         normalize / dtype: As in RemoteLoader.
         buffers: Free received batches its pool keeps for reuse (``LoaderOptions.batch_buffers``).
         receiver: A receiver process's slots (``SlotReceiver``): batches arrive there, and each
-            is copied out once (or normalized straight out of it) and its slot given back.
+            is lent to the user in its slot (``LentSlots``), or copied out once (or normalized
+            straight out of it) and its slot given back.
 
     Normalized batches come from a pool of their own that keeps at most two free: a
     training loop holds one or two at a time, and each is 2-8x the bytes of a uint8 batch.
@@ -121,6 +165,7 @@ class HostDelivery:
         self.pool = HostPool(keep=buffers)
         self.out_pool = HostPool(keep=2)
         self.receiver = receiver
+        self.lent = LentSlots(receiver) if receiver is not None else None
 
     def allocate(self, n: int, h: int, w: int) -> torch.Tensor:
         return self.pool.take(n, h, w)
@@ -135,14 +180,20 @@ class HostDelivery:
         return source  # no transfer thread: the consumer converts each batch in finish()
 
     def finish(self, item: Batch | Delivered) -> Delivered:
-        """Copies the batch out of the receiver's slot (or normalizes it), in the consumer's thread."""
+        """The batch for the user, in the consumer's thread: lent in the receiver's slot, or
+        copied (or normalized) out of it, or as received."""
         assert isinstance(item, Batch), "the host delivery has no transfer thread"
         batch = item
         images: torch.Tensor
         targets: dict = row_targets(batch)
-        if batch.masks is not None:  # (out of the receiver's slot before it is given back)
-            targets["mask"] = torch.from_numpy(batch.masks.copy() if self.receiver is not None else batch.masks)
-        if self.receiver is not None:  # batch.pixels is the receiver's slot: copy out, give back
+        lent = self.lent.lend(batch.pixels, batch.masks) if self.lent is not None and self.normalize is None else None
+        if lent is not None:  # the batch stays in the receiver's slot until the user drops it
+            images = torch.from_numpy(lent[0])
+            if lent[1] is not None:
+                targets["mask"] = torch.from_numpy(lent[1])
+        elif self.receiver is not None:  # batch.pixels is the receiver's slot: copy out, give back
+            if batch.masks is not None:
+                targets["mask"] = torch.from_numpy(batch.masks.copy())
             if self.normalize is None:
                 images = self.pool.take(*batch.pixels.shape[:3])
                 # numpy's copy: one thread; torch's copy_ woke OpenMP threads that then spun,
@@ -151,11 +202,14 @@ class HostDelivery:
             else:
                 images = self._normalize(batch.pixels, self.normalize)
             self.receiver.free(batch.pixels)
-        elif self.normalize is not None:
-            images = self._normalize(batch.pixels, self.normalize)
         else:
-            assert isinstance(batch.images, torch.Tensor), "allocate() lends tensors"
-            images = batch.images
+            if batch.masks is not None:
+                targets["mask"] = torch.from_numpy(batch.masks)
+            if self.normalize is not None:
+                images = self._normalize(batch.pixels, self.normalize)
+            else:
+                assert isinstance(batch.images, torch.Tensor), "allocate() lends tensors"
+                images = batch.images
         return Delivered(
             batch.seq,
             images,

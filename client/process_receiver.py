@@ -5,7 +5,8 @@ process (a fresh interpreter running ``receiver_service.main``) to run a ThreadR
 receives the pixels straight into batch slots of shared memory (``SharedSlots``); the
 training process then only exchanges small messages with it (which slot holds which batch,
 which slot is free again) and copies each batch out of its slot once, to the GPU when on
-CUDA. Receiving costs gRPC about 0.5 CPU-seconds per GB (Python grpcio copies every message
+CUDA; on the CPU it lends the user a batch in its slot instead, up to two at a time
+(``host_delivery.LentSlots``). Receiving costs gRPC about 0.5 CPU-seconds per GB (Python grpcio copies every message
 twice before we see it), which in the training process would be ~0.1 core-s per 1000 224-px
 images and would contend for its GIL; in the receiver process it costs the training process
 nothing.

@@ -1,10 +1,10 @@
 """The receiver process (``receiver="process"``, the default on CUDA), tested on the CPU.
 
-The child process receives batches into shared slots; the training process copies each
-out once and gives the slot back. These tests hold it to the thread receiver's contract
-(same batches, resume, failover, errors) and check what is new: slots are never lost
-over abandoned epochs, the child's death is an error and not a hang, and the child never
-outlives the training process.
+The child process receives batches into shared slots; the training process lends each to
+the user in its slot (up to two at a time) or copies it out, and gives the slot back. These
+tests hold it to the thread receiver's contract (same batches, resume, failover, errors) and
+check what is new: slots are never lost over abandoned epochs, the child's death is an error
+and not a hang, and the child never outlives the training process.
 """
 
 from __future__ import annotations
@@ -76,6 +76,29 @@ def test_same_batches_labels_keys_and_failures_as_the_thread_receiver(shards):
     assert failures["process"] == failures["thread"] and failures["process"], "the truncated file is reported"
     assert stats["process"]["images"] == stats["thread"]["images"] > 0
     assert set(stats["process"]["servers"]) == set(stats["thread"]["servers"])
+
+
+def test_batches_are_lent_in_their_slots_to_a_loop_that_drops_them_and_copied_beyond_two(shards):
+    """No copy out of the receiver's slots for a loop that holds a batch or two at a time; a
+    loop that keeps its batches gets copies beyond two, so the receiver keeps slots to
+    receive into, and every batch it kept stays whole."""
+    cluster, first = shards
+    with make(cluster, first, indices=(2,), receiver="process", prefetch=2) as loader:
+        memory = loader._io.slot_memory  # the slots, 4 of them: prefetch + 2
+        start, end = memory.ctypes.data, memory.ctypes.data + memory.nbytes
+
+        def in_slots(images: torch.Tensor) -> bool:
+            return start <= images.data_ptr() < end
+
+        dropped = [in_slots(images) for images, _labels, _ids in loader]
+        assert len(dropped) == 80 // BATCH and all(dropped), dropped
+        loader.set_epoch(1)
+        kept = [tuple(b) for b in loader]
+        assert [in_slots(images) for images, _l, _i in kept] == [True, True] + [False] * (len(kept) - 2)
+        loader.set_epoch(1)
+        again = [tuple(b) for b in loader]  # (the epoch's two lent slots came back to the receiver)
+        for (ia, la, da), (ib, lb, db) in zip(kept, again, strict=True):
+            assert torch.equal(ia, ib) and torch.equal(la, lb) and torch.equal(da, db)
 
 
 def test_abandoned_epochs_return_their_slots_and_resume_is_exact(shards):
