@@ -241,15 +241,17 @@ class Pipeline:
         self._crop = first if isinstance(first, A.RandomResizedCrop) and first.p >= 1 else None
         if self._crop is not None and any(f in MOVING for f in spec.fields):
             # Targets go through the whole compose; its crop returns the decoded region.
-            self._crop = first = RegionCrop.like(self._crop)
+            self._crop = first = _recast(RegionCrop, self._crop)
             transforms[0] = first
             self.compose = A.Compose(transforms, p=self.compose.p, **_processor_params(self.compose))
         self._rest = A.Compose(transforms[1:]) if self._crop is not None else None
         # A fit (Longest/SmallestMaxSize) then a RandomScale: one resize, of the source (ResizeOnce).
         self._fit: DeferredFit | None = None
         if self._crop is None and len(transforms) > 1 and DeferredFit.fits(transforms[0], transforms[1]):
-            self._fit = DeferredFit.like(transforms[0])
-            transforms[:2] = [self._fit, ResizeOnce.like(transforms[1], self._fit)]
+            self._fit = _recast(_FIT_KINDS[type(transforms[0])], transforms[0])
+            once = _recast(ResizeOnce, transforms[1])
+            once.fit = self._fit
+            transforms[:2] = [self._fit, once]
             self.compose = A.Compose(transforms, p=self.compose.p, **_processor_params(self.compose))
             first = transforms[0]
         # A first resize needs the image decoded at least this large: (height, width, cover)
@@ -463,18 +465,6 @@ class RegionCrop(A.RandomResizedCrop):
 
     render: Callable[[tuple[int, int, int, int]], np.ndarray] | None = None
 
-    @classmethod
-    def like(cls, crop: A.RandomResizedCrop) -> RegionCrop:
-        return cls(
-            size=crop.size,
-            scale=crop.scale,
-            ratio=crop.ratio,
-            interpolation=crop.interpolation,
-            mask_interpolation=crop.mask_interpolation,
-            area_for_downscale=crop.area_for_downscale,
-            p=crop.p,
-        )
-
     def apply(self, img: np.ndarray, crop_coords: tuple[int, int, int, int], **params) -> np.ndarray:
         if self.render is not None:
             return self.render(crop_coords)
@@ -505,18 +495,6 @@ class DeferredFit:
             and second.area_for_downscale is None
         )
 
-    @classmethod
-    def like(cls, fit: A.LongestMaxSize | A.SmallestMaxSize) -> DeferredFit:
-        kind = _FIT_KINDS[type(fit)]
-        return kind(
-            max_size=fit.max_size,
-            max_size_hw=fit.max_size_hw,
-            interpolation=fit.interpolation,
-            mask_interpolation=fit.mask_interpolation,
-            area_for_downscale=fit.area_for_downscale,
-            p=fit.p,
-        )
-
     def apply(self, img: np.ndarray, scale: float, **params) -> np.ndarray:
         if not self.fuse:
             return super().apply(img, scale, **params)  # type: ignore[misc]  # the max-size transform's
@@ -543,18 +521,6 @@ class ResizeOnce(A.RandomScale):
 
     fit: DeferredFit
 
-    @classmethod
-    def like(cls, scale: A.RandomScale, fit: DeferredFit) -> ResizeOnce:
-        once = cls(
-            scale_limit=scale.scale_limit,
-            interpolation=scale.interpolation,
-            mask_interpolation=scale.mask_interpolation,
-            area_for_downscale=scale.area_for_downscale,
-            p=scale.p,
-        )
-        once.fit = fit
-        return once
-
     def apply(self, img: np.ndarray, scale: float, **params) -> np.ndarray:
         source, self.fit.source = self.fit.source, None
         if source is None:  # the fit resized (fuse False)
@@ -564,6 +530,11 @@ class ResizeOnce(A.RandomScale):
         if size == source.shape[:2]:
             return source
         return cv2.resize(source, (size[1], size[0]), interpolation=self.interpolation)
+
+
+def _recast(kind: type, transform: A.BasicTransform):
+    """``transform`` rebuilt as ``kind``, a subclass of its type, with the same arguments."""
+    return kind(**transform.get_transform_init_args())
 
 
 def _processor_params(compose: A.Compose) -> dict:
