@@ -6,7 +6,9 @@ was (CPU seconds over wall seconds). A server whose workers were busy ``BUSY`` o
 was limited by its CPUs: more servers (or cores) help. A receiver as busy is this host's
 limit: more servers cannot help, a receiver process or fewer bytes per image can. Otherwise
 what held the server back lies between the two: its link (its bandwidth, or too little in
-flight for its latency). When the training loop hardly waited, its own step is the limit.
+flight for its latency), or, for a server on this host read through shared memory (no
+link), its reading of the data or its main process. When the training loop hardly waited,
+its own step is the limit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ WAITED = 0.05  # below this share of the time waiting for data, the training ste
 SERVERS = "servers' decode CPUs"
 RECEIVING = "this host's receiving"
 LINKS = "links"
+READING = "same-host servers' reading or main process"
 STEP = "the training step"
 UNKNOWN = "unknown (a span shorter than the servers' busy window)"
 REMEDY = {
@@ -35,6 +38,11 @@ REMEDY = {
         'bytes per image (RemoteLoader\'s wire option, README "Wire choices"), or more orders in flight '
         "(max_inflight, for a link with a long round trip) would feed it faster"
     ),
+    READING: (
+        "The servers on this host had decode workers to spare and no link between: their reads (a cold "
+        "page cache or a slow disk; --cache-bytes keeps samples in memory) or their main processes held "
+        "them back"
+    ),
     STEP: "The input keeps up",
     UNKNOWN: "A longer epoch, or `remoteloader bench`, would say which part",
 }
@@ -47,6 +55,7 @@ class ServerSpan:
     images: int
     bytes: int
     workers_busy: float  # its workers' busy share, averaged over its images
+    shared: bool = False  # read through shared memory (a server on this host): no link
 
 
 def spans(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) -> dict[str, ServerSpan]:
@@ -60,17 +69,18 @@ def spans(before: Mapping[str, Mapping], after: Mapping[str, Mapping]) -> dict[s
             images=images,
             bytes=int(now["bytes"]) - int(then.get("bytes", 0)),
             workers_busy=min(1.0, busy / images) if images > 0 else 0.0,
+            shared=bool(now.get("shared_memory", False)),
         )
     return out
 
 
-def server_limit(workers_busy: float, receiver_busy: float) -> str:
-    """What held one server's delivery back."""
+def server_limit(workers_busy: float, receiver_busy: float, shared: bool = False) -> str:
+    """What held one server's delivery back (``shared``: read through shared memory)."""
     if workers_busy >= BUSY:
         return SERVERS
     if receiver_busy >= BUSY:
         return RECEIVING
-    return LINKS
+    return READING if shared else LINKS
 
 
 def likely_limit(
@@ -88,4 +98,7 @@ def likely_limit(
         return RECEIVING
     total = sum(s.images for s in servers.values())
     on_cpus = sum(s.images for s in servers.values() if s.workers_busy >= BUSY)
-    return SERVERS if total and on_cpus * 2 >= total else LINKS
+    if total and on_cpus * 2 >= total:
+        return SERVERS
+    shared = sum(s.images for s in servers.values() if s.shared and s.workers_busy < BUSY)
+    return READING if shared * 2 > total - on_cpus else LINKS

@@ -49,13 +49,13 @@ def test_bench_measures_each_server_and_all_together_and_names_their_limit(two_s
     assert runs[-1]["servers"] == two_servers.addresses
     for run in runs:
         assert run["images"] > 0 and run["images_per_s"] > 0 and run["host_cpu_ms"] > 0
-        assert run["limit"] in (bottleneck.SERVERS, bottleneck.LINKS, bottleneck.RECEIVING)
+        assert run["limit"] in (bottleneck.SERVERS, bottleneck.READING, bottleneck.RECEIVING)  # (no link here)
         assert set(run["per_server"]) == set(run["servers"])
         for server in run["per_server"].values():
             assert server["workers"] == 1  # as the servers were started (Describe)
             assert 0 < server["workers_busy"] <= 1  # their decode workers worked
             assert server["images_per_s"] > 0 and server["busy_ms"] > 0
-            assert server["limit"] == bottleneck.server_limit(server["workers_busy"], run["receiver_busy"])
+            assert server["limit"] == bottleneck.server_limit(server["workers_busy"], run["receiver_busy"], True)
         # what each server delivered adds up to what the loop read (orders complete around the edges)
         total = sum(s["images_per_s"] for s in run["per_server"].values())
         assert total == pytest.approx(run["images_per_s"], rel=0.35)
@@ -122,19 +122,23 @@ def test_bench_refuses_bad_flags_before_connecting_and_an_unreachable_server_in_
 
 
 @pytest.mark.parametrize(
-    ("busy", "receiver", "waited", "limit"),
+    ("busy", "receiver", "waited", "limit", "shared"),
     [
-        ((0.95, 0.9), 0.2, 0.5, bottleneck.SERVERS),
-        ((0.3, 0.2), 0.2, 0.5, bottleneck.LINKS),
-        ((0.95, 0.9), 0.95, 0.5, bottleneck.RECEIVING),
-        ((0.95, 0.9), 0.2, 0.01, bottleneck.STEP),
-        ((0.95, 0.2), 0.2, 0.5, bottleneck.SERVERS),  # the busy server delivered most of the images
+        ((0.95, 0.9), 0.2, 0.5, bottleneck.SERVERS, (False, False)),
+        ((0.3, 0.2), 0.2, 0.5, bottleneck.LINKS, (False, False)),
+        ((0.95, 0.9), 0.95, 0.5, bottleneck.RECEIVING, (False, False)),
+        ((0.95, 0.9), 0.2, 0.01, bottleneck.STEP, (False, False)),
+        ((0.95, 0.2), 0.2, 0.5, bottleneck.SERVERS, (False, False)),  # the busy server delivered most images
+        # Idle workers and no link (same host, shared memory): reading or the main process, not "links".
+        ((0.3, 0.2), 0.2, 0.5, bottleneck.READING, (True, True)),
+        ((0.3, 0.2), 0.2, 0.5, bottleneck.READING, (True, False)),  # the same-host one delivered most
+        ((0.3, 0.2), 0.2, 0.5, bottleneck.LINKS, (False, True)),
     ],
 )
-def test_the_likely_limit_rule(busy, receiver, waited, limit):
+def test_the_likely_limit_rule(busy, receiver, waited, limit, shared):
     images = (300, 100)
-    spans = {f"s{i}": bottleneck.ServerSpan(images=n, bytes=n * 1000, workers_busy=b)
-             for i, (n, b) in enumerate(zip(images, busy))}
+    spans = {f"s{i}": bottleneck.ServerSpan(images=n, bytes=n * 1000, workers_busy=b, shared=h)
+             for i, (n, b, h) in enumerate(zip(images, busy, shared))}
     assert bottleneck.likely_limit(spans, receiver, waited) == limit
     assert bottleneck.likely_limit(spans, receiver, waited, seconds=60) == limit
     # shorter than the servers' busy window: the input's part cannot be told (the step's can)
@@ -144,11 +148,11 @@ def test_the_likely_limit_rule(busy, receiver, waited, limit):
 
 def test_spans_average_the_servers_busy_share_over_their_images():
     before = {"a": {"samples": 100, "bytes": 10, "busy_samples": 50.0}}
-    after = {"a": {"samples": 300, "bytes": 30, "busy_samples": 230.0},
-             "b": {"samples": 10, "bytes": 5, "busy_samples": 2.0}}  # joined since
+    after = {"a": {"samples": 300, "bytes": 30, "busy_samples": 230.0, "shared_memory": False},
+             "b": {"samples": 10, "bytes": 5, "busy_samples": 2.0, "shared_memory": True}}  # joined since
     spans = bottleneck.spans(before, after)
-    assert spans["a"] == bottleneck.ServerSpan(images=200, bytes=20, workers_busy=0.9)
-    assert spans["b"] == bottleneck.ServerSpan(images=10, bytes=5, workers_busy=0.2)
+    assert spans["a"] == bottleneck.ServerSpan(images=200, bytes=20, workers_busy=0.9, shared=False)
+    assert spans["b"] == bottleneck.ServerSpan(images=10, bytes=5, workers_busy=0.2, shared=True)
 
 
 def test_each_epoch_line_names_its_likely_limit(two_servers, run_bounded):

@@ -128,7 +128,7 @@ def measure(servers: list[str], args: argparse.Namespace, loader_args: dict) -> 
             "workers_busy": span.workers_busy,
             # its decode workers' busy time per image (their CPU, and their waits for a CPU)
             "busy_ms": 1000 * workers * span.workers_busy / rate if rate else 0.0,
-            "limit": bottleneck.server_limit(span.workers_busy, receiver_busy),
+            "limit": bottleneck.server_limit(span.workers_busy, receiver_busy, span.shared),
         }
     return Run(
         servers=servers,
@@ -215,6 +215,8 @@ def verdict(runs: list[Run], consumed: float | None) -> list[str]:
             + bottleneck.REMEDY[bottleneck.RECEIVING]
             + "."
         )
+    if every.limit == bottleneck.READING:
+        lines.append(bottleneck.REMEDY[bottleneck.READING] + ".")
     if consumed is None:
         lines.append("Give --step-time or --model to compare with what the training step consumes.")
         return lines
