@@ -138,10 +138,6 @@ class LentSlots:
                 self.receiver.free(pixels)
         self._lent = still
 
-    def lent(self) -> int:
-        self.collect()
-        return len(self._lent)
-
 
 class HostDelivery:
     """CPU: batches handed to the user as received; optional normalization in the consumer thread.
