@@ -484,9 +484,8 @@ class DeferredFit:
 
     @staticmethod
     def fits(first, second) -> bool:
-        plain = (A.LongestMaxSize, A.SmallestMaxSize)
         return (
-            type(first) in plain
+            type(first) in _FIT_KINDS
             and type(second) is A.RandomScale
             and first.p >= 1
             and second.p >= 1
