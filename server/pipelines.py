@@ -218,6 +218,12 @@ def _numbers(node, path: str = "pipeline"):
             yield from _numbers(value, f"{path}[{i}]")
 
 
+def _always_runs_all(node) -> bool:
+    """Whether ``node`` is a Compose or Sequential that always runs all its transforms in order:
+    its only draw, ``random() < p``, is then always true, so its generators' state changes nothing."""
+    return type(node) in (A.Compose, A.Sequential) and node.p >= 1
+
+
 def _walk(node):
     """The compose, its nested composes and every transform, in a fixed order."""
     yield node
@@ -273,11 +279,13 @@ class Pipeline:
         for node in self._nodes:
             node.py_random = random.Random()
             node.random_generator = np.random.Generator(np.random.PCG64())
+        # Seeding costs microseconds a generator: only those whose draws can change a sample.
+        self._seeded = [(k, node) for k, node in enumerate(self._nodes) if not _always_runs_all(node)]
 
     def reseed(self, seed: int) -> None:
         """Puts every transform's generators in the state derived from (seed, its position)."""
         streams = stream_seeds(seed, 2 * len(self._nodes) + 1)  # the first one is not used
-        for k, node in enumerate(self._nodes):
+        for k, node in self._seeded:
             a, b = streams[2 * k + 1], streams[2 * k + 2]
             node.py_random.seed(a)
             node.random_generator.bit_generator.state = {

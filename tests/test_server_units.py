@@ -31,6 +31,22 @@ def test_a_failed_cache_fill_keeps_its_space_for_the_next_try(tmp_path):
         cache.close()
 
 
+def test_a_sample_file_that_changed_since_indexing_is_an_error_not_other_bytes(tmp_path):
+    from remoteloader.server.decode import DecodeError
+    from remoteloader.server.worker_process import read_sample
+
+    path = tmp_path / "a.jpg"
+    path.write_bytes(b"0123456789")
+    assert read_sample(str(path), 0, 10)[0] == b"0123456789"  # a whole file
+    assert read_sample(str(path), 3, 4)[0] == b"3456"  # a tar member
+    assert read_sample(str(path), 0, 10)[1] == path.stat().st_mtime_ns
+    for indexed_length in (11, 9):  # the file shrank, or grew, since the server indexed it
+        with pytest.raises(DecodeError, match="changed since the server indexed it"):
+            read_sample(str(path), 0, indexed_length)
+    with pytest.raises(DecodeError, match="changed since"):
+        read_sample(str(path), 8, 4)  # a member now past the end
+
+
 def test_classes_txt_without_a_final_newline_or_with_crlf(tmp_path):
     (tmp_path / "classes.txt").write_bytes(b"cat\r\ndog")
     assert _read_classes(tmp_path) == ["cat", "dog"]
