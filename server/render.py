@@ -67,9 +67,9 @@ class Renderer:
                 fills.append((pos, index, cache_offset))
             stored = shard.targets(index) if spec.fields else b""
             locations.append((path, offset, length, mode, cache_offset, bool(decoded[index]), stored, shard.source))
-        # Split the chunk so that all workers share it (two tasks each), in tasks of
+        # Split the chunk so that all workers share it (a task each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
-        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // (2 * self.pool.size))))
+        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // self.pool.size)))
         spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json, spec.fields, spec.wire)
         firsts = _cut(locations, size)
         parts = [
