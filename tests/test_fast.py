@@ -657,6 +657,38 @@ def test_per_sample_determinism(imagenet_like):
             assert not np.array_equal(values[i], values[j]), "two seeds gave the same pixels"
 
 
+def test_nested_composes_that_may_skip_are_deterministic_per_seed():
+    """A nested Compose or Sequential with p < 1 draws whether it runs: its generators are
+    seeded per sample like a transform's (only one with p=1, whose draw cannot fail, is not)."""
+    document = json.dumps(
+        A.to_dict(
+            A.Compose(
+                [
+                    A.Resize(32, 32),
+                    A.Sequential([A.InvertImg(p=1)], p=0.5),
+                    A.Compose([A.VerticalFlip(p=1)], p=0.5),
+                ]
+            )
+        )
+    )
+    image = (np.arange(40 * 48 * 3) % 251).astype(np.uint8).reshape(40, 48, 3)
+    data = cv2.imencode(".png", image)[1].tobytes()
+    plain = cv2.resize(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), (32, 32), interpolation=cv2.INTER_LINEAR)
+    servers = [Pipeline(PipelineSpec("custom", 32, 32, document), allow_custom=True) for _ in range(2)]
+    outcomes = {
+        (inverted, flipped): (255 - plain if inverted else plain)[::-1 if flipped else 1]
+        for inverted in (False, True)
+        for flipped in (False, True)
+    }
+    seen = set()
+    for seed in range(24):
+        out = servers[0](data, seed)
+        assert np.array_equal(out, servers[1](data, seed)), f"seed {seed}: two servers disagree"
+        (outcome,) = [k for k, expected in outcomes.items() if np.array_equal(out, expected)]
+        seen.add(outcome)
+    assert seen == set(outcomes), f"every combination of the two nested composes running: {seen}"
+
+
 def test_flip_is_independent_of_crop_scale(imagenet_like):
     spec = PipelineSpec("train", 32, 32)
     pipeline = Pipeline(spec)
