@@ -1,8 +1,11 @@
 /* Decode only a region of a JPEG, at a reduced DCT scale, with libjpeg-turbo.
  *
- * decode_region(data, denom, x, y, w, h, out[, max_scans]) decodes the rectangle (x, y, w, h) of the image
- * scaled by 1/denom (denom in 1, 2, 4, 8) into `out`, a writable C-contiguous buffer of
- * h * w * 3 bytes (RGB), from a baseline (sequential) JPEG. The pixels are the same as
+ * decode_region(data, denom, x, y, w, h, out[, max_scans, pitch]) decodes the rectangle (x, y, w, h) of the
+ * image scaled by 1/denom (denom in 1, 2, 4, 8) into `out`, a writable C-contiguous buffer of
+ * h rows of `pitch` pixels (default w), 3 bytes each (RGB), from a baseline (sequential) JPEG, and
+ * returns the column where the region starts in each row: libjpeg decodes from the iMCU column
+ * left of x, so with pitch >= w + 31 it writes the rows in place, else it decodes into a band and
+ * copies the region to column 0. The pixels are the same as
  * decoding the whole image with the fast integer DCT and fast upsampling, then cropping;
  * what it saves:
  *   - rows below the region are never read (no Huffman decoding either);
@@ -202,8 +205,8 @@ static int cut_mcus(const unsigned char *data, size_t size, const layout *lay, u
 
 /* Returns NULL on success, else a static message or err->message. */
 static const char *decode(const unsigned char *data, size_t size, int denom, JDIMENSION x,
-                          JDIMENSION y, JDIMENSION w, JDIMENSION h, unsigned char *out,
-                          error_mgr *err) {
+                          JDIMENSION y, JDIMENSION w, JDIMENSION h, unsigned char *out, size_t pitch,
+                          JDIMENSION *column, error_mgr *err) {
     struct jpeg_decompress_struct cinfo;
     /* volatile: modified after setjmp and read after longjmp */
     unsigned char *volatile row = NULL;
@@ -248,10 +251,12 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     if (x != 0 || w != cinfo.output_width) {
         jpeg_crop_scanline(&cinfo, &left, &width); /* widens to iMCU boundaries */
     }
-    /* Rows are decoded straight into out when the region spans whole iMCU columns, else
-     * into a band of up to 16 rows (the most libjpeg returns at once) and copied from it. */
-    const size_t skip = (size_t)(x - left) * 3, line = (size_t)w * 3;
-    const int direct = (left == x && width == w);
+    /* Rows are decoded straight into out when the widened rows fit its pitch, the region
+     * starting at column x - left; else into a band of up to 16 rows (the most libjpeg
+     * returns at once) and copied from it to column 0. */
+    const size_t skip = (size_t)(x - left) * 3, line = (size_t)w * 3, stride = pitch * 3;
+    const int direct = width <= pitch;
+    *column = direct ? x - left : 0;
     if (!direct) {
         row = malloc((size_t)width * 3 * 16);
         if (row == NULL) {
@@ -267,7 +272,7 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     for (JDIMENSION done = 0; done < h;) {
         JDIMENSION want = h - done < 16 ? h - done : 16;
         for (JDIMENSION i = 0; i < want; i++) {
-            rows[i] = direct ? out + (done + i) * line : row + (size_t)i * width * 3;
+            rows[i] = direct ? out + (done + i) * stride : row + (size_t)i * width * 3;
         }
         JDIMENSION got = jpeg_read_scanlines(&cinfo, rows, want);
         if (got == 0) {
@@ -276,7 +281,7 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
         }
         if (!direct) {
             for (JDIMENSION i = 0; i < got; i++) {
-                memcpy(out + (done + i) * line, rows[i] + skip, line);
+                memcpy(out + (done + i) * stride, rows[i] + skip, line);
             }
         }
         done += got;
@@ -291,7 +296,8 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
 
 /* decode(), from the region's MCUs only when the JPEG has a restart marker after each MCU. */
 static const char *decode_cut(const unsigned char *data, size_t size, int denom, JDIMENSION x, JDIMENSION y,
-                              JDIMENSION w, JDIMENSION h, unsigned char *out, error_mgr *err) {
+                              JDIMENSION w, JDIMENSION h, unsigned char *out, size_t pitch, JDIMENSION *column,
+                              error_mgr *err) {
     layout lay = {0};
     unsigned char *cut = NULL;
     size_t cut_size = 0;
@@ -302,22 +308,25 @@ static const char *decode_cut(const unsigned char *data, size_t size, int denom,
         if (x < out_w && w <= out_w - x && y < out_h && h <= out_h - y) {
             const unsigned c0 = x / sw, r0 = y / sh;
             if (cut_mcus(data, size, &lay, c0, (x + w + sw - 1) / sw, r0, (y + h + sh - 1) / sh, &cut, &cut_size)) {
-                const char *problem = decode(cut, cut_size, denom, x - c0 * sw, y - r0 * sh, w, h, out, err);
+                const char *problem =
+                    decode(cut, cut_size, denom, x - c0 * sw, y - r0 * sh, w, h, out, pitch, column, err);
                 free(cut);
                 return problem;
             }
         }
     }
-    return decode(data, size, denom, x, y, w, h, out, err);
+    return decode(data, size, denom, x, y, w, h, out, pitch, column, err);
 }
 
 static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data, out;
     int denom, max_scans = 0;
-    Py_ssize_t x, y, w, h; /* "n" checks for overflow; "I" would silently wrap */
-    if (!PyArg_ParseTuple(args, "y*innnnw*|i", &data, &denom, &x, &y, &w, &h, &out, &max_scans)) {
+    Py_ssize_t x, y, w, h, pitch = -1; /* "n" checks for overflow; "I" would silently wrap */
+    if (!PyArg_ParseTuple(args, "y*innnnw*|in", &data, &denom, &x, &y, &w, &h, &out, &max_scans, &pitch)) {
         return NULL;
     }
+    if (pitch < 0) pitch = w;
+    JDIMENSION column = 0;
     PyObject *result = NULL;
     error_mgr err = {.max_scans = max_scans};
     const char *problem = NULL;
@@ -326,17 +335,20 @@ static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "denom must be 1, 2, 4 or 8");
     } else if (x < 0 || y < 0 || w < 0 || h < 0 || x > most || y > most || w > most || h > most) {
         PyErr_SetString(PyExc_ValueError, "region outside the scaled image");
-    } else if (!PyBuffer_IsContiguous(&out, 'C') || (size_t)out.len != (size_t)w * (size_t)h * 3) {
-        PyErr_SetString(PyExc_ValueError, "out must be a contiguous buffer of h * w * 3 bytes");
+    } else if (pitch < w || pitch > 2 * most) {
+        PyErr_SetString(PyExc_ValueError, "pitch must be at least w");
+    } else if (!PyBuffer_IsContiguous(&out, 'C') || (size_t)out.len != (size_t)pitch * (size_t)h * 3) {
+        PyErr_SetString(PyExc_ValueError, "out must be a contiguous buffer of h * pitch * 3 bytes");
     } else {
         Py_BEGIN_ALLOW_THREADS
         problem = decode_cut((const unsigned char *)data.buf, (size_t)data.len, denom, (JDIMENSION)x,
-                             (JDIMENSION)y, (JDIMENSION)w, (JDIMENSION)h, (unsigned char *)out.buf, &err);
+                             (JDIMENSION)y, (JDIMENSION)w, (JDIMENSION)h, (unsigned char *)out.buf, (size_t)pitch,
+                             &column, &err);
         Py_END_ALLOW_THREADS
         if (problem) {
             PyErr_SetString(PyExc_ValueError, problem);
         } else {
-            result = Py_NewRef(Py_None);
+            result = PyLong_FromUnsignedLong(column);
         }
     }
     PyBuffer_Release(&data);
@@ -481,9 +493,10 @@ static PyObject *cuts(PyObject *Py_UNUSED(self), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
-     "decode_region(data, denom, x, y, w, h, out, max_scans=0): decode the region (x, y, w, h) of the JPEG "
-     "scaled by 1/denom into out (h * w * 3 bytes, RGB); a JPEG of more than max_scans scans (0: any) "
-     "is refused."},
+     "decode_region(data, denom, x, y, w, h, out, max_scans=0, pitch=w) -> int: decode the region (x, y, w, h) "
+     "of the JPEG scaled by 1/denom into out (h rows of pitch pixels, RGB) and return the column where it "
+     "starts in each row (0 unless pitch > w: then libjpeg's rows, widened to the iMCU column left of x, "
+     "are written in place when they fit); a JPEG of more than max_scans scans (0: any) is refused."},
     {"cuts", cuts, METH_VARARGS,
      "cuts(data) -> bool: whether decode_region decodes only a region's MCUs of this JPEG (baseline, "
      "one scan of all its components, a restart marker after every MCU, as transcode() writes it)."},

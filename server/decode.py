@@ -37,6 +37,8 @@ _PROGRESSIVE_FRAMES = (0xC2, 0xC6, 0xCA, 0xCE)
 # component) or about 10 (progressive); each scan is a pass over a component's blocks, so a
 # file repeating one scan costs seconds for a few KB.
 MAX_SCANS = 100
+# The most pixels libjpeg's rows start left of a region: an iMCU is at most 4 blocks of 8 wide.
+_IMCU_SLACK = 31
 
 
 class DecodeError(ValueError):
@@ -236,10 +238,12 @@ def decode_crop(
     factor = _decode_factor(fmt, height, width, min_height, min_width)
     if native and _jpeg is not None and fmt == "jpeg":
         x1, y1, x2, y2 = _scale_box(box, height, width, -(-height // factor), -(-width // factor))
-        out = np.empty((y2 - y1, x2 - x1, 3), np.uint8)
+        # Rows wide enough for libjpeg's, which start at the iMCU column left of x1 (an iMCU is
+        # at most 32 px wide): it writes them in place, and the region is a view of them.
+        out = np.empty((y2 - y1, x2 - x1 + _IMCU_SLACK, 3), np.uint8)
         try:
-            _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out, MAX_SCANS)
-            return out
+            column = _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out, MAX_SCANS, out.shape[1])
+            return out[:, column : column + x2 - x1]
         except ValueError:  # progressive, CMYK, damaged...: the whole decode below decides
             pass
     image = decode(data, fmt, min_height, min_width, height, width)

@@ -118,8 +118,9 @@ class DecodeSpy:
         native = dec._jpeg
         if native is not None:
             def region(data, denom, x, y, w, h, out, *limits):
-                native.decode_region(data, denom, x, y, w, h, out, *limits)
+                column = native.decode_region(data, denom, x, y, w, h, out, *limits)
                 self.calls.append((denom, (h, w)))
+                return column
 
             monkeypatch.setattr(dec, "_jpeg", types.SimpleNamespace(
                 decode_region=region, LIBJPEG_TURBO_VERSION_NUMBER=native.LIBJPEG_TURBO_VERSION_NUMBER))
@@ -509,8 +510,12 @@ def test_region_decoder_checks_its_arguments():
     out = np.empty((10, 10, 3), np.uint8)
     with pytest.raises(ValueError, match="denom"):
         dec._jpeg.decode_region(data, 3, 0, 0, 10, 10, out)
-    with pytest.raises(ValueError, match="h \\* w \\* 3"):
+    with pytest.raises(ValueError, match="h \\* pitch \\* 3"):
         dec._jpeg.decode_region(data, 1, 0, 0, 10, 11, out)
+    with pytest.raises(ValueError, match="h \\* pitch \\* 3"):
+        dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, out, 0, 12)
+    with pytest.raises(ValueError, match="pitch must be at least w"):
+        dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, out, 0, 9)
     for x, y in ((w - 5, 0), (0, h - 5), (2**32 + 3, 0), (-1, 0), (0, 2**70)):
         with pytest.raises((ValueError, OverflowError)):
             dec._jpeg.decode_region(data, 1, x, y, 10, 10, out)
@@ -519,6 +524,27 @@ def test_region_decoder_checks_its_arguments():
     with pytest.raises(TypeError):
         dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, bytes(300))  # read-only out
     dec._jpeg.decode_region(data, 1, w - 10, h - 10, 10, 10, out)  # the bottom-right corner is fine
+
+
+@needs_region_decoder
+def test_region_decoder_writes_libjpegs_rows_in_place_when_the_pitch_has_room():
+    """With rows of pitch >= w + 31 pixels, the region lies at the returned column of each row
+    (libjpeg decodes from the iMCU column left of x); with pitch w it is copied to column 0.
+    Either way the pixels are the whole decode's."""
+    for name, mcu in (("420", 16), ("420 packed", 16), ("444 packed", 8), ("grey packed", 8), ("411", 32)):
+        data, h, w = jpeg_variants()[name]
+        whole = dec.decode(data, "jpeg", 0, 0, h, w)
+        for x, y, rw, rh in ((0, 0, w, h), (19, 5, 40, 33), (32, 16, 17, 9), (w - 21, h - 7, 21, 7)):
+            exact = np.empty((rh, rw, 3), np.uint8)
+            assert dec._jpeg.decode_region(data, 1, x, y, rw, rh, exact) == 0
+            wide = np.full((rh, rw + 31, 3), 7, np.uint8)
+            column = dec._jpeg.decode_region(data, 1, x, y, rw, rh, wide, 0, rw + 31)
+            assert column == x % mcu, (name, x)
+            assert np.array_equal(wide[:, column : column + rw], exact), (name, x, y)
+            assert np.array_equal(exact, whole[y : y + rh, x : x + rw]), (name, x, y)
+        # What decode_crop returns: a view of those rows, the same pixels as the whole decode.
+        region = dec.decode_crop(data, "jpeg", h, w, (19, 5, 59, 38), 0, 0, native=True)
+        assert region.shape == (33, 40, 3) and np.array_equal(region, whole[5:38, 19:59]), name
 
 
 def test_dct_factor():
