@@ -335,8 +335,8 @@ static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "denom must be 1, 2, 4 or 8");
     } else if (x < 0 || y < 0 || w < 0 || h < 0 || x > most || y > most || w > most || h > most) {
         PyErr_SetString(PyExc_ValueError, "region outside the scaled image");
-    } else if (pitch < w || pitch > 2 * most) {
-        PyErr_SetString(PyExc_ValueError, "pitch must be at least w");
+    } else if (pitch < w || pitch > w + most) {
+        PyErr_SetString(PyExc_ValueError, "pitch must be at least w and at most w + 65536");
     } else if (!PyBuffer_IsContiguous(&out, 'C') || (size_t)out.len != (size_t)pitch * (size_t)h * 3) {
         PyErr_SetString(PyExc_ValueError, "out must be a contiguous buffer of h * pitch * 3 bytes");
     } else {

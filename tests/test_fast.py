@@ -514,8 +514,9 @@ def test_region_decoder_checks_its_arguments():
         dec._jpeg.decode_region(data, 1, 0, 0, 10, 11, out)
     with pytest.raises(ValueError, match="h \\* pitch \\* 3"):
         dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, out, 0, 12)
-    with pytest.raises(ValueError, match="pitch must be at least w"):
-        dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, out, 0, 9)
+    for pitch in (9, 10 + 2**16 + 1):
+        with pytest.raises(ValueError, match="pitch must be at least w and at most w \\+ 65536"):
+            dec._jpeg.decode_region(data, 1, 0, 0, 10, 10, out, 0, pitch)
     for x, y in ((w - 5, 0), (0, h - 5), (2**32 + 3, 0), (-1, 0), (0, 2**70)):
         with pytest.raises((ValueError, OverflowError)):
             dec._jpeg.decode_region(data, 1, x, y, 10, 10, out)
