@@ -238,8 +238,8 @@ def decode_crop(
     factor = _decode_factor(fmt, height, width, min_height, min_width)
     if native and _jpeg is not None and fmt == "jpeg":
         x1, y1, x2, y2 = _scale_box(box, height, width, -(-height // factor), -(-width // factor))
-        # Rows wide enough for libjpeg's, which start at the iMCU column left of x1 (an iMCU is
-        # at most 32 px wide): it writes them in place, and the region is a view of them.
+        # Rows wide enough for libjpeg's, which start at the iMCU column left of x1: it writes
+        # them in place, and the region is a view of them.
         out = np.empty((y2 - y1, x2 - x1 + _IMCU_SLACK, 3), np.uint8)
         try:
             column = _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out, MAX_SCANS, out.shape[1])

@@ -529,7 +529,7 @@ def test_region_decoder_checks_its_arguments():
 
 @needs_region_decoder
 def test_region_decoder_writes_libjpegs_rows_in_place_when_the_pitch_has_room():
-    """With rows of pitch >= w + 31 pixels, the region lies at the returned column of each row
+    """With rows of pitch >= w + 31 pixels (decode_crop's), the region lies at the returned column of each row
     (libjpeg decodes from the iMCU column left of x); with pitch w it is copied to column 0.
     Either way the pixels are the whole decode's."""
     for name, mcu in (("420", 16), ("420 packed", 16), ("444 packed", 8), ("grey packed", 8), ("411", 32)):
@@ -538,8 +538,8 @@ def test_region_decoder_writes_libjpegs_rows_in_place_when_the_pitch_has_room():
         for x, y, rw, rh in ((0, 0, w, h), (19, 5, 40, 33), (32, 16, 17, 9), (w - 21, h - 7, 21, 7)):
             exact = np.empty((rh, rw, 3), np.uint8)
             assert dec._jpeg.decode_region(data, 1, x, y, rw, rh, exact) == 0
-            wide = np.full((rh, rw + 31, 3), 7, np.uint8)
-            column = dec._jpeg.decode_region(data, 1, x, y, rw, rh, wide, 0, rw + 31)
+            wide = np.full((rh, rw + dec._IMCU_SLACK, 3), 7, np.uint8)
+            column = dec._jpeg.decode_region(data, 1, x, y, rw, rh, wide, 0, wide.shape[1])
             assert column == x % mcu, (name, x)
             assert np.array_equal(wide[:, column : column + rw], exact), (name, x, y)
             assert np.array_equal(exact, whole[y : y + rh, x : x + rw]), (name, x, y)
