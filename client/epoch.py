@@ -1,166 +1,222 @@
 """Where training is in its epochs: the one owner of the epoch position and its state_dict.
 
-``EpochPosition`` knows which epoch the next iteration plays, how far the current one got
+``EpochPosition`` knows which epoch the next pass plays, how far the current one got
 (``position``: the first plan batch not yet delivered; ``done``: later batches already
-delivered, with ``ordered=False``), the token of the iteration that advances it, a
-position loaded from a ``state_dict`` until that epoch starts, and the plan being played
-(whose digest a state_dict carries). It changes only through its methods: ``set_epoch``,
-``load``, ``take_resume``, ``begin``, ``delivered``, ``finished``.
+delivered, with ``ordered=False``), the token of the pass that advances it, a position
+loaded from a ``state_dict`` until its pass starts, and the plan being played (whose digest
+a state_dict carries). It changes only through its methods: ``set_epoch``, ``load``,
+``next_pass``, ``begin``, ``delivered``, ``ended``.
+
+Which epoch a pass plays (a pass is one ``iter()``; it starts at its first batch, so a
+``set_epoch`` between ``iter()`` and the first batch counts):
+
+* a position loaded with ``load_state_dict``: that epoch, from that position;
+* after ``set_epoch(e)``: epoch ``e`` from its first batch (a loaded position of ``e`` is kept);
+* after a pass that was left before its end (``break``, or a framework that stops at
+  ``len()``): the epoch after the one it played;
+* otherwise the epoch after the last one played to its end (epoch 0 at first).
+
+An epoch ends when its last batch is delivered, not when the loop asks for one more:
+from then on the position is the next epoch's first batch, which is what a checkpoint
+taken at the end of an epoch saves. So a loop with or without ``set_epoch``, one that
+stops at ``len()``, and a resumed run all play the same epochs in the same order.
 
 A position is only valid for the plan it was reached in: ``load`` refuses a state saved
-with another seed, sample count, batch size, rank split, or (by the plan's digest) another
-shuffle, drop_last or sampler order, rather than play other batches.
+with another seed, sample count, batch size or world size, or (by the plan's digest, the
+same on every rank) another shuffle, drop_last or sampler order, rather than play other
+batches. Ranks move in lockstep with equal batch counts, so a position saved on one rank
+(with ``ordered=True``) is every rank's: any rank of the same world size resumes from it,
+each playing its own part of the plan.
 """
 
 from __future__ import annotations
 
-import hashlib
+import enum
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from remoteloader.client.options import UINT64, check_int
+from remoteloader.client.plan import EpochPlan, batches_digest
+from remoteloader.client.ranks import Partition
 from remoteloader.client.sample_space import SampleSpace
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the digest covers every rank's batches; "ordered" is saved
 # What a position is only valid for, as state_dict() saves it (the loader's values).
-IDENTITY = ("seed", "num_samples", "batch_size", "world_size", "rank", "shuffle", "drop_last")
+IDENTITY = ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "ordered")
 
 
-def digest(batches: list[np.ndarray]) -> str:
-    """A fingerprint of a plan: its batches' sample ids and boundaries."""
-    h = hashlib.blake2b(digest_size=8)
-    for batch in batches:
-        h.update(len(batch).to_bytes(8, "little"))
-        h.update(np.ascontiguousarray(batch, dtype="<i8").tobytes())
-    return h.hexdigest()
+class NextPass(enum.Enum):
+    """What the next pass plays."""
 
-
-@dataclass
-class _Plan:
-    """An epoch's batches, and their digest once asked for."""
-
-    epoch: int
-    batches: list[np.ndarray]
-    digest: str | None = None
+    FROM_START = "the epoch's first batch"  # at first, after set_epoch, after an epoch's end
+    FOLLOWING = "the epoch after the one a pass left"  # a pass stopped before the end
+    RESUME = "a loaded position"
 
 
 @dataclass(frozen=True)
-class Resume:
-    """A loaded position: its epoch starts at ``position``, less ``done``, over the plan it was
-    checked against and the sample space that plan numbers."""
+class Pass:
+    """What one pass plays: ``plan`` from ``start``, less ``done``."""
 
     epoch: int
-    position: int
+    plan: EpochPlan
+    start: int
     done: frozenset[int]
-    batches: list[np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """A loaded state_dict until its pass starts: checked against ``pass_``'s plan, made for
+    ``partition`` (the state's own world size while torch.distributed is not initialized),
+    over ``space``, the sample space its ids number."""
+
+    state: dict
+    pass_: Pass
+    partition: Partition
     space: SampleSpace
+    identity: Mapping[str, Any]
 
 
 @dataclass
 class EpochPosition:
-    """The epoch the next iteration plays and how far it got.
+    """The epoch the next pass plays and how far the current one got.
 
     Others read ``epoch``, ``position``, ``done`` and ``token``; only its methods change them.
 
     Args:
-        plan: This rank's batches of an epoch (the loader's pure plan function).
+        plan: An epoch's plan for a partition (the loader's pure plan function over its
+            current sample space).
         replayable: Whether ``plan`` may be called just for a digest (not with a user's
             sampler, which may be random and is asked for one pass per epoch).
     """
 
-    plan: Callable[[int], list[np.ndarray]]
+    plan: Callable[[int, Partition], EpochPlan]
     replayable: bool
     epoch: int = field(default=0, init=False)
-    position: int = field(default=0, init=False)  # first batch of the current epoch not yet delivered
+    position: int = field(default=0, init=False)  # first batch of the epoch not yet delivered
     done: set[int] = field(default_factory=set, init=False)  # later batches already delivered (ordered=False)
-    token: int | None = field(default=None, init=False)  # the iteration that advances the position
-    _chosen: bool = field(default=False, init=False)  # set_epoch or load since the last finished epoch
-    _resume: Resume | None = field(default=None, init=False)  # a loaded position, until its epoch starts
-    _playing: _Plan | None = field(default=None, init=False)  # the plan played (or loaded) last
+    token: int | None = field(default=None, init=False)  # the pass that advances the position
+    _next: NextPass = field(default=NextPass.FROM_START, init=False)
+    _loaded: _Loaded | None = field(default=None, init=False)  # set when _next is RESUME
+    _playing: EpochPlan | None = field(default=None, init=False)  # the plan played (or loaded) last
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch the next iteration plays. Another epoch than the current one starts
-        at its first batch: a position loaded or reached in the current one is dropped."""
+        """Selects the epoch the next pass plays, from its first batch; a loaded position of
+        that epoch is kept. The position reached stays what state_dict() saves until then."""
         if epoch != self.epoch:
-            self._resume = None
-            self.position, self.done = 0, set()
+            self.position, self.done, self._playing = 0, set(), None
         self.epoch = epoch
-        self._chosen = True
+        if self._next is not NextPass.RESUME or epoch != self._loaded_epoch():
+            self._next, self._loaded = NextPass.FROM_START, None
 
-    def loaded(self, epoch: int) -> Resume | None:
-        """The loaded position, if there is one for ``epoch``."""
-        return self._resume if self._resume is not None and self._resume.epoch == epoch else None
+    def _loaded_epoch(self) -> int | None:
+        return self._loaded.pass_.epoch if self._loaded is not None else None
 
-    def take_resume(self, epoch: int) -> Resume | None:
-        """The loaded position, if it is ``epoch``'s; either way it is used up."""
-        resume, self._resume = self._resume, None
-        return resume if resume is not None and resume.epoch == epoch else None
+    def resume_space(self) -> SampleSpace | None:
+        """The sample space of the loaded position the next pass plays, if it plays one."""
+        return self._loaded.space if self._loaded is not None else None
 
-    def begin(self, epoch: int, batches: list[np.ndarray], token: int, start: int, done: frozenset[int]) -> None:
-        """An iteration (``token``) plays ``epoch`` from ``start``, less ``done``."""
-        self._playing = _Plan(epoch, batches)  # its digest is computed when state_dict() asks
+    def next_pass(self, partition: Partition) -> Pass:
+        """What the pass starting now plays, for ``partition`` (ValueError: a loaded position
+        that is not valid for it, e.g. another world size)."""
+        if self._next is NextPass.RESUME:
+            assert self._loaded is not None
+            loaded, self._loaded = self._loaded, None
+            if partition == loaded.partition:
+                return loaded.pass_
+            return self._check(loaded.state, partition, loaded.identity, resolved=True)
+        epoch = self.epoch + 1 if self._next is NextPass.FOLLOWING else self.epoch
+        check_int("epoch", epoch, 0, UINT64)
+        return Pass(epoch, self.plan(epoch, partition), 0, frozenset())
+
+    def begin(self, played: Pass, token: int) -> None:
+        """The pass ``token`` plays ``played``; if it is left before the end, the next pass
+        plays the following epoch."""
+        self.epoch, self.position, self.done = played.epoch, played.start, set(played.done)
+        self._playing = played.plan  # its digest is computed when state_dict() asks
         self.token = token
-        self.position, self.done = start, set(done)
+        self._next, self._loaded = NextPass.FOLLOWING, None
 
-    def owns(self, epoch: int, token: int) -> bool:
-        """Whether the iteration ``token`` of ``epoch`` is still the one that advances the position."""
-        return self.epoch == epoch and token == self.token
+    def owns(self, token: int) -> bool:
+        """Whether the pass ``token`` still advances the position (not after set_epoch, a load
+        or a newer pass)."""
+        return token == self.token and self._next is NextPass.FOLLOWING
 
-    def delivered(self, seq: int) -> None:
-        """Batch ``seq`` reached the training loop (only then: one that raised is played again on resume)."""
+    def delivered(self, token: int, seq: int) -> bool:
+        """Batch ``seq`` of pass ``token`` reached the training loop (only then: one that raised
+        is played again on resume). Returns whether that ended its epoch."""
+        if not self.owns(token):
+            return False
         self.done.add(seq)
         while self.position in self.done:
             self.done.discard(self.position)
             self.position += 1
+        if self._playing is not None and self.position >= len(self._playing.batches):
+            self._end()
+            return True
+        return False
 
-    def finished(self, epoch: int) -> None:
-        """The iteration of ``epoch`` played to its end: the next one plays the following epoch,
-        unless another was chosen meanwhile."""
-        if not self._chosen or self.epoch == epoch:
-            self.epoch = epoch + 1
-        self.position, self.done = 0, set()
-        self._chosen = False
+    def ended(self, token: int) -> bool:
+        """Pass ``token`` played to its end; returns whether that ended its epoch (an epoch
+        with no batches here, which no delivery ended)."""
+        if not self.owns(token):
+            return False
+        self._end()
+        return True
+
+    def _end(self) -> None:
+        self.epoch += 1
+        self.position, self.done, self._playing = 0, set(), None
+        self.token, self._next = None, NextPass.FROM_START
 
     # ---- state_dict -----------------------------------------------------------------
-    def state_dict(self, identity: Mapping[str, Any]) -> dict:
-        """The position as a small JSON-serializable dict (see RemoteLoader.state_dict)."""
+    def state_dict(self, identity: Mapping[str, Any], partition: Partition) -> dict:
+        """The position as a small JSON-serializable dict (see RemoteLoader.state_dict);
+        ``partition``: the loader's now, for a position no pass or load has planned yet."""
+        plan = self._plan_of_position(partition)
+        if plan is not None:
+            partition = Partition(plan.rank, plan.world_size)
         return {
             "version": STATE_VERSION,
-            "seed": identity["seed"],
             "epoch": self.epoch,
             "position": self.position,
             "delivered_after": sorted(self.done),
-            "num_samples": identity["num_samples"],
-            "batch_size": identity["batch_size"],
-            "world_size": identity["world_size"],
-            "rank": identity["rank"],
-            "shuffle": identity["shuffle"],
-            "drop_last": identity["drop_last"],
-            "plan": self._plan_digest(self.epoch),
+            **{key: identity[key] for key in IDENTITY},
+            "world_size": partition.world_size,
+            "rank": partition.rank,
+            "plan": plan.digest if plan is not None else None,
         }
 
-    def load(self, state: Any, identity: Mapping[str, Any], space: SampleSpace) -> None:
+    def _plan_of_position(self, partition: Partition) -> EpochPlan | None:
+        """The plan the position belongs to: the one played or loaded, or, before there is one,
+        a fresh one (None with a sampler, which is not asked for a pass here: it may be random)."""
+        if self._playing is None or self._playing.epoch != self.epoch:
+            if not self.replayable:
+                return None
+            self._playing = self.plan(self.epoch, partition)
+        return self._playing
+
+    def load(self, state: Any, identity: Mapping[str, Any], space: SampleSpace, partition: Partition) -> None:
         """Continues at a saved position, after checking it belongs to this loader's plan.
 
         Raises TypeError for something else than a dict, ValueError for a state of another
-        version or plan, or one whose position lies outside its epoch.
+        version or plan, or one whose position lies outside its epoch. While the partition
+        is provisional (``partition.known`` False: torch.distributed not yet initialized),
+        the state is checked for its own world size, and again at its pass's first batch.
         """
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict expects the dict state_dict() returned, got {type(state).__name__}")
         state = json.loads(json.dumps(state))
         missing = [k for k in ("version", "epoch", "position") if k not in state]
-        if missing or state.get("version") != STATE_VERSION:
+        if missing or state.get("version") not in (1, STATE_VERSION):
             raise ValueError(
-                f"not a RemoteLoader state_dict (version 1): missing {', '.join(missing) or 'nothing'}, "
-                f"version {state.get('version')!r}"
+                f"not a RemoteLoader state_dict (version 1 or {STATE_VERSION}): missing "
+                f"{', '.join(missing) or 'nothing'}, version {state.get('version')!r}"
             )
         # shuffle and drop_last are left to the plan's digest, which also sees when they change
         # nothing (a sampler; an even split); a state saved before the digest existed compares them.
-        keys = ["seed", "num_samples", "batch_size", "world_size", "rank"]
+        keys = ["seed", "num_samples", "batch_size"]
         if not state.get("plan"):
             keys += [k for k in ("shuffle", "drop_last") if k in state]
         for key in keys:
@@ -170,14 +226,46 @@ class EpochPosition:
                     f"state_dict has {key}={state.get(key)!r} but this loader has {key}={mine!r}; "
                     f"a resumed epoch is only identical with the same {key}"
                 )
+        resolved = partition.known or state.get("world_size") == partition.world_size
+        if not resolved:  # check it for the world it was saved in; once the process group exists, again
+            world = check_int("state_dict world_size", state.get("world_size"), 1)
+            partition = Partition(min(partition.rank, world - 1), world, known=False)
+        checked = self._check(state, partition, identity, resolved)
+        self.epoch, self.position, self.done = checked.epoch, checked.start, set(checked.done)
+        self._playing = checked.plan  # for state_dict() before the first batch
+        self._next = NextPass.RESUME
+        self._loaded = _Loaded(state, checked, partition, space, dict(identity))
+
+    def _check(self, state: dict, partition: Partition, identity: Mapping[str, Any], resolved: bool) -> Pass:
+        """The pass that plays ``state``'s position for ``partition``; ValueError where it
+        cannot be played exactly (``resolved``: the partition is the one it will play in)."""
+        saved_world, saved_rank = state.get("world_size"), state.get("rank")
+        if saved_world != partition.world_size:
+            pending = "" if partition.known else " (torch.distributed is not initialized: initialize it first)"
+            raise ValueError(
+                f"state_dict has world_size={saved_world!r} but this loader has "
+                f"world_size={partition.world_size}{pending}; a resumed epoch is only identical with the same "
+                f"world_size"
+            )
         epoch = check_int("state_dict epoch", state["epoch"], 0, UINT64)
         position = check_int("state_dict position", state["position"], 0)
         done = state.get("delivered_after", [])
         if not isinstance(done, list):
             raise ValueError(f"state_dict delivered_after={done!r}: expected a list of batch numbers")
         later = {check_int("state_dict delivered_after", seq, position + 1) for seq in done}
-        batches = self.plan(epoch)
-        if state.get("plan") and state["plan"] != digest(batches):
+        if resolved and saved_rank != partition.rank and (state.get("version") == 1 or not state.get("ordered", True)):
+            why = (
+                "it was saved with ordered=False, where each rank's delivered batches are its own"
+                if state.get("version") != 1
+                else "it was saved by an older remoteloader, whose states each hold one rank's plan"
+            )
+            raise ValueError(
+                f"state_dict was saved on rank {saved_rank!r} and this loader is rank {partition.rank}: {why}; "
+                f"load each rank's own state_dict (save one per rank), or save with ordered=True"
+            )
+        plan = self.plan(epoch, partition)
+        expected = batches_digest([plan.batches]) if state.get("version") == 1 else plan.digest
+        if state.get("plan") and state["plan"] != expected:
             differ = [
                 f"{k}={state[k]!r} there" for k in ("shuffle", "drop_last") if k in state and state[k] != identity[k]
             ]
@@ -186,23 +274,12 @@ class EpochPosition:
                 f"state_dict was saved from another plan of epoch {epoch} than this loader's ({why}); "
                 f"resuming would play other batches"
             )
-        if position > len(batches) or (later and max(later) >= len(batches)):
+        n = len(plan.batches)
+        if position > n or (later and max(later) >= n):
             raise ValueError(
-                f"state_dict position={position} delivered_after={sorted(later)}: epoch {epoch} has "
-                f"{len(batches)} batches here"
+                f"state_dict position={position} delivered_after={sorted(later)}: epoch {epoch} has {n} batches here"
             )
-        self.epoch, self.position, self.done = epoch, position, later
-        self._resume = Resume(epoch, position, frozenset(later), batches, space)
-        self._playing = _Plan(epoch, batches)  # for state_dict() before the first batch
-        self._chosen = True
-
-    def _plan_digest(self, epoch: int) -> str | None:
-        """The digest of ``epoch``'s plan: the one last played, or, before it is, a fresh one
-        (None with a sampler, which is not asked for a pass here: it may be random)."""
-        if self._playing is None or self._playing.epoch != epoch:
-            if not self.replayable:
-                return None
-            self._playing = _Plan(epoch, self.plan(epoch))
-        if self._playing.digest is None:
-            self._playing.digest = digest(self._playing.batches)
-        return self._playing.digest
+        if position == n and n:  # saved as its last batch was delivered (older states): the next epoch's start
+            check_int("state_dict epoch", epoch + 1, 0, UINT64)
+            return Pass(epoch + 1, self.plan(epoch + 1, partition), 0, frozenset())
+        return Pass(epoch, plan, position, frozenset(later))

@@ -35,10 +35,12 @@ from remoteloader.client import plan as plan_module
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.cuda_delivery import CudaDelivery
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
-from remoteloader.client.epoch import IDENTITY, EpochPosition
+from remoteloader.client.epoch import IDENTITY, EpochPosition, Pass
 from remoteloader.client.host_delivery import HostDelivery
 from remoteloader.client.options import UINT64, LoaderOptions, Option, check_int
+from remoteloader.client.plan import EpochPlan
 from remoteloader.client.process_receiver import ProcessReceiver
+from remoteloader.client.ranks import Partition, Ranks
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.security import TLSConfig
@@ -74,7 +76,7 @@ class RemoteLoader:
     Example:
         loader = RemoteLoader("127.0.0.1:50051,127.0.0.1:50052", batch_size=256, image_size=224)
         for epoch in range(10):
-            loader.set_epoch(epoch)
+            loader.set_epoch(epoch)  # optional: each pass otherwise plays the next epoch
             for images, labels in loader:
                 ...
 
@@ -92,9 +94,12 @@ class RemoteLoader:
         seed: Seeds the shuffle and every sample's augmentation (default 0).
         drop_last: Drop the last incomplete batch (default True).
         sampler: An iterable of global sample ids replacing shuffle (e.g. weighted); its
-            ``set_epoch`` is called if it has one (default None).
-        rank / world_size: This process's part of each epoch; default to torch.distributed's
-            when it is initialized, else 0 / 1. Every rank gets the same number of batches.
+            ``set_epoch`` is called if it has one (default None). It is ``options.sampler``:
+            the loader has no ``sampler`` attribute, so that frameworks do not take it for a
+            DataLoader.
+        rank / world_size: This process's part of each epoch; default to torch.distributed's,
+            read at ``len()`` and at each pass's first batch (a loader made before
+            ``init_process_group`` is right), else 0 / 1. Every rank gets the same number of batches.
     Output:
         device: ``"cpu"`` or ``"cuda[:i]"`` (default "cpu").
         normalize: (mean, std) per channel on the 0..1 scale; when given, images come out as
@@ -156,9 +161,6 @@ class RemoteLoader:
     shuffle: Option[bool] = Option()
     seed: Option[int] = Option()
     drop_last: Option[bool] = Option()
-    sampler: Option[Iterable[int] | None] = Option()
-    rank: Option[int] = Option()
-    world_size: Option[int] = Option()
     device: Option[torch.device] = Option()
     normalize: Option[tuple[list[float], list[float]] | None] = Option()
     dtype: Option[torch.dtype] = Option()
@@ -232,7 +234,9 @@ class RemoteLoader:
             wire=wire,
             shared_memory=shared_memory,
         )
-        self._position = EpochPosition(self.plan, replayable=sampler is None)
+        self._ranks = Ranks(self.options.rank, self.options.world_size)
+        self._position = EpochPosition(self._plan, replayable=sampler is None)
+        self._counted: Partition | None = None  # the partition len() last counted batches for
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
         self._final_receiver_cpu = 0.0  # and the receiver's CPU seconds
         self._throughput = _Throughput()
@@ -257,7 +261,7 @@ class RemoteLoader:
         self._batch_fields: tuple[str, ...] | None = (
             wanted if self.fields is not None or set(wanted) - {tg.LABEL} else None
         )
-        self._warn_if_epochs_are_empty()
+        self._warn_if_epochs_are_empty(self._ranks.current())
 
     def _wanted_fields(self) -> tuple[str, ...]:
         """The fields asked for, or (fields=None) those the servers' shards carry; warns of fields
@@ -309,15 +313,15 @@ class RemoteLoader:
                 process.close()
             raise
 
-    def _warn_if_epochs_are_empty(self) -> None:
+    def _warn_if_epochs_are_empty(self, partition: Partition) -> None:
         n = self._epoch_samples()
-        if n and plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last) == 0:
+        if n and plan_module.num_batches(n, self.batch_size, partition.world_size, self.drop_last) == 0:
             warnings.warn(
                 f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
-                f"of the {n} samples {'the sampler gives' if self.sampler is not None else 'it serves'} "
-                f"for each of {self.world_size} rank(s): every epoch is empty (pass drop_last=False or "
+                f"of the {n} samples {'the sampler gives' if self.options.sampler is not None else 'it serves'} "
+                f"for each of {partition.world_size} rank(s): every epoch is empty (pass drop_last=False or "
                 f"a smaller batch_size)",
-                stacklevel=3,
+                stacklevel=4,
             )
 
     # ---- the public surface ------------------------------------------------------------
@@ -345,42 +349,79 @@ class RemoteLoader:
     def servers(self) -> list[str]:
         return list(self._servers.addresses)
 
+    @property
+    def rank(self) -> int:
+        """This process's rank: as given, else torch.distributed's now (0 before it is initialized)."""
+        return self._ranks.current().rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: as given, else torch.distributed's now (1 before it is initialized)."""
+        return self._ranks.current().world_size
+
+    # Frameworks tell a DataLoader by these attributes and rewrite it (Lightning, Accelerate);
+    # RemoteLoader has neither, and says why when asked directly.
+    @property
+    def dataset(self) -> Any:
+        raise AttributeError(
+            "RemoteLoader has no dataset: its samples live on the loader servers. To resume mid-epoch, "
+            "load the state_dict() saved with the checkpoint (Accelerate: register_for_checkpointing(loader) and "
+            "load_state) instead of skipping batches"
+        )
+
+    @property
+    def sampler(self) -> Any:
+        raise AttributeError(
+            "RemoteLoader has no sampler attribute: the epoch order is its own (set_epoch, shuffle, seed); a "
+            "sampler passed to it is options.sampler"
+        )
+
     def __len__(self) -> int:
+        """Batches per epoch for this rank (world size read now, when it was not given)."""
         n = self._epoch_samples()
         if n is None:
             raise TypeError("len(RemoteLoader) is unknown: its sampler has no __len__ (as DataLoader, len() needs one)")
-        return plan_module.num_batches(n, self.batch_size, self.world_size, self.drop_last)
+        partition = self._ranks.current()
+        self._counted = partition
+        return plan_module.num_batches(n, self.batch_size, partition.world_size, self.drop_last)
 
     def _epoch_samples(self) -> int | None:
         """Samples an epoch plays before splitting into ranks (None: a sampler without __len__)."""
-        sampler = self.sampler
+        sampler = self.options.sampler
         if sampler is None:
             return self.num_samples
         return len(sampler) if isinstance(sampler, Sized) else None
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch the next iteration plays (each iteration otherwise advances by one).
+        """Selects the epoch the next pass plays, from its first batch (``client/epoch.py``).
 
-        Another epoch than the current one starts at its first batch: a position loaded or
-        reached in the current one is dropped."""
+        Without it, every pass (each ``iter()``, from its first batch) plays the epoch after the
+        last one: a new order each time, as a DataLoader with shuffle=True gives. It counts when
+        called before the pass's first batch (after ``iter()`` too). A loaded position of the
+        same epoch is kept."""
         self._position.set_epoch(check_int("epoch", epoch, 0, UINT64))
 
     @property
     def epoch(self) -> int:
+        """The epoch of the position: the one being played, or the one the next pass plays
+        (after a pass left early, the next pass plays the one after it)."""
         return self._position.epoch
 
     def plan(self, epoch: int | None = None) -> list[np.ndarray]:
         """This rank's batches of global sample ids for an epoch (a pure function)."""
-        return plan_module.epoch_plan(
+        return self._plan(self._position.epoch if epoch is None else epoch, self._ranks.current()).batches
+
+    def _plan(self, epoch: int, partition: Partition) -> EpochPlan:
+        return plan_module.make_plan(
             self.num_samples,
             self.batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
-            epoch=self._position.epoch if epoch is None else epoch,
-            rank=self.rank,
-            world_size=self.world_size,
+            epoch=epoch,
+            rank=partition.rank,
+            world_size=partition.world_size,
             drop_last=self.drop_last,
-            sampler=self.sampler,
+            sampler=self.options.sampler,
         )
 
     def sample_key(self, sample_id: int) -> str:
@@ -396,16 +437,21 @@ class RemoteLoader:
     def state_dict(self) -> dict:
         """A small JSON-serializable position: resume with load_state_dict in a fresh loader.
 
-        ``position`` is the first plan batch not yet delivered; with ``ordered=False``,
-        ``delivered_after`` lists the later batches that already were. ``plan`` is a digest
-        of the epoch's batches: a loader whose plan differs (shuffle, drop_last, sampler...)
-        refuses the state rather than play other batches.
+        ``position`` is the first plan batch not yet delivered (once an epoch's last batch is
+        delivered, the next epoch's first); with ``ordered=False``, ``delivered_after`` lists the
+        later batches that already were. ``plan`` is a digest of the epoch's batches on every
+        rank: a loader whose plan differs (shuffle, drop_last, sampler...) refuses the state
+        rather than play other batches. With ``ordered=True``, one rank's state resumes every
+        rank of the same world size.
         """
-        return self._position.state_dict(self._identity())
+        return self._position.state_dict(self._identity(), self._ranks.current())
 
     def load_state_dict(self, state: dict) -> None:
-        """Continues at the saved position: the rest of that epoch is bitwise the same."""
-        self._position.load(state, self._identity(), self.sample_space)
+        """Continues at the saved position: the rest of that epoch is bitwise the same.
+
+        Before torch.distributed is initialized, a state saved with another world size is checked
+        for it, and again at the first batch, when the world size is known."""
+        self._position.load(state, self._identity(), self.sample_space, self._ranks.current())
 
     def _identity(self) -> dict[str, Any]:
         """What a saved position is only valid for (epoch.IDENTITY), this loader's values."""
@@ -442,26 +488,30 @@ class RemoteLoader:
 
     # ---- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
+        """A pass over an epoch, which starts at its first batch (``client/epoch.py`` says which
+        epoch it plays: a framework that calls ``iter()`` and then ``set_epoch`` gets that epoch)."""
         if self._closed:
             raise RuntimeError("RemoteLoader is closed")
-        epoch = self._position.epoch
-        loaded = self._position.loaded(epoch)
-        space = self._servers.next_epoch(loaded.space if loaded is not None else None)
-        resume = self._position.take_resume(epoch)
-        if resume is not None:  # the plan the state was checked against
-            start, done, batches = resume.position, resume.done, resume.batches
-        else:
-            start, done, batches = 0, frozenset(), self.plan(epoch)
-        token, out = self._io.start_epoch(epoch=epoch, batches=batches, first_seq=start, space=space, skip=done)
-        self._position.begin(epoch, batches, token, start, done)
-        return self._iterate(epoch, out, token)
+        stopped = self._io.stopped() if os.getpid() == self._pid else None  # (a forked copy: its first batch says)
+        if stopped is not None:  # a loader that can no longer play says so at once
+            raise LoaderError(stopped)
+        return self._pass()
 
-    def _iterate(self, epoch: int, source: queue.Queue[Item], token: int) -> Iterator:
+    def _pass(self) -> Iterator:
+        played, token, source = self._start_pass()
         out = self._delivery.start(source)
-        finished = False
+        ended = False  # the receiver said the pass is over
         s = self._throughput
         begun, waited_before, images_before = time.perf_counter(), s.wait_s, s.images
         servers_before, receiver_before = self._io.server_stats(), self._io.cpu_seconds()
+
+        def epoch_done() -> None:
+            seconds = time.perf_counter() - begun
+            servers = bottleneck.spans(servers_before, self._io.server_stats())
+            receiver_busy = (self._io.cpu_seconds() - receiver_before) / seconds if seconds else 0.0
+            waited, images = s.wait_s - waited_before, s.images - images_before
+            self._epoch_done(played.epoch, seconds, waited, images, servers, receiver_busy)
+
         try:
             while True:
                 waited = time.perf_counter()
@@ -470,29 +520,44 @@ class RemoteLoader:
                 item = self._get(out, token)
                 self._throughput.wait_s += time.perf_counter() - waited
                 if item is END:
-                    finished = True
+                    ended = True
+                    if self._position.ended(token):  # an epoch with no batches for this rank
+                        epoch_done()
                     break
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, (Batch, Delivered)), item
                 self._io.consumed(token)
                 result = self._deliver(item)
-                if self._position.owns(epoch, token):  # (not after set_epoch or a new iter())
-                    self._position.delivered(item.seq)  # only once delivered: a batch that raised is not skipped
+                # Only once delivered (a batch that raised is played again on resume); the last
+                # batch ends the epoch, whether or not the loop asks for another.
+                if self._position.delivered(token, item.seq):
+                    epoch_done()
                 if result is not None:
                     yield result
         finally:
-            if token != self._position.token:  # a newer iteration has started: this one owns nothing any more
-                pass
-            elif not finished:
+            if not ended and self._io.token == token:  # left early, and no newer pass started
                 self._abandon(token)
-            else:
-                self._position.finished(epoch)
-                seconds = time.perf_counter() - begun
-                servers = bottleneck.spans(servers_before, self._io.server_stats())
-                receiver_busy = (self._io.cpu_seconds() - receiver_before) / seconds if seconds else 0.0
-                waited, images = s.wait_s - waited_before, s.images - images_before
-                self._epoch_done(epoch, seconds, waited, images, servers, receiver_busy)
+
+    def _start_pass(self) -> tuple[Pass, int, queue.Queue[Item]]:
+        """Finds the servers, reads the partition and starts the receiver on what this pass plays."""
+        space = self._servers.next_epoch(self._position.resume_space())
+        partition = self._ranks.current()
+        counted = self._counted
+        if counted is not None and counted.world_size != partition.world_size:
+            self._counted = partition
+            warnings.warn(
+                f"len(loader) was counted for world_size={counted.world_size}, and this pass plays rank "
+                f"{partition.rank} of {partition.world_size}: {len(self)} batches per epoch now (was "
+                f"torch.distributed initialized after len() was read?)",
+                stacklevel=3,
+            )
+        played = self._position.next_pass(partition)
+        token, out = self._io.start_epoch(
+            epoch=played.epoch, batches=played.plan.batches, first_seq=played.start, space=space, skip=played.done
+        )
+        self._position.begin(played, token)
+        return played, token, out
 
     def _epoch_done(
         self,

@@ -47,8 +47,8 @@ class LoaderOptions:
     seed: int
     drop_last: bool
     sampler: Iterable[int] | None
-    rank: int
-    world_size: int
+    rank: int | None  # as given; None: torch.distributed's when the loader plays (client/ranks.py)
+    world_size: int | None
     device: torch.device
     normalize: tuple[list[float], list[float]] | None
     dtype: torch.dtype
@@ -280,16 +280,10 @@ def _fields(fields: Any) -> tuple[str, ...] | None:
     return names
 
 
-def _rank_world(rank: Any, world_size: Any) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    world_size = check_int("world_size", world_size, 1)
-    return check_int("rank", rank, 0, world_size), world_size
+def _rank_world(rank: Any, world_size: Any) -> tuple[int | None, int | None]:
+    """The rank and world size given (None: read from torch.distributed when needed, ``ranks.py``)."""
+    world_size = None if world_size is None else check_int("world_size", world_size, 1)
+    return (None if rank is None else check_int("rank", rank, 0, world_size)), world_size
 
 
 def _device(device: Any) -> torch.device:

@@ -205,13 +205,15 @@ def test_resume_in_a_fresh_loader_continues_the_epoch_bitwise(servers, uninterru
     text = json.dumps(state)
     assert len(text) < 1024, f"state_dict is not small: {len(text)} bytes"
     assert json.loads(text) == state
-    assert state["seed"] == 5 and state["epoch"] == 1 and state["position"] == k
+    # At the end of the epoch (its last batch delivered), the position is the next epoch's start.
+    assert state["seed"] == 5 and (state["epoch"], state["position"]) == ((2, 0) if k == n else (1, k))
 
     with make_loader(servers.three if layout == "same servers" else servers.two) as fresh:
         assert fresh.num_samples == TOTAL
         fresh.load_state_dict(json.loads(text))
-        rest = servers.epoch(fresh)
-        assert_same_batches(rest, uninterrupted[k:], "after resuming: ")
+        if k < n:
+            rest = servers.epoch(fresh)
+            assert_same_batches(rest, uninterrupted[k:], "after resuming: ")
         assert fresh.state_dict()["epoch"] == 2 and fresh.state_dict()["position"] == 0
 
 
@@ -241,9 +243,9 @@ def test_load_state_dict_refuses_positions_outside_the_epoch_and_garbage(servers
         for bad in (None, [state], "state"):
             with pytest.raises(TypeError, match="expects the dict"):
                 loader.load_state_dict(bad)
-        loader.load_state_dict({**state, "position": n})  # the end of the epoch: nothing left of it
-        assert servers.epoch(loader) == []
-        assert loader.state_dict()["epoch"] == 2
+        loader.load_state_dict({**state, "position": n})  # the end of the epoch: the next one's start
+        assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (2, 0)
+        assert ids_of(servers.epoch(loader)) == plan_lists(loader.plan(2))
 
 
 @pytest.mark.parametrize("change", [{"shuffle": False}, {"drop_last": True}])

@@ -79,3 +79,42 @@ def test_ordered_resume_after_set_epoch_equals_the_uninterrupted_run(two):
     assert len(rest) == len(full) - 3
     for (xa, ia), (xb, ib) in zip(full[3:], rest):
         assert ia == ib and np.array_equal(xa, xb)
+
+
+def ids_of(batches) -> list[list[int]]:
+    return [b[2].tolist() for b in batches]
+
+
+def plan_of(L, epoch) -> list[list[int]]:
+    return [b.tolist() for b in L.plan(epoch)]
+
+
+def test_a_loop_without_set_epoch_plays_a_new_epoch_each_pass(two):
+    with loader(two) as L:
+        passes = [ids_of(list(L)) for _ in range(3)]
+        assert passes == [plan_of(L, e) for e in range(3)]
+        assert passes[0] != passes[1] != passes[2]
+
+
+def test_a_loop_that_stops_at_len_or_breaks_moves_on_to_the_next_epoch(two):
+    with loader(two) as L:
+        it = iter(L)
+        first = [ids_of([next(it)])[0] for _ in range(len(L))]  # as Lightning does: no request past len()
+        assert first == plan_of(L, 0)
+        assert (L.state_dict()["epoch"], L.state_dict()["position"]) == (1, 0), "the epoch did not end"
+        assert [e["epoch"] for e in L.stats()["epochs"]] == [0]
+        for k, _batch in enumerate(L):
+            if k == 1:
+                break
+        assert (L.state_dict()["epoch"], L.state_dict()["position"]) == (1, 2)  # where it stopped, for a checkpoint
+        assert ids_of(list(L)) == plan_of(L, 2)
+
+
+def test_set_epoch_between_iter_and_the_first_batch_counts(two):
+    with loader(two) as L:
+        probe = iter(L)  # Lightning's iterability check: never started, it plays nothing
+        del probe
+        it = iter(L)
+        L.set_epoch(5)  # as a hook between iter() and the first batch would
+        assert ids_of(list(it)) == plan_of(L, 5)
+        assert L.epoch == 6

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from test_codec import field, varint
 
 from remoteloader.client import plan
+from remoteloader.client.ranks import Partition
 from remoteloader.protos import loader_pb2
 from remoteloader.protos.codec import decode_chunk, encode_chunk
 
@@ -43,7 +44,7 @@ def plan_arguments(draw):
 
 def every_rank(args: dict) -> list[list[np.ndarray]]:
     options = {k: v for k, v in args.items() if k not in ("num_samples", "batch_size")}
-    return [plan.epoch_plan(args["num_samples"], args["batch_size"], rank=rank, **options)
+    return [plan.make_plan(args["num_samples"], args["batch_size"], rank=rank, **options).batches
             for rank in range(args["world_size"])]
 
 
@@ -81,8 +82,8 @@ def test_the_plan_is_a_pure_function_of_its_arguments(args):
 @given(st.integers(1, 500), st.integers(1, 32), st.integers(1, 4), st.integers(0, 1000))
 def test_a_samplers_order_is_dealt_as_given(n, batch_size, world_size, epoch):
     order = np.random.default_rng(epoch).integers(0, n, size=n)  # repeats allowed, as a weighted sampler makes
-    batches = [plan.epoch_plan(n, batch_size, shuffle=True, seed=0, epoch=epoch, rank=r, world_size=world_size,
-                               drop_last=True, sampler=order.tolist()) for r in range(world_size)]
+    batches = [plan.make_plan(n, batch_size, shuffle=True, seed=0, epoch=epoch, rank=r, world_size=world_size,
+                              drop_last=True, sampler=order.tolist()).batches for r in range(world_size)]
     rounds = n // (batch_size * world_size)
     for k in range(rounds):
         for rank in range(world_size):
@@ -183,19 +184,19 @@ def test_a_cut_message_is_refused_or_read_as_protobuf_reads_it(data, draw):
 def positions(draw):
     """A plan, and a position in it reached by delivering some batches in any order (ordered=False)."""
     args = draw(plan_arguments())
-    rank = draw(st.integers(0, args["world_size"] - 1))
+    partition = Partition(draw(st.integers(0, args["world_size"] - 1)), args["world_size"])
     identity = {"seed": args["seed"], "num_samples": args["num_samples"], "batch_size": args["batch_size"],
-                "world_size": args["world_size"], "rank": rank, "shuffle": args["shuffle"],
-                "drop_last": args["drop_last"]}
-    options = {k: args[k] for k in ("shuffle", "seed", "world_size", "drop_last")}
+                "shuffle": args["shuffle"], "drop_last": args["drop_last"], "ordered": False}
+    options = {k: args[k] for k in ("shuffle", "seed", "drop_last")}
 
-    def plan_of(epoch: int) -> list[np.ndarray]:
-        return plan.epoch_plan(args["num_samples"], args["batch_size"], epoch=epoch, rank=rank, **options)
+    def plan_of(epoch: int, part: Partition) -> plan.EpochPlan:
+        return plan.make_plan(args["num_samples"], args["batch_size"], epoch=epoch, rank=part.rank,
+                              world_size=part.world_size, **options)
 
     epoch = args["epoch"]
-    batches = plan_of(epoch)
+    batches = plan_of(epoch, partition).batches
     delivered = draw(st.lists(st.sampled_from(range(len(batches))), unique=True)) if batches else []
-    return identity, plan_of, epoch, batches, delivered
+    return identity, partition, plan_of, epoch, batches, delivered
 
 
 @SETTINGS
@@ -203,28 +204,38 @@ def positions(draw):
 def test_a_state_dict_resumes_exactly_the_batches_not_yet_delivered(case):
     from remoteloader.client.epoch import EpochPosition
 
-    identity, plan_of, epoch, batches, delivered = case
+    identity, partition, plan_of, epoch, batches, delivered = case
     playing = EpochPosition(plan_of, replayable=True)
     playing.set_epoch(epoch)
-    playing.begin(epoch, batches, token=1, start=0, done=frozenset())
+    playing.begin(playing.next_pass(partition), token=1)
     for seq in delivered:
-        playing.delivered(seq)
-    state = playing.state_dict(identity)
+        playing.delivered(1, seq)
+    state = playing.state_dict(identity, partition)
     assert json.loads(json.dumps(state)) == state  # what a checkpoint holds
 
     fresh = EpochPosition(plan_of, replayable=True)
-    fresh.load(json.loads(json.dumps(state)), identity, space=None)
-    assert fresh.state_dict(identity) == state
-    resume = fresh.take_resume(epoch)
-    assert resume is not None and resume.epoch == epoch
-    remaining = [seq for seq in range(resume.position, len(resume.batches)) if seq not in resume.done]
-    assert remaining == [seq for seq in range(len(batches)) if seq not in delivered]
-    assert all(np.array_equal(a, b) for a, b in zip(resume.batches, batches))
+    fresh.load(json.loads(json.dumps(state)), identity, space=None, partition=partition)
+    assert fresh.state_dict(identity, partition) == state
+    resumed = fresh.next_pass(partition)
+    remaining = [seq for seq in range(resumed.start, len(resumed.plan.batches)) if seq not in resumed.done]
+    if batches and len(delivered) == len(batches):  # the epoch ended: the next one, whole
+        assert resumed.epoch == epoch + 1 and remaining == list(range(len(plan_of(epoch + 1, partition).batches)))
+    else:
+        assert resumed.epoch == epoch
+        assert remaining == [seq for seq in range(len(batches)) if seq not in delivered]
+        assert all(np.array_equal(a, b) for a, b in zip(resumed.plan.batches, batches))
 
     for key, other in (("seed", (identity["seed"] + 1) % 2**64), ("batch_size", identity["batch_size"] + 1),
-                       ("rank", identity["rank"] + 1), ("num_samples", identity["num_samples"] + 1)):
+                       ("num_samples", identity["num_samples"] + 1)):
         with pytest.raises(ValueError, match=f"{key}="):
-            EpochPosition(plan_of, replayable=True).load(state, {**identity, key: other}, space=None)
+            EpochPosition(plan_of, replayable=True).load(state, {**identity, key: other}, None, partition)
+    wider = Partition(partition.rank, partition.world_size + 1)
+    with pytest.raises(ValueError, match="world_size="):
+        EpochPosition(plan_of, replayable=True).load(state, identity, None, wider)
+    if partition.world_size > 1:  # an unordered position is its own rank's
+        other_rank = Partition((partition.rank + 1) % partition.world_size, partition.world_size)
+        with pytest.raises(ValueError, match="ordered=False"):
+            EpochPosition(plan_of, replayable=True).load(state, identity, None, other_rank)
 
 
 # ---- seeds ------------------------------------------------------------------------------------

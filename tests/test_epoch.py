@@ -1,0 +1,196 @@
+"""client/epoch.py without servers: which epoch each pass plays, when an epoch ends, and which
+saved positions resume which ranks (the plan is the real pure function over 22 samples)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remoteloader.client import plan as plan_module
+from remoteloader.client.epoch import EpochPosition
+from remoteloader.client.ranks import Partition
+
+N, BATCH = 22, 3
+ONE = Partition(0, 1)
+
+
+def make_plan(epoch: int, partition: Partition, **options) -> plan_module.EpochPlan:
+    options = {"shuffle": True, "seed": 4, "drop_last": False, **options}
+    return plan_module.make_plan(N, BATCH, epoch=epoch, rank=partition.rank, world_size=partition.world_size,
+                                 **options)
+
+
+def identity(**changes) -> dict:
+    return {"seed": 4, "num_samples": N, "batch_size": BATCH, "shuffle": True, "drop_last": False, "ordered": True,
+            **changes}
+
+
+class Trainer:
+    """Drives an EpochPosition the way RemoteLoader does: a pass starts, delivers, is left or ends."""
+
+    def __init__(self, position: EpochPosition | None = None, partition: Partition = ONE):
+        self.position = position or EpochPosition(make_plan, replayable=True)
+        self.partition = partition
+        self.token = 0
+
+    def start(self):
+        played = self.position.next_pass(self.partition)
+        self.token += 1
+        self.position.begin(played, self.token)
+        return played
+
+    def play(self, batches: int | None = None) -> tuple[int, list[list[int]]]:
+        """Starts a pass and delivers ``batches`` of it (all: to its end); returns its epoch and ids."""
+        played = self.start()
+        todo = list(range(played.start, len(played.plan.batches)))
+        if batches is not None:
+            todo = todo[:batches]
+        for seq in todo:
+            self.position.delivered(self.token, seq)
+        if batches is None and not todo:
+            self.position.ended(self.token)
+        return played.epoch, [played.plan.batches[s].tolist() for s in todo]
+
+    def state(self) -> dict:
+        return json.loads(json.dumps(self.position.state_dict(identity(), self.partition)))
+
+
+def test_every_pass_plays_the_next_epoch_whether_it_ends_or_is_left():
+    t = Trainer()
+    assert t.play()[0] == 0
+    assert t.play(2)[0] == 1  # left after two batches (a break, or a framework that stops early)
+    assert t.play(0)[0] == 2  # left before its first delivery, but started
+    epoch, ids = t.play()
+    assert epoch == 3 and ids == [b.tolist() for b in make_plan(3, ONE).batches]
+    orders = {tuple(make_plan(e, ONE).order.tolist()) for e in range(4)}
+    assert len(orders) == 4, "epochs repeat an order"
+
+
+def test_an_epoch_ends_with_its_last_batch_not_with_one_more_request():
+    t = Trainer()
+    t.play(len(make_plan(0, ONE).batches))  # stops at len() without asking for more
+    assert (t.state()["epoch"], t.state()["position"]) == (1, 0)
+    assert t.play()[0] == 1
+
+
+def test_set_epoch_before_the_first_batch_wins():
+    t = Trainer()
+    t.play(1)
+    t.position.set_epoch(7)
+    assert t.play()[0] == 7
+    t.position.set_epoch(7)  # the same epoch again: from its first batch
+    epoch, ids = t.play()
+    assert epoch == 7 and len(ids) == len(make_plan(7, ONE).batches)
+    t.play(2)
+    t.position.set_epoch(8)
+    assert t.play()[0] == 8
+
+
+def test_a_position_reached_is_saved_until_the_next_pass_starts():
+    t = Trainer()
+    t.position.set_epoch(2)
+    t.play(3)
+    assert (t.state()["epoch"], t.state()["position"]) == (2, 3)
+    t.position.set_epoch(2)  # a checkpoint taken now still says where training stopped
+    assert (t.state()["epoch"], t.state()["position"]) == (2, 3)
+    epoch, ids = t.play()  # but this process plays epoch 2 from its start
+    assert epoch == 2 and len(ids) == len(make_plan(2, ONE).batches)
+
+
+@pytest.mark.parametrize("stopped", [0, 3, "end"])
+def test_a_resumed_run_plays_what_the_uninterrupted_one_would(stopped):
+    full = Trainer()
+    uninterrupted = [full.play() for _ in range(3)]
+    first = Trainer()
+    first.play()
+    n = len(make_plan(1, ONE).batches)
+    k = n if stopped == "end" else stopped
+    first.play(k)
+    saved = first.state()
+    resumed = Trainer()
+    resumed.position.load(saved, identity(), None, ONE)
+    rest = [resumed.play(), resumed.play()]
+    expected = [(1, uninterrupted[1][1][k:]), uninterrupted[2]] if k < n else uninterrupted[2:] + [full.play()]
+    assert rest == expected
+
+
+def test_set_epoch_keeps_a_loaded_position_of_its_epoch_only():
+    t = Trainer()
+    t.position.set_epoch(1)
+    t.play(4)
+    saved = t.state()
+    r = Trainer()
+    r.position.load(saved, identity(), None, ONE)
+    r.position.set_epoch(1)  # the usual loop's set_epoch, or a framework's hook
+    epoch, ids = r.play()
+    assert epoch == 1 and ids == [b.tolist() for b in make_plan(1, ONE).batches[4:]]
+    r.position.load(saved, identity(), None, ONE)
+    r.position.set_epoch(2)
+    epoch, ids = r.play()
+    assert epoch == 2 and len(ids) == len(make_plan(2, ONE).batches)
+
+
+def test_one_ranks_ordered_position_resumes_every_rank_of_its_world():
+    ranks = [Trainer(partition=Partition(r, 2)) for r in range(2)]
+    for t in ranks:
+        t.position.set_epoch(3)
+        t.play(2)
+    saved = ranks[0].state()
+    assert saved["plan"] == ranks[1].state()["plan"], "the digest differs between ranks"
+    for r in range(2):
+        resumed = Trainer(partition=Partition(r, 2))
+        resumed.position.load(saved, identity(), None, Partition(r, 2))
+        epoch, ids = resumed.play()
+        assert epoch == 3 and ids == [b.tolist() for b in make_plan(3, Partition(r, 2)).batches[2:]]
+
+
+def test_an_unordered_position_resumes_only_its_own_rank():
+    t = Trainer(partition=Partition(0, 2))
+    t.play(1)
+    saved = {**t.state(), "ordered": False}
+    other = Trainer(partition=Partition(1, 2))
+    with pytest.raises(ValueError, match="saved on rank 0 and this loader is rank 1: it was saved with ordered=False"):
+        other.position.load(saved, identity(), None, Partition(1, 2))
+    own = Trainer(partition=Partition(0, 2))
+    own.position.load(saved, identity(), None, Partition(0, 2))
+
+
+def test_a_state_of_another_world_waits_for_the_process_group_then_is_checked():
+    ranks = [Trainer(partition=Partition(r, 2)) for r in range(2)]
+    for t in ranks:
+        t.play(2)
+    saved = ranks[0].state()
+    early = Trainer()  # made, and loaded, before torch.distributed is initialized
+    early.position.load(saved, identity(), None, Partition(0, 1, known=False))
+    assert early.state()["world_size"] == 2 and early.state()["position"] == 2
+    early.partition = Partition(1, 2)  # the process group exists by the first batch
+    epoch, ids = early.play()
+    assert epoch == 0 and ids == [b.tolist() for b in make_plan(0, Partition(1, 2)).batches[2:]]
+
+    never = Trainer(partition=Partition(0, 1, known=False))  # and never initializes it
+    never.position.load(saved, identity(), None, Partition(0, 1, known=False))
+    with pytest.raises(ValueError, match="world_size=2 but this loader has world_size=1 .torch.distributed is not"):
+        never.play()
+    known = Trainer()
+    with pytest.raises(ValueError, match="world_size=2 but this loader has world_size=1"):
+        known.position.load(saved, identity(), None, Partition(0, 1))
+
+
+def test_a_state_of_another_plan_is_refused_on_any_rank():
+    t = Trainer(partition=Partition(1, 2))
+    t.play(1)
+    saved = t.state()
+    other = EpochPosition(lambda e, p: make_plan(e, p, shuffle=False), replayable=True)
+    with pytest.raises(ValueError, match="shuffle=True there"):
+        other.load(saved, identity(shuffle=False), None, Partition(0, 2))
+
+
+def test_states_of_the_previous_version_still_load():
+    t = Trainer()
+    t.play(2)
+    v1 = {**t.state(), "version": 1}
+    del v1["ordered"]
+    r = Trainer()
+    r.position.load(v1, identity(), None, ONE)
+    assert r.play()[1] == [b.tolist() for b in make_plan(0, ONE).batches[2:]]
