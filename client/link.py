@@ -13,9 +13,11 @@ orders go. The states::
                                        \--reconnect_timeout passed----> DEAD
     DOWN or DEAD --revive (a new epoch)--> DOWN;   any --close--> CLOSED
 
-A stream that fails again soon, before delivering anything, keeps the first failure's
-time and the back-off reached, so a server that accepts connections but fails (or
-refuses) every stream is retried ever more slowly and still runs out of reconnect_timeout.
+A stream that fails again before delivering anything (soon, or stuck: holding orders it
+never answered for progress_timeout) keeps the first failure's time and the back-off reached,
+so a server that accepts connections but fails, refuses or never serves every stream is
+retried ever more slowly and still runs out of reconnect_timeout: a server that takes orders
+and never delivers is given up at its first stall after reconnect_timeout.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ class Link(Generic[OrderT]):
         self._last_progress = 0.0  # its last chunk, or when it was given work while idle
         self._up_since = 0.0
         self._healthy = False  # the current stream has delivered a chunk
+        self._stuck = False  # the last failure was a stream that held orders and sent nothing
         self._setup: loader_pb2.Setup | None = None
         self.shared: same_host.SharedChunks | None = None  # a same-host server's chunk memory, on this stream
         self._control: grpc.aio.Channel | None = None
@@ -358,7 +361,10 @@ class Link(Generic[OrderT]):
         """Fails the stream if it holds orders but sent nothing for ``timeout`` seconds (stuck)."""
         if self.state is LinkState.UP and self._inflight and time.monotonic() - self._last_progress > timeout:
             self.fail(
-                TimeoutError(f"no data for progress_timeout={timeout:g}s with {len(self._inflight)} order(s) in flight")
+                TimeoutError(
+                    f"no data for progress_timeout={timeout:g}s with {len(self._inflight)} order(s) in flight"
+                ),
+                stuck=True,
             )
 
     async def _write(self, call: Any) -> None:
@@ -390,14 +396,17 @@ class Link(Generic[OrderT]):
                 self.fail(exc)
 
     # ---- failure and reconnection -----------------------------------------------------
-    def fail(self, exc: BaseException) -> None:
-        """The stream failed (or the engine found it malformed or stuck): DOWN and reconnecting,
-        or DEAD when the server refused this client; its unfinished orders go back to the engine."""
+    def fail(self, exc: BaseException, stuck: bool = False) -> None:
+        """The stream failed (or the engine found it malformed, or ``stuck``: holding orders it
+        sent nothing of): DOWN and reconnecting, or DEAD when the server refused this client;
+        its unfinished orders go back to the engine."""
         if self.state is not LinkState.UP:
             return
         self.failures += 1
-        if self._down_since is None or self._healthy or time.monotonic() - self._up_since > HEALTHY_AFTER:
+        worked = self._healthy or (not stuck and time.monotonic() - self._up_since > HEALTHY_AFTER)
+        if self._down_since is None or worked:
             self._down_afresh()
+        self._stuck = stuck
         self.state = LinkState.DOWN
         self.last_error = describe_error(exc)
         self._stop_stream()
@@ -455,7 +464,13 @@ class Link(Generic[OrderT]):
             return
         if self.state is LinkState.DOWN:
             self.state = LinkState.DEAD
-            self.gave_up = f"unreachable for more than reconnect_timeout={reconnect_timeout:g}s ({self.last_error})"
+            if self._stuck:
+                self.gave_up = (
+                    f"took orders but delivered nothing, again after reconnecting, for more than "
+                    f"reconnect_timeout={reconnect_timeout:g}s ({self.last_error}): its decode workers may be stuck"
+                )
+            else:
+                self.gave_up = f"unreachable for more than reconnect_timeout={reconnect_timeout:g}s ({self.last_error})"
         self._reconnector = None  # no longer hopeful: the engine checks what that strands
         self._events.on_link_lost(self)
 

@@ -131,7 +131,8 @@ class RemoteLoader:
         reconnect_timeout: Seconds a failed server may take to come back before its
             unserved samples raise an error, when no other server holds its shards (default 60).
         progress_timeout: Seconds a server may hold orders without sending anything before it
-            is treated as failed and its orders go elsewhere (default 60).
+            is treated as failed and its orders go elsewhere (default 60); one that still does so
+            after reconnect_timeout is given up, with an error naming it.
         receiver: Where the batches are received: ``"process"``, a child process that writes
             them into shared memory (pinned on CUDA), so the training process spends almost
             no CPU and none of its GIL on input, or ``"thread"``, an I/O thread of this

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
-from remoteloader.protos import SERVICE, limits, malloc
+from remoteloader.protos import limits, malloc
 from remoteloader.protos.same_host import host_id
 from remoteloader.server.catalog import Shard, SyntheticShard, open_shards
 from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
+from remoteloader.server.health import Health
 from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
@@ -81,6 +82,7 @@ class RenderResources:
                 config.region_decode,
                 indexed_ns,
                 ((config.source, config.source_args),) if config.source else (),
+                worker_timeout=config.worker_timeout,
             )
             undo.callback(pool.close)
             checks = PipelineChecks(
@@ -122,7 +124,7 @@ class LoaderServer:
         config: ServerConfig,
         grpc_server: grpc.aio.Server,
         service: LoaderService,
-        health_servicer: health.aio.HealthServicer,
+        health: Health,
         port: int,
         resources: RenderResources,
         local: LocalSocket | None = None,
@@ -130,7 +132,7 @@ class LoaderServer:
         self.config = config
         self.grpc_server = grpc_server
         self.service = service
-        self.health = health_servicer
+        self.health = health
         self.port = port
         self.resources = resources
         self.local = local  # the same-host socket, if it offers one
@@ -146,12 +148,13 @@ class LoaderServer:
             return
         self._stopped = True
         grace = self.config.grace if grace is None else grace
-        await self.health.enter_graceful_shutdown()
+        await self.health.drain()
         if self.local is not None:  # no new client maps the chunks; those that have keep them
             await self.local.close()
         self.service.drain()
         await self.grpc_server.stop(grace)
         self.resources.close()
+        await self.health.close()
 
 
 async def create_server(config: ServerConfig) -> LoaderServer:
@@ -220,6 +223,7 @@ async def _serve_on(
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server_health = Health(health_servicer, resources.pool)
     address = f"{bracketed(config.host)}:{config.port}"
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
@@ -227,6 +231,13 @@ async def _serve_on(
         hint = " (or the TLS certificate and key are not a valid PEM pair)" if credentials else ""
         raise OSError(f"{CANNOT_BIND} {address}{hint}: {exc}") from None
     await server.start()
+    health_port = 0
+    if config.health_port:
+        try:
+            health_port = await server_health.serve_port(config.host.strip("[]"), config.health_port)
+        except OSError:
+            await server.stop(None)
+            raise
     metrics_port = 0
     if config.metrics_port:
         # Before health says SERVING. On failure the gRPC server is stopped here: left to the
@@ -236,15 +247,15 @@ async def _serve_on(
             metrics_port = service.metrics.serve(config.metrics_port, config.host.strip("[]"))
         except OSError as exc:
             await server.stop(None)
+            await server_health.close()
             raise OSError(
                 f"cannot bind the metrics port {config.metrics_port} on {config.host}: "
                 f"{exc.strerror or exc} (choose another --metrics-port, or 0 for none)"
             ) from None
     local = _offer_local(config, service, resources.arena, token)
-    for name in (SERVICE, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _log_start(config, shards, started, metrics_port, local)
-    return LoaderServer(config, server, service, health_servicer, port, resources, local)
+    await server_health.start()
+    _log_start(config, shards, started, metrics_port, local, health_port)
+    return LoaderServer(config, server, service, server_health, port, resources, local)
 
 
 def _offer_local(config: ServerConfig, service: LoaderService, arena: Arena, token: bytes | None) -> LocalSocket | None:
@@ -259,7 +270,12 @@ def _offer_local(config: ServerConfig, service: LoaderService, arena: Arena, tok
 
 
 def _log_start(
-    config: ServerConfig, shards: list[Shard], started: float, metrics_port: int, local: LocalSocket | None
+    config: ServerConfig,
+    shards: list[Shard],
+    started: float,
+    metrics_port: int,
+    local: LocalSocket | None,
+    health_port: int,
 ) -> None:
     """What a started server tells its operator: what it serves, how it decodes, how it is reached."""
     samples = sum(len(s) for s in shards)
@@ -295,6 +311,8 @@ def _log_start(
         )
     if metrics_port:
         log.info("Prometheus metrics on http://%s:%d/metrics", bracketed(config.host), metrics_port)
+    if health_port:
+        log.info("gRPC health alone, plaintext and without a token, on %s:%d", bracketed(config.host), health_port)
     warning = auth_warning(config)
     if warning:
         log.warning(warning)

@@ -64,6 +64,11 @@ class ServerConfig:
     # Network
     host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = _setting(50051, "TCP port; 0 picks a free one")
+    # For probes that speak neither TLS nor tokens (Kubernetes' grpc probes, Docker's HEALTHCHECK
+    # through `remoteloader probe`); the health service only, never the Loader service.
+    health_port: int = _setting(
+        0, "also answer gRPC health checks on this port, in plaintext and without a token (0: off)"
+    )
     # Work
     workers: int = field(default_factory=default_workers, metadata={"help": "decode/augment worker processes"})
     # 2 MiB by measurement (benchmarks/wire.py --chunk-bytes ...): 1.5-2 MiB moved the most per receiver CPU-second.
@@ -93,6 +98,12 @@ class ServerConfig:
     cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
     # For sharing a machine, and for tests of uneven servers.
     max_rate: float = _setting(0.0, "most images per second this server renders (0: unlimited)")
+    # A decode stuck for good (a stopped or wedged process) must not hold its samples forever.
+    worker_timeout: float = _setting(
+        30.0,
+        "seconds a decode worker may hold work without answering before it is replaced (its work goes to "
+        "another worker once); health says NOT_SERVING after a third of it",
+    )
     # Benchmarking (--data is then not needed)
     synthetic: int = _setting(
         0, "serve this many generated samples without decoding, to measure the transport (0: off)"
@@ -131,6 +142,10 @@ class ServerConfig:
             raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA) or --source")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
+        if not 0 <= self.health_port <= 65535 or (self.health_port and self.health_port == self.port):
+            raise ValueError(
+                f"health_port={self.health_port}: expected 0..65535 (0 turns it off), not the Loader's port {self.port}"
+            )
         if self.source:
             module, _, name = self.source.partition(":")
             if not module or not name.isidentifier():
@@ -182,7 +197,7 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}={path!r}: no such file")
-        _positive(self, "max_streams", "max_streams_per_client", "stall_timeout")
+        _positive(self, "max_streams", "max_streams_per_client", "stall_timeout", "worker_timeout")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off)")
         if not isinstance(logging.getLevelName(str(self.log_level).upper()), int):

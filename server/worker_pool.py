@@ -4,8 +4,11 @@ The arena (shared_memory.Arena) is one shared memory file cut into fixed-size sl
 the samples to render into it, a worker writes each sample's pixels straight into its
 place and answers with the per-sample errors only. Pixels never pass through pickling.
 Tasks go to the worker with the fewest outstanding ones over its own pipe, so when a
-worker dies the pool knows exactly which tasks to fail, and starts a new worker. The pool
-also measures how busy its workers are (BusyMeter): the signal for adding or removing servers.
+worker dies the pool knows exactly which tasks to fail, and starts a new worker. A worker
+that holds work without answering for ``worker_timeout`` (stopped, or wedged) is killed and
+replaced the same way, its tasks given to another worker once (a task that stalls a second
+time fails its samples). The pool also measures how busy its workers are (BusyMeter): the
+signal for adding or removing servers.
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ class Task:
     locations: list  # [(path, offset, length, cache_mode, cache_offset, verified, targets, source)]
     seeds: list  # [int], one per sample
     chunk: int  # samples in the slot's chunk (its masks follow all of its pixels)
+
+
+class _Queued(NamedTuple):
+    """A task waiting for, or held by, a worker: the message it is sent as and its future."""
+
+    task_id: int
+    message: tuple
+    future: asyncio.Future
+    samples: int
+    tries: int = 0  # workers that stalled on it before
 
 
 class Rendered(NamedTuple):
@@ -147,6 +160,7 @@ class WorkerPool:
         cache: Shared cache of encoded samples, if any.
         sources: The server's ``--source`` (spec, JSON arguments), which each worker loads.
         busy_window: Seconds over which ``busy_share`` is measured (default 5).
+        worker_timeout: Seconds a worker may hold work without answering before it is replaced.
     """
 
     AHEAD = 2
@@ -162,8 +176,11 @@ class WorkerPool:
         indexed_ns: int = 0,
         sources: tuple[tuple[str, str], ...] = (),
         busy_window: float = limits.BUSY_WINDOW,
+        worker_timeout: float = 30.0,
     ):
         self.size = workers
+        self.worker_timeout = worker_timeout
+        self.stalls = 0  # workers replaced for holding work without answering
         self._arena = arena
         self._cache = cache
         self._settings = (
@@ -181,17 +198,33 @@ class WorkerPool:
         self._ctx = ctx
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
-        self._queue: deque[tuple[int, tuple, asyncio.Future, int]] = deque()
+        self._queue: deque[_Queued] = deque()
         self._next_id = 0
         self._closed = False
         self._meter = BusyMeter(busy_window)
         self._counts = (0, 0)  # (busy workers, workers) as last told to the meter
+        self._watcher: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Starts the workers, driven from the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._workers = [self._spawn() for _ in range(self.size)]
         self._measure()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Replaces the workers that held work for worker_timeout without answering (every
+        quarter of it, at most every second)."""
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.pending and now - worker.answered > self.worker_timeout:
+                self._replace_stalled(worker, now - worker.answered)
+        self._watcher = self._started_loop.call_later(min(1.0, self.worker_timeout / 4), self._watch)
+
+    def silent_for(self) -> float:
+        """Seconds the longest-silent worker that holds work has not answered (0: none holds any)."""
+        now = time.monotonic()
+        return max((now - w.answered for w in self._workers if w.pending), default=0.0)
 
     def _spawn(self) -> _Worker:
         from remoteloader.server import worker_process
@@ -255,7 +288,7 @@ class WorkerPool:
         self._next_id += 1
         future = self._started_loop.create_future()
         message = (self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds, task.chunk)
-        self._queue.append((self._next_id, message, future, len(task.locations)))
+        self._queue.append(_Queued(self._next_id, message, future, len(task.locations)))
         self._feed()
         return future
 
@@ -264,8 +297,11 @@ class WorkerPool:
             worker = min(self._workers, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.AHEAD:
                 break
-            task_id, message, future, count = self._queue.popleft()
-            worker.pending[task_id] = (future, count)
+            queued = self._queue.popleft()
+            message = queued.message
+            if not worker.pending:  # its silence is counted from now
+                worker.answered = time.monotonic()
+            worker.pending[queued.task_id] = queued
             try:
                 # The pipeline spec (under 64 KiB of JSON) goes to each worker once; tasks name it.
                 spec = message[3]
@@ -286,9 +322,10 @@ class WorkerPool:
         except (EOFError, OSError):
             self._on_death(worker)
             return
+        worker.answered = time.monotonic()
         entry = worker.pending.pop(task_id, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_result(Rendered(errors, targets))
+        if entry is not None and not entry.future.done():
+            entry.future.set_result(Rendered(errors, targets))
         self._feed()
 
     def _on_death(self, worker: _Worker) -> None:
@@ -304,6 +341,33 @@ class WorkerPool:
             self._measure()
             return
         log.error("decode worker pid %s died with exit code %s; starting a new one", worker.process.pid, code)
+        self._restart(worker)
+
+    def _replace_stalled(self, worker: _Worker, silent: float) -> None:
+        """Kills a worker that holds work without answering; its tasks go to the others (once)."""
+        self.stalls += 1
+        log.error(
+            "decode worker pid %s held %d task(s) for %.0fs without answering (worker_timeout=%gs: stopped or "
+            "wedged); replacing it",
+            worker.process.pid,
+            len(worker.pending),
+            silent,
+            self.worker_timeout,
+        )
+        self._started_loop.remove_reader(worker.results.fileno())
+        worker.process.kill()  # SIGKILL: a stopped process dies of it too
+        worker.process.join(timeout=1)
+        worker.results.close()
+        worker.tasks.close()
+        again = [q for q in worker.pending.values() if q.tries == 0 and not q.future.done()]
+        for queued in reversed(again):  # first in line, in their order
+            self._queue.appendleft(queued._replace(tries=1))
+        worker.pending = {q.task_id: q for q in worker.pending.values() if q.tries}
+        worker.fail(f"decode stalled: no answer within worker_timeout={self.worker_timeout:g}s, twice")
+        self._restart(worker)
+
+    def _restart(self, worker: _Worker) -> None:
+        """Starts a worker in place of one that is gone, and feeds the queue."""
         index = self._workers.index(worker)
         try:
             self._workers[index] = self._spawn()
@@ -312,9 +376,9 @@ class WorkerPool:
             del self._workers[index]
             if not self._workers:
                 while self._queue:
-                    _, _, future, count = self._queue.popleft()
-                    if not future.done():
-                        future.set_result(Rendered.failed(count, "no decode worker could be started"))
+                    queued = self._queue.popleft()
+                    if not queued.future.done():
+                        queued.future.set_result(Rendered.failed(queued.samples, "no decode worker could be started"))
                 self._measure()
                 return
         self._feed()
@@ -324,6 +388,8 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
         for worker in self._workers:
             try:
                 self._started_loop.remove_reader(worker.results.fileno())
@@ -340,9 +406,9 @@ class WorkerPool:
             worker.results.close()
         self._meter.set(0, 0)
         while self._queue:
-            _, _, future, count = self._queue.popleft()
-            if not future.done():
-                future.set_result(Rendered.failed(count, "server shutting down"))
+            queued = self._queue.popleft()
+            if not queued.future.done():
+                queued.future.set_result(Rendered.failed(queued.samples, "server shutting down"))
 
 
 class _Worker:
@@ -352,11 +418,12 @@ class _Worker:
         self.process = process
         self.tasks = tasks  # write end of the task pipe
         self.results = results  # read end of the result pipe
-        self.pending: dict[int, tuple[asyncio.Future, int]] = {}
+        self.pending: dict[int, _Queued] = {}
         self.specs: dict[tuple, int] = {}  # pipeline specs this worker has been sent, by id
+        self.answered = time.monotonic()  # its last answer, or when it was given work while idle
 
     def fail(self, reason: str) -> None:
-        for future, count in self.pending.values():
-            if not future.done():
-                future.set_result(Rendered.failed(count, reason))
+        for queued in self.pending.values():
+            if not queued.future.done():
+                queued.future.set_result(Rendered.failed(queued.samples, reason))
         self.pending.clear()

@@ -38,6 +38,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
 CONTAINER_PORT = 50051
+HEALTH_PORT = 50052  # the image's plaintext health port (REMOTELOADER_HEALTH_PORT)
 
 
 # ---- parsing helpers ------------------------------------------------------------------------
@@ -354,11 +355,13 @@ def test_dockerfile_expose_matches_compose_and_healthcheck():
     stages = _dockerfile()
     server = stages["server"]
     exposed = {int(p.split("/")[0]) for value in server.all("EXPOSE") for p in value.split()}
-    assert exposed == {CONTAINER_PORT}, exposed
+    assert exposed == {CONTAINER_PORT, HEALTH_PORT}, exposed
     env = _env(stages, "server")
     assert int(env["REMOTELOADER_PORT"]) == CONTAINER_PORT
+    assert int(env["REMOTELOADER_HEALTH_PORT"]) == HEALTH_PORT
     health = _healthcheck(server)
-    assert health[1] == "probe" and health[2].rsplit(":", 1)[1] == str(CONTAINER_PORT), health
+    # No address: the probe reads the REMOTELOADER_* variables, so --port, TLS and tokens do not matter.
+    assert health[1:] == ["probe"], health
     for name, service in _compose()["services"].items():
         if service.get("build", {}).get("target") != "server":
             continue
@@ -438,11 +441,9 @@ def compose_server(tmp_path_factory, free_port):
             arg = str(port)
         argv.append(arg)
     assert str(data) in argv and str(port) in argv, argv
-    env = dict(_env(stages, "server"))  # the image's ENV (on top of ours, less its REMOTELOADER_* settings) ...
-    env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})  # ... then compose's
-    assert env["REMOTELOADER_HOST"] == "0.0.0.0"
-    env["REMOTELOADER_HOST"] = "127.0.0.1"  # never bind other interfaces in tests
+    env = _container_env(service, stages, free_port)
     process = ServerProcess(argv, env=env)
+    process.container_env = env  # what the HEALTHCHECK runs with, as inside the container
     try:
         try:
             process.wait_ready(45)
@@ -466,21 +467,80 @@ def test_compose_server_command_serves_a_full_epoch(compose_server, run_bounded)
     assert "with 2 workers" in compose_server.stderr(), compose_server.stderr()  # compose's --workers 2 took effect
 
 
-def _probe(port: int) -> subprocess.CompletedProcess:
-    stages = _dockerfile()
-    health = _healthcheck(stages["server"])
-    argv = [_script_path(health[0])] + [a.replace(f":{CONTAINER_PORT}", f":{port}") for a in health[1:]]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+def _container_env(service: dict, stages: dict[str, Stage], free_port) -> dict[str, str]:
+    """The environment of a server container: the image's ENV, then compose's, with the host
+    and the health port moved for a test on this machine."""
+    env = dict(_env(stages, "server"))  # the image's ENV (on top of ours, less its REMOTELOADER_* settings) ...
+    env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})  # ... then compose's
+    assert env["REMOTELOADER_HOST"] == "0.0.0.0"
+    env["REMOTELOADER_HOST"] = "127.0.0.1"  # never bind other interfaces in tests
+    env["REMOTELOADER_HEALTH_PORT"] = str(free_port())
+    return env
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The image's HEALTHCHECK command, run with a container's environment."""
+    health = _healthcheck(_dockerfile()["server"])
+    argv = [_script_path(health[0])] + health[1:]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
 
 
 def test_healthcheck_command_against_the_server_and_a_free_port(compose_server, free_port):
-    ok = _probe(compose_server.port)
+    ok = _probe(compose_server.container_env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "SERVING" in ok.stdout
     started = time.monotonic()
-    down = _probe(free_port())
+    down = _probe({**compose_server.container_env, "REMOTELOADER_HEALTH_PORT": str(free_port())})
     assert down.returncode != 0, down.stdout + down.stderr
     assert time.monotonic() - started < 20
+
+
+def test_health_checks_pass_with_tls_a_token_and_any_port(tmp_path, free_port):
+    """The image's HEALTHCHECK and the kubelet's grpc probes (plaintext, no token) pass against
+    a server on another port with TLS and a token; the Loader service is not on the health port."""
+    import grpc
+    from cryptography import x509
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from remoteloader.protos import SERVICE
+    from remoteloader.tools.certificates import SERVER_AUTH, ip_san, make_ca, make_leaf, write_cert, write_key
+
+    ca_key, ca_cert = make_ca("health test CA")
+    key, cert = make_leaf(ca_key, ca_cert, "loader", SERVER_AUTH, [ip_san("127.0.0.1"), x509.DNSName("localhost")])
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    data = make_imagefolder(tmp_path / "data", ["x"], 2, size=(16, 16))
+    port = free_port()
+    env = _container_env(_compose()["services"]["loader-0"], _dockerfile(), free_port)
+    argv = [_script_path("remoteloader-server"), "--data", str(data), "--port", str(port), "--workers", "1",
+            "--tls-cert", write_cert(tmp_path / "server.pem", cert), "--tls-key", write_key(tmp_path / "key", key),
+            "--token-file", str(token)]
+    process = ServerProcess(argv, env=env)
+    try:
+        process.wait_ready(45)
+        ok = _probe(env)
+        assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
+        health_port = int(env["REMOTELOADER_HEALTH_PORT"])
+        statefulset, _ = _statefulset_and_service()
+        (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:  # as the kubelet asks
+            stub = health_pb2_grpc.HealthStub(channel)
+            for probe in ("readinessProbe", "livenessProbe"):
+                service = container[probe]["grpc"].get("service", "")
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, probe
+            describe = channel.unary_unary(f"/{SERVICE}/Describe")
+            with pytest.raises(grpc.RpcError) as refused:
+                describe(b"", timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        plain = _probe({**env, "REMOTELOADER_HEALTH_PORT": "0", "REMOTELOADER_PORT": str(port)})
+        assert plain.returncode != 0, "plaintext health on the TLS port"
+        ca = write_cert(tmp_path / "ca.pem", ca_cert)
+        tls = subprocess.run([_script_path("remoteloader"), "probe", "--tls", ca, f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=30)
+        assert tls.returncode == 0 and "SERVING" in tls.stdout, tls.stdout + tls.stderr
+    finally:
+        process.kill()
 
 
 def test_compose_server_exits_0_on_sigterm(compose_server):
@@ -600,11 +660,14 @@ def test_k8s_statefulset_has_a_headless_service_and_probes():
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert "grpc" in ports
+    assert "grpc" in ports and "health" in ports
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert int(env["REMOTELOADER_HEALTH_PORT"]) == ports["health"]
     for probe in ("readinessProbe", "livenessProbe"):
         grpc_probe = container[probe].get("grpc")
         assert grpc_probe, f"{probe} must use the gRPC health service"
-        assert grpc_probe["port"] in (ports["grpc"], "grpc"), f"{probe} checks port {grpc_probe['port']}"
+        # The kubelet's grpc probes speak neither TLS nor tokens: the plaintext health port.
+        assert grpc_probe["port"] == ports["health"], f"{probe} checks port {grpc_probe['port']}"
     assert container["readinessProbe"]["grpc"].get("service") == "remoteloader.v1.Loader"
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in ports or port["targetPort"] in ports.values(), port
@@ -631,6 +694,7 @@ def test_k8s_args_are_accepted_by_the_server(tmp_path):
     # The container port named grpc is the one the server listens on, metrics likewise.
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert namespace.port == ports["grpc"]
+    assert namespace.health_port == ports["health"]
     assert namespace.metrics_port == ports["metrics"]
     assert str(namespace.metrics_port) == statefulset["spec"]["template"]["metadata"]["annotations"][
         "prometheus.io/port"]

@@ -71,8 +71,10 @@ def servers(module_cluster, tmp_path_factory, free_port):
         (metered / key).write_bytes(data)
     metrics_port = free_port()
     c = module_cluster
+    # --max-rate: an order of 8 stays in flight 0.2 s, so that orders sent back to back find it
+    # there even when a loaded machine delays the second (the tests of in-flight limits failed so).
     c.add(small, "--max-streams-per-client", "2", "--max-order-samples", "8", "--max-inflight-orders", "2",
-          wait=False)
+          "--max-rate", "40", wait=False)
     c.add(metered, "--max-streams", "3", "--metrics-port", str(metrics_port), "--grace", "2", wait=False)
     c.wait_ready(SMALL)
     c.wait_ready(METERED)
