@@ -12,6 +12,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -23,16 +24,18 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from remoteloader.protos import limits, malloc
 from remoteloader.protos.same_host import host_id
-from remoteloader.server.catalog import Shard, SyntheticShard, open_shards
+from remoteloader.server.catalog import Shard, SyntheticShard, TarShard, open_shards
 from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.health import Health
 from remoteloader.server.local_socket import LocalSocket
+from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import LoaderService
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sources import open_source
+from remoteloader.server.storage import ObjectStorage
 from remoteloader.server.worker_pool import WorkerPool
 from remoteloader.server.worker_process import read_sample
 
@@ -63,6 +66,7 @@ class RenderResources:
     cache: SampleCache | None
     pool: WorkerPool
     checks: PipelineChecks
+    objects: ObjectCache | None = None  # object-store samples on local disk, where shards are in a store
 
     @classmethod
     def start(cls, config: ServerConfig, shards: list[Shard], indexed_ns: int) -> RenderResources:
@@ -100,8 +104,11 @@ class RenderResources:
                 )
             if config.data or config.source:
                 pool.start()
+            objects = _object_cache(config, shards)
+            if objects is not None:
+                undo.callback(objects.close)
             undo.pop_all()
-        return cls(arena, cache, pool, checks)
+        return cls(arena, cache, pool, checks, objects)
 
     def close(self) -> None:
         """Stops the pipeline checks and the workers, then closes the shared memory (idempotent)."""
@@ -110,6 +117,36 @@ class RenderResources:
         self.arena.close()
         if self.cache is not None:
             self.cache.close()
+        if self.objects is not None:
+            self.objects.close()
+
+
+def _object_cache(config: ServerConfig, shards: list[Shard]) -> ObjectCache | None:
+    """The local copies of the shards that are in object stores (None: none is). Where they fit
+    in --disk-cache-bytes, the tars are fetched in whole blocks (object_cache.py)."""
+    stores = {s.storage.url: s.storage for s in shards if s.remote and isinstance(s.storage, ObjectStorage)}
+    remote = [s for s in shards if s.remote]
+    if not stores:
+        return None
+    tars = {s.path: s.object.size for s in remote if isinstance(s, TarShard)}
+    total = sum(tars.values()) + sum(s.nbytes for s in remote if not isinstance(s, TarShard))
+    fits = total <= config.disk_cache_bytes
+    log.info(
+        "object stores: %.1f GB of shards, %s --disk-cache-bytes (%.1f GB): %s",
+        total / 1e9,
+        "within" if fits else "over",
+        config.disk_cache_bytes / 1e9,
+        "tars are fetched in whole blocks, each byte once"
+        if fits
+        else "each sample's bytes are fetched as it is needed, and fetched again once evicted",
+    )
+    return ObjectCache(
+        config.cache_dir,
+        config.disk_cache_bytes,
+        list(stores.values()),
+        config.fetch_concurrency,
+        blocks=tars if fits else None,
+    )
 
 
 class LoaderServer:
@@ -163,7 +200,13 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
-    shards = open_shards(list(config.data), config.image_root, config.coco_masks)
+    shards = open_shards(
+        list(config.data),
+        config.image_root,
+        config.coco_masks,
+        index_folder=os.path.join(config.cache_dir, "indexes"),
+        retry_seconds=config.store_timeout,
+    )
     if config.source:
         shards.append(open_source(config.source, config.source_args))
     if config.synthetic:
@@ -188,7 +231,11 @@ def sample_layout(shards, count: int = 16) -> tuple[int, int]:
             position -= len(shard)
         location = shard.locate(position)
         try:
-            data, _ = read_sample(location.path, location.offset, location.length)
+            if shard.remote and shard.storage is not None:  # a range of the object, like the workers' reads
+                name = location.path.removeprefix(shard.storage.url + "/")
+                data = shard.storage.read(name, location.offset, location.offset + location.length)
+            else:
+                data, _ = read_sample(location.path, location.offset, location.length)
         except (OSError, DecodeError):
             continue  # the workers will say what is wrong with it
         if data[:3] == JPEG_MAGIC:
@@ -205,7 +252,9 @@ async def _serve_on(
     credentials: grpc.ServerCredentials | None,
     started: float,
 ) -> LoaderServer:
-    service = LoaderService(config, shards, resources.pool, resources.arena, resources.cache, resources.checks)
+    service = LoaderService(
+        config, shards, resources.pool, resources.arena, resources.cache, resources.checks, resources.objects
+    )
     limit = config.max_message_bytes
     interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(

@@ -2,7 +2,11 @@
 
 A shard is an ImageFolder tree (``DIR/<class>/<image>``), one WebDataset-style tar file
 (``key.jpg`` + ``key.cls``, ``key.json`` targets, ``key.mask.png``), a COCO annotation
-file (``coco.py``) or an operator's ``--source`` object (``sources.py``). Sample keys live
+file (``coco.py``) or an operator's ``--source`` object (``sources.py``). The files may be on
+this machine or in an object store: formats read them through ``storage.py`` and never ask
+which. A tar's index is read from ``<tar>.index.npz`` beside it (``pack`` writes one), or
+from the index folder (``--cache-dir``), or made by scanning the tar once and kept beside it
+where it can be written (a local folder), else in the index folder. Sample keys live
 in one bytes blob with an offset array, and so do the samples' targets (each a serialized
 ``loader_pb2.Targets``): memory grows by the bytes of a sample's key and targets plus
 40 bytes, and no Python object is kept per sample. A shard's id is a fingerprint of its
@@ -12,19 +16,23 @@ contents' index (names and sizes), so two servers that mount the same files repo
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
 import pathlib
 import tarfile
+import time
 from array import array
 from typing import NamedTuple
 
 import numpy as np
 
 from remoteloader.server import targets as tg
+from remoteloader.server.storage import Entry, LocalStorage, Storage, StorageError, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +47,13 @@ class CatalogError(ValueError):
 
 
 class Location(NamedTuple):
-    """Where a sample's encoded bytes are: a file, and a byte range in it."""
+    """Where a sample's encoded bytes are: a file (or an object's URL), and a byte range in it;
+    ``etag``: the version the object must still have (an object store's; "" where unchecked)."""
 
     path: str
     offset: int
     length: int
+    etag: str = ""
 
 
 class KeyTable:
@@ -85,6 +95,8 @@ class Shard:
     """
 
     source = -1
+    remote = False  # its bytes are in an object store (object_cache.py fetches them) ...
+    storage: Storage | None = None  # ... this one
 
     def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str, fields=()):
         self.name = name
@@ -103,6 +115,11 @@ class Shard:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its samples' encoded files (a tar: of the tar, TarShard.object.size)."""
+        return int(self._sizes.sum())
 
     def key(self, index: int) -> str:
         start = int(self._key_ends[index - 1]) if index else 0
@@ -124,9 +141,11 @@ class ImageFolderShard(Shard):
     ``pack`` does not), which the error for a folder without images then says.
     """
 
-    def __init__(self, root: pathlib.Path, tars_too: bool = True):
-        self.root = str(root)
-        classes = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+    def __init__(self, storage: Storage, name: str, tars_too: bool = True):
+        root = storage.location(name)
+        self._base = root + "/"  # a sample's file: base + key
+        self.storage, self.remote = storage, storage.remote
+        classes = [c for c in storage.children(name)[0] if not c.startswith(".")]
         table = KeyTable()
         digest = hashlib.sha256()
         # The class list is part of the identity: an extra (even empty) class folder shifts labels.
@@ -135,16 +154,17 @@ class ImageFolderShard(Shard):
         empty: list[str] = []
         other: collections.Counter[str] = collections.Counter()
         for label, cls in enumerate(classes):
-            files = [e for e in os.scandir(root / cls) if e.is_file()]
-            entries = sorted((e.name, e.stat().st_size) for e in files if e.name.lower().endswith(IMAGE_EXTENSIONS))
-            other.update(
-                repr(os.path.splitext(e.name)[1].lower() or "")
-                for e in files  # dotfiles: .DS_Store
-                if not e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith(".")
-            )
+            files = storage.children(storage.join(name, cls))[1]
+            entries = []
+            for entry in files:
+                file = entry.name.rpartition("/")[2]
+                if file.lower().endswith(IMAGE_EXTENSIONS):
+                    entries.append((file, entry.size))
+                elif not file.startswith("."):  # dotfiles: .DS_Store
+                    other[repr(os.path.splitext(file)[1].lower() or "")] += 1
             before = len(table)
-            for name, size in entries:
-                key = f"{cls}/{name}"
+            for file, size in entries:
+                key = f"{cls}/{file}"
                 if not _utf8(key):  # keys travel as protobuf strings, which must be UTF-8
                     skipped.append(key.encode("utf-8", "surrogateescape"))
                     continue
@@ -177,11 +197,20 @@ class ImageFolderShard(Shard):
                 "/".join(IMAGE_EXTENSIONS),
                 ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""),
             )
-        super().__init__(root.name, table, classes, "if-" + digest.hexdigest()[:24])
+        if storage.remote:
+            log.warning(
+                "%s: an ImageFolder in an object store costs one request per image (%d of them per epoch): "
+                "`remoteloader pack FOLDER %s-shards/` on a copy of it writes tar shards to the store, which "
+                "servers read in large ranges instead",
+                root,
+                len(table),
+                root,
+            )
+        super().__init__(name.rpartition("/")[2] or root, table, classes, "if-" + digest.hexdigest()[:24])
 
     def locate(self, index: int) -> Location:
         # The size was read at indexing time; the worker checks it still matches.
-        return Location(os.path.join(self.root, self.key(index)), 0, int(self._sizes[index]))
+        return Location(self._base + self.key(index), 0, int(self._sizes[index]))
 
 
 class TarShard(Shard):
@@ -195,19 +224,38 @@ class TarShard(Shard):
     makes its sample fail with the reason when served, as a damaged image does.
     """
 
-    def __init__(self, path: pathlib.Path, class_names: list[str]):
-        self.path = str(path)
-        self.index_error: OSError | None = None  # why the scanned index could not be written beside the tar
-        cached = load_index(path)
+    def __init__(
+        self, storage: Storage, name: str, class_names: list[str], index_folder: str = "", entry: Entry | None = None
+    ):
+        self.path = storage.location(name)
+        self.storage, self.remote = storage, storage.remote
+        self.object = entry or storage.head(name)  # its size and version, as indexed
+        self.etag = self.object.etag
+        self.index_error: OSError | None = None  # why a scanned index could be kept neither beside it nor in the folder
+        self.index_kept = ""  # where a scanned index was kept
+        cached = load_index(storage, self.object, index_folder)
+        path = self.path
         if cached is not None:
             table, index_digest, fields = cached
             super().__init__(
-                path.name, table, class_names, _tar_id(index_digest, table.labels, class_names, table.targets), fields
+                _basename(name),
+                table,
+                class_names,
+                _tar_id(index_digest, table.labels, class_names, table.targets),
+                fields,
             )
             self.index_digest = index_digest
         else:
-            self._scan(path, class_names)
-            self.index_error = save_index(path, self)
+            started = time.perf_counter()
+            self._scan(storage, name, class_names)
+            log.info(
+                "%s has no index: scanned it (%d samples, %.1f MB) in %.1fs",
+                self.path,
+                len(self),
+                self.object.size / 1e6,
+                time.perf_counter() - started,
+            )
+            self.index_kept, self.index_error = save_index(storage, self.object, self, index_folder)
         unlabelled = int(np.count_nonzero(self.labels < 0))
         # A tar made by hand: without this, every sample is served as class -1 without a word
         # (a tar of other targets needs no class).
@@ -233,7 +281,8 @@ class TarShard(Shard):
                 len(class_names),
             )
 
-    def _scan(self, path: pathlib.Path, class_names: list[str]) -> None:
+    def _scan(self, storage: Storage, name: str, class_names: list[str]) -> None:
+        path = self.path
         table = KeyTable()
         digest = hashlib.sha256()
         last_stem, last_index = None, -1
@@ -241,7 +290,7 @@ class TarShard(Shard):
         unmatched: dict[str, dict[str, object]] = {}
         extras: dict[int, dict[str, object]] = {}  # sample index -> its "json" bytes and "mask" (offset, size)
         try:
-            with tarfile.open(path, "r:") as tar:
+            with storage.open(name) as file, tarfile.open(fileobj=file, mode="r:") as tar:
                 while True:
                     member = tar.next()
                     if member is None:
@@ -294,11 +343,11 @@ class TarShard(Shard):
                         extras.setdefault(index, {}).update(pieces)
         fields = _add_tar_targets(table, extras, path)
         self.index_digest = digest.hexdigest()
-        super().__init__(path.name, table, class_names, "", fields)
+        super().__init__(_basename(name), table, class_names, "", fields)
         self.id = _tar_id(self.index_digest, self.labels, class_names, table.targets)
 
     def locate(self, index: int) -> Location:
-        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
+        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
 
 
 INDEX_SUFFIX = ".index.npz"
@@ -378,26 +427,52 @@ def _utf8(text: str) -> bool:
         return False
 
 
-def _tar_signature(path: pathlib.Path) -> np.ndarray:
-    """Size and a hash of the first and last 64 KiB: survives copies, catches rewrites."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(65536)
-        f.seek(max(0, size - 65536))
-        tail = f.read(65536)
+def _basename(name: str) -> str:
+    return name.rpartition("/")[2]
+
+
+def _tar_signature(storage: Storage, entry: Entry) -> np.ndarray:
+    """Size and a hash of the first and last 64 KiB: survives copies (to a bucket too), catches rewrites."""
+    size = entry.size
+    head = storage.read(entry.name, 0, min(size, 65536))
+    tail = storage.read(entry.name, max(0, size - 65536), size)
     digest = hashlib.sha256(head + tail).digest()
     return np.frombuffer(size.to_bytes(8, "little") + digest, dtype=np.uint8)
 
 
-def load_index(path: pathlib.Path) -> tuple[KeyTable, str, tuple[str, ...]] | None:
-    """The sidecar index ``<tar>.index.npz`` (written by pack or a first start), if it matches the tar."""
-    sidecar = pathlib.Path(str(path) + INDEX_SUFFIX)
-    if not sidecar.is_file():
-        return None
+def _folder_index(index_folder: str, storage: Storage, entry: Entry) -> pathlib.Path:
+    """Where the index folder keeps a tar's index: named by the tar's location."""
+    key = hashlib.sha256(storage.location(entry.name).encode()).hexdigest()[:32]
+    return pathlib.Path(index_folder) / f"{key}{INDEX_SUFFIX}"
+
+
+def load_index(storage: Storage, entry: Entry, index_folder: str = "") -> tuple[KeyTable, str, tuple[str, ...]] | None:
+    """The tar's index, if one matches it: ``<tar>.index.npz`` beside it (written by pack or a
+    first start), else the one kept in ``index_folder``."""
+    raw = None
+    with contextlib.suppress(OSError):
+        raw = storage.read(entry.name + INDEX_SUFFIX)
+    if raw is not None:
+        found = _parse_index(raw, storage, entry)
+        if found is not None:
+            return found
+    if index_folder:
+        with contextlib.suppress(OSError):
+            return _parse_index(_folder_index(index_folder, storage, entry).read_bytes(), storage, entry)
+    return None
+
+
+def _parse_index(raw: bytes, storage: Storage, entry: Entry) -> tuple[KeyTable, str, tuple[str, ...]] | None:
+    """An index's table, digest and fields, if it is whole and made from this very tar (its ETag,
+    where it saved one, else its size and first and last 64 KiB)."""
     try:
-        with np.load(sidecar, allow_pickle=False) as data:
-            if int(data["version"]) != _INDEX_VERSION or not np.array_equal(data["signature"], _tar_signature(path)):
+        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
+            if int(data["version"]) != _INDEX_VERSION:
                 return None
+            etag = str(data["etag"]) if "etag" in data.files else ""
+            if not (etag and etag == entry.etag):
+                if not np.array_equal(data["signature"], _tar_signature(storage, entry)):
+                    return None
             table = KeyTable()
             table.blob = bytearray(data["blob"].tobytes())
             table.targets = bytearray(data["targets"].tobytes())
@@ -409,7 +484,6 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str, tuple[str, ...]] | No
         return None
     ends = np.frombuffer(table.ends, dtype=np.int64)
     offsets, sizes = np.frombuffer(table.offsets, dtype=np.int64), np.frombuffer(table.sizes, dtype=np.int64)
-    size = path.stat().st_size
     target_ends = np.frombuffer(table.target_ends, dtype=np.int64)
     consistent = (
         len(ends) == len(table.labels) == len(offsets) == len(sizes) == len(target_ends) > 0
@@ -420,41 +494,56 @@ def load_index(path: pathlib.Path) -> tuple[KeyTable, str, tuple[str, ...]] | No
         and bool(np.all(np.diff(ends) > 0))
         and ends[0] > 0
         and bool(np.all(offsets >= 0))
-        and bool(np.all(offsets + sizes <= size))
+        and bool(np.all(offsets + sizes <= entry.size))
     )
     return (table, digest, fields) if consistent else None
 
 
-def save_index(path: pathlib.Path, shard: TarShard) -> OSError | None:
-    """Writes the sidecar index beside the tar (best effort); returns why it could not, or None.
+def index_bytes(shard: TarShard, signature: np.ndarray, etag: str = "") -> bytes:
+    """A tar's index as ``<tar>.index.npz`` holds it (``etag``: the object's, where it has one)."""
+    out = io.BytesIO()
+    np.savez(
+        out,
+        version=_INDEX_VERSION,
+        signature=signature,
+        etag=np.str_(etag),
+        index_digest=np.str_(shard.index_digest),
+        blob=np.frombuffer(shard._key_blob, dtype=np.uint8),
+        ends=shard._key_ends,
+        labels=shard.labels,
+        offsets=shard._offsets,
+        sizes=shard._sizes,
+        targets=np.frombuffer(shard._targets, dtype=np.uint8),
+        target_ends=shard._target_ends,
+        fields=np.array([f for f in shard.fields if f != tg.LABEL], dtype=np.str_),
+    )
+    return out.getvalue()
+
+
+def save_index(storage: Storage, entry: Entry, shard: TarShard, index_folder: str = "") -> tuple[str, OSError | None]:
+    """Keeps a scanned tar's index (best effort): beside the tar on a writable local folder, else in
+    ``index_folder`` (never in an object store: the server only reads the operator's bucket).
+    Returns where it was kept ("" if nowhere) and why it was not kept beside the tar, or None.
 
     A read-only folder (a ``:ro`` compose volume, a ``readOnly`` Kubernetes mount) is normal:
-    the index then lives in memory only, and the next start scans the tar again.
+    the index then lives in the index folder, or in memory only, and the next start scans again.
     """
-    sidecar = pathlib.Path(str(path) + INDEX_SUFFIX)
-    partial = sidecar.with_name(f".{sidecar.name}.{os.getpid()}")
-    try:
-        with open(partial, "wb") as f:
-            np.savez(
-                f,
-                version=_INDEX_VERSION,
-                signature=_tar_signature(path),
-                index_digest=np.str_(shard.index_digest),
-                blob=np.frombuffer(shard._key_blob, dtype=np.uint8),
-                ends=shard._key_ends,
-                labels=shard.labels,
-                offsets=shard._offsets,
-                sizes=shard._sizes,
-                targets=np.frombuffer(shard._targets, dtype=np.uint8),
-                target_ends=shard._target_ends,
-                fields=np.array([f for f in shard.fields if f != tg.LABEL], dtype=np.str_),
-            )
-        os.replace(partial, sidecar)  # atomic: servers sharing the folder never read half a file
-        return None
-    except OSError as exc:
-        with contextlib.suppress(OSError):  # on a read-only mount even unlinking a missing file fails (EROFS)
-            partial.unlink(missing_ok=True)
-        return exc
+    data = index_bytes(shard, _tar_signature(storage, entry), entry.etag)
+    error: OSError | None = None
+    if not storage.remote:
+        try:
+            storage.write(entry.name + INDEX_SUFFIX, data)
+            return storage.location(entry.name + INDEX_SUFFIX), None
+        except OSError as exc:
+            error = exc
+    if index_folder:
+        target = _folder_index(index_folder, storage, entry)
+        try:
+            LocalStorage(target.parent).write(target.name, data)
+            return str(target), error
+        except OSError as exc:
+            error = error or exc
+    return "", error or OSError("no index folder (--cache-dir)")
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
@@ -480,31 +569,47 @@ class SyntheticShard(Shard):
         return Location("", 0, 0)
 
 
-def open_shards(paths: list[str], image_root: str = "", coco_masks: bool = False) -> list[Shard]:
-    """Indexes every shard under the given paths.
+def open_shards(
+    paths: list[str],
+    image_root: str = "",
+    coco_masks: bool = False,
+    index_folder: str = "",
+    retry_seconds: float = 60.0,
+) -> list[Shard]:
+    """Indexes every shard under the given paths (folders on this machine or object-store URLs).
 
-    A path may be a tar file, a directory of tar files (with an optional ``classes.txt``
+    A path may be a tar file, a folder of tar files (with an optional ``classes.txt``
     naming the labels, one per line), an ImageFolder tree, or a COCO annotation ``.json``
     (its images under ``image_root``, default its folder; ``coco_masks``: serve masks).
+    ``index_folder`` keeps the indexes of tars scanned where none could be written beside them.
     """
     from remoteloader.server.coco import CocoShard  # it builds on Shard, defined here
 
     shards: list[Shard] = []
     for raw in paths:
-        path = pathlib.Path(raw)
-        if path.is_file() and path.suffix.lower() == ".json":
-            shards.append(CocoShard(path, image_root, coco_masks))
-        elif path.is_file() and path.suffix == ".tar":
-            shards.append(TarShard(path, _read_classes(path.parent)))
-        elif path.is_dir():
-            tars = sorted(path.glob("*.tar"))
+        storage, name = open_storage(raw, retry_seconds)
+        kind, entry = _kind(storage, name, raw)
+        if kind == "file" and name.lower().endswith(".json"):
+            shards.append(CocoShard(storage, name, image_root, coco_masks, retry_seconds))
+        elif kind == "file" and name.endswith(".tar"):
+            parent = name.rpartition("/")[0]
+            shards.append(TarShard(storage, name, _read_classes(storage, parent), index_folder, entry))
+        elif kind == "folder":
+            tars = [e for e in storage.children(name)[1] if e.name.endswith(".tar")]
             if tars:
-                names = _read_classes(path)
-                shards.extend(TarShard(t, names) for t in tars)
+                names = _read_classes(storage, name)
+                with concurrent.futures.ThreadPoolExecutor(16 if storage.remote else 1) as pool:
+                    # (requests to a store overlap; a local disk is read one tar at a time)
+                    opened = [pool.submit(TarShard, storage, e.name, names, index_folder, e) for e in tars]
+                    shards.extend(f.result() for f in opened)
             else:
-                shards.append(ImageFolderShard(path))
+                shards.append(ImageFolderShard(storage, name))
         else:
-            raise CatalogError(f"data path {raw!r} is neither a directory, a .tar file nor a COCO .json file")
+            raise CatalogError(
+                f"data path {raw!r} is neither a folder, a .tar file nor a COCO .json file"
+                if kind
+                else f"data path {raw!r} does not exist"
+            )
     _warn_unsaved_indexes([s for s in shards if isinstance(s, TarShard) and s.index_error is not None])
     ids = [s.id for s in shards]
     if len(set(ids)) != len(ids):
@@ -512,27 +617,61 @@ def open_shards(paths: list[str], image_root: str = "", coco_masks: bool = False
     return shards
 
 
+def _kind(storage: Storage, name: str, raw: str) -> tuple[str, Entry | None]:
+    """Whether ``name`` is a "file", a "folder" or nothing (""), with the file's entry."""
+    if not storage.remote:
+        path = pathlib.Path(storage.location(name))
+        if path.is_dir():
+            return "folder", None
+        return ("file", storage.head(name)) if path.is_file() else ("other" if path.exists() else "", None)
+    try:
+        return "file", storage.head(name)
+    except FileNotFoundError:
+        pass
+    except StorageError as exc:
+        raise CatalogError(f"data path {raw!r}: {exc}") from None
+    try:
+        storage.children(name)
+        return "folder", None
+    except FileNotFoundError:
+        return "", None
+    except StorageError as exc:
+        raise CatalogError(f"data path {raw!r}: {exc}") from None
+
+
 def _warn_unsaved_indexes(shards: list[TarShard]) -> None:
-    """One warning for all the tars scanned at this start whose index could not be kept beside them."""
+    """One warning for all the tars scanned at this start whose index could be kept nowhere."""
     if not shards:
         return
+    kept = [s for s in shards if s.index_kept]
+    lost = [s for s in shards if not s.index_kept]
     error = shards[0].index_error
-    assert error is not None, "only shards whose index could not be written"
-    names = ", ".join(pathlib.Path(s.path).name for s in shards[:3]) + (" ..." if len(shards) > 3 else "")
-    log.warning(
-        "%d tar shard(s) have no %s index beside them and it cannot be written there (%s): indexed in "
-        "memory, and scanned again at every start (%s). To start without scanning, run a server once on "
-        "a writable copy of the folder and copy the <tar>%s files it writes beside these tars",
-        len(shards),
-        INDEX_SUFFIX,
-        error.strerror or error,
-        names,
-        INDEX_SUFFIX,
-    )
+    assert error is not None, "only shards whose index could not be written beside them"
+    if kept:
+        log.info(
+            "%d tar shard(s) have no %s index beside them and it cannot be written there (%s): their indexes "
+            "are kept in the index folder (--cache-dir), and the next start reads them from there",
+            len(kept),
+            INDEX_SUFFIX,
+            error.strerror or error,
+        )
+    if lost:
+        names = ", ".join(_basename(s.path) for s in lost[:3]) + (" ..." if len(lost) > 3 else "")
+        log.warning(
+            "%d tar shard(s) have no %s index and it can be kept neither beside them nor in an index folder "
+            "(%s): indexed in memory, and scanned again at every start (%s). Give the server a writable "
+            "--cache-dir, or write the indexes beside the tars with `remoteloader pack`",
+            len(lost),
+            INDEX_SUFFIX,
+            error.strerror or error,
+            names,
+        )
 
 
-def _read_classes(folder: pathlib.Path) -> list[str]:
-    file = folder / CLASSES_FILE
-    if not file.exists():
+def _read_classes(storage: Storage, folder: str) -> list[str]:
+    """The class names of ``classes.txt`` in a folder of tars, one per line ([] without one)."""
+    try:
+        text = storage.read(storage.join(folder, CLASSES_FILE)).decode()
+    except FileNotFoundError:
         return []
-    return [line.strip() for line in file.read_text().splitlines() if line.strip()]
+    return [line.strip() for line in text.splitlines() if line.strip()]

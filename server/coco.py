@@ -24,13 +24,13 @@ import json
 import logging
 import math
 import os
-import pathlib
 
 import numpy as np
 
 from remoteloader.protos import loader_pb2
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard
+from remoteloader.server.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,28 @@ class CocoShard(Shard):
     """Every image of a COCO annotation file, with its annotations as targets.
 
     Args:
-        path: The annotation file (instances_*.json or person_keypoints_*.json).
-        image_root: Where the images are (``image_root/file_name``); default: the file's folder.
+        storage / name: Where the annotation file is (instances_*.json or person_keypoints_*.json).
+        image_root: Where the images are (``image_root/file_name``: a folder or a URL); default:
+            the file's folder.
         masks: Keep segmentations, to serve the ``mask`` field.
+        retry_seconds: How long requests to an object store holding the images are retried.
     """
 
-    def __init__(self, path: pathlib.Path, image_root: str = "", masks: bool = False):
-        root = pathlib.Path(image_root) if image_root else path.parent
-        self.root = str(root)
-        raw = path.read_bytes()
+    def __init__(
+        self, storage: Storage, name: str, image_root: str = "", masks: bool = False, retry_seconds: float = 60.0
+    ):
+        images_at, prefix = (
+            open_storage(image_root, retry_seconds) if image_root else (storage, name.rpartition("/")[0])
+        )
+        root = images_at.location(prefix)
+        self.root = root
+        self._base = root + "/"
+        self.storage, self.remote = images_at, images_at.remote
+        path = storage.location(name)
+        try:
+            raw = storage.read(name)
+        except OSError as exc:
+            raise CatalogError(f"{path}: cannot read it: {exc}") from None
         try:
             document = json.loads(raw)
         except ValueError as exc:
@@ -78,18 +91,17 @@ class CocoShard(Shard):
             images = sorted(document["images"], key=lambda im: int(im["id"]))
         except (TypeError, KeyError, ValueError):
             raise CatalogError(f"{path}: its images are not objects with an 'id'") from None
+        sizes = _image_sizes(images_at, prefix)
         for image in images:
             file_name = image.get("file_name")
             if not isinstance(file_name, str) or not file_name:
                 raise CatalogError(f"{path}: image {image['id']} has no file_name")
-            try:
-                size = os.stat(root / file_name).st_size
-            except OSError:
-                size, missing = 0, missing + 1
+            size = sizes(file_name)
+            missing += not size
             message, gone, has_keypoints = _targets(by_image.get(image["id"], []), labels, masks)
             bad += bool(message.error)
             if size == 0 and not message.error:
-                message = loader_pb2.Targets(error=f"image file {root / file_name} is missing or empty")
+                message = loader_pb2.Targets(error=f"image file {self._base + file_name} is missing or empty")
             keypoints_seen |= has_keypoints
             dropped += gone
             data, fits = tg.stored(message)
@@ -107,10 +119,30 @@ class CocoShard(Shard):
         if bad:
             log.warning("%s: %d image(s) have annotations that cannot be used; they fail when served", path, bad)
         fields = [tg.BBOXES, tg.BBOX_LABELS] + ([tg.KEYPOINTS] if keypoints_seen else []) + ([tg.MASK] if masks else [])
-        super().__init__(path.name, table, [BACKGROUND, *names], "coco-" + digest.hexdigest()[:24], fields)
+        super().__init__(
+            name.rpartition("/")[2], table, [BACKGROUND, *names], "coco-" + digest.hexdigest()[:24], fields
+        )
 
     def locate(self, index: int) -> Location:
-        return Location(os.path.join(self.root, self.key(index)), 0, int(self._sizes[index]))
+        return Location(self._base + self.key(index), 0, int(self._sizes[index]))
+
+
+def _image_sizes(storage: Storage, prefix: str):
+    """A function from an image's file_name to its size (0: missing): stat per image on this
+    machine, one listing of the image folder in an object store."""
+    if not storage.remote:
+        base = storage.location(prefix)
+
+        def stat(file_name: str) -> int:
+            try:
+                return os.stat(os.path.join(base, file_name)).st_size
+            except OSError:
+                return 0
+
+        return stat
+    start = len(prefix) + 1 if prefix else 0
+    listed = {e.name[start:]: e.size for e in storage.walk(prefix)}
+    return lambda file_name: listed.get(file_name, 0)
 
 
 def _targets(annotations: list[dict], labels: dict[int, int], masks: bool) -> tuple[loader_pb2.Targets, int, bool]:

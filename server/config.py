@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remoteloader.protos import limits
+from remoteloader.server.storage import is_remote, scratch_folder
 
 ENV_PREFIX = "REMOTELOADER_"
 # What the server says on stderr that launchers read (tools/local.py): once it serves,
@@ -54,13 +55,28 @@ class ServerConfig:
 
     # Data
     data: tuple[str, ...] = _setting(
-        (), "shard paths: ImageFolder trees, .tar files, folders of .tar files or COCO annotation .json files"
+        (),
+        "shard paths: ImageFolder trees, .tar files, folders of .tar files or COCO annotation .json files, "
+        "on this machine or in an object store (s3://bucket/prefix, gs://, az://, https://)",
     )
-    image_root: str = _setting("", "folder of a COCO file's images (default: the folder the .json is in)")
+    image_root: str = _setting("", "folder or URL of a COCO file's images (default: the folder the .json is in)")
     coco_masks: bool = _setting(False, "draw COCO segmentations into a semantic mask (the 'mask' field)")
     # The operator's code, from this command line only; never sent by a client.
     source: str = _setting("", "serve samples from your own Python object: package.module:factory")
     source_args: str = _setting("{}", "JSON object of keyword arguments for the --source factory")
+    # Object stores (credentials from the standard variables: AWS_*, GOOGLE_*, AZURE_*)
+    cache_dir: str = _setting(
+        "",
+        "folder for bytes fetched from an object store and for tar indexes that cannot be kept beside their tars "
+        "(default: ~/.cache/remoteloader)",
+    )
+    disk_cache_bytes: int = _setting(
+        16 << 30, "most bytes fetched from object stores kept in --cache-dir (least recently used go first)"
+    )
+    store_timeout: float = _setting(
+        60.0, "seconds a request to an object store is retried (timeouts, 5xx, throttling) before its samples fail"
+    )
+    fetch_concurrency: int = _setting(64, "requests to object stores in flight at once")
     # Network
     host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 in a container")
     port: int = _setting(50051, "TCP port; 0 picks a free one")
@@ -156,7 +172,7 @@ class ServerConfig:
             raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
         if not isinstance(args, dict):
             raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
-        if self.image_root and not os.path.isdir(self.image_root):
+        if self.image_root and not is_remote(self.image_root) and not os.path.isdir(self.image_root):
             raise ValueError(f"image_root={self.image_root!r}: no such folder")
         _positive(
             self,
@@ -197,7 +213,12 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}={path!r}: no such file")
-        _positive(self, "max_streams", "max_streams_per_client", "stall_timeout", "worker_timeout")
+        _positive(self, "max_streams", "max_streams_per_client", "stall_timeout", "worker_timeout", "store_timeout")
+        _positive(self, "fetch_concurrency")
+        if self.disk_cache_bytes < 0:
+            raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes}: expected >= 0")
+        if not self.cache_dir:
+            object.__setattr__(self, "cache_dir", scratch_folder())
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off)")
         if not isinstance(logging.getLevelName(str(self.log_level).upper()), int):

@@ -52,6 +52,21 @@ class Metrics:
             registry=r,
         )
         self.refused = Counter("remoteloader_refused_streams", "Streams refused over a limit", registry=r)
+        # Object stores (server/object_cache.py), read when scraped.
+        self.store_bytes = FunctionCounter(
+            "remoteloader_store_fetched", "Bytes fetched from object stores", unit="bytes", registry=r
+        )
+        self.store_requests = FunctionCounter(
+            "remoteloader_store_requests", "Ranged GETs to object stores that answered", registry=r
+        )
+        self.store_failures = FunctionCounter(
+            "remoteloader_store_failed_samples",
+            "Samples whose bytes could not be fetched from an object store",
+            registry=r,
+        )
+        self.disk_cache_bytes = Gauge(
+            "remoteloader_disk_cache_bytes", "Bytes fetched from object stores kept in --cache-dir", registry=r
+        )
 
     def serve(self, port: int, host: str) -> int:
         """Exposes /metrics over HTTP; returns the bound port."""

@@ -137,7 +137,7 @@ class OrderStream:
         self._queue: asyncio.Queue[_Pending | _Cut | _End | None] = asyncio.Queue()  # None: the client is done
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
-        self._orders: asyncio.Queue[tuple[loader_pb2.Order, float] | _End | None] = asyncio.Queue()
+        self._orders: asyncio.Queue[tuple[loader_pb2.Order, np.ndarray, float] | _End | None] = asyncio.Queue()
         self._slot_counts = StreamSlots()
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
@@ -238,7 +238,11 @@ class OrderStream:
                     return
                 self._metrics.queued_orders.inc()
                 self._live.add(request.order.order_id)
-                self._orders.put_nowait((request.order, time.monotonic()))
+                order = request.order
+                indices = np.fromiter(order.indices, np.int64, len(order.indices))
+                self._orders.put_nowait((order, indices, time.monotonic()))
+                # Its samples' bytes start coming now, where they are in an object store.
+                self._renderer.prefetch(self._spec, self._shards[order.shard_id], indices)
         except asyncio.CancelledError:
             pass
         except DecodeError as exc:  # a message that is not a StreamRequest
@@ -332,11 +336,10 @@ class OrderStream:
             log.exception("stream starter failed")
             self._queue.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
 
-    async def _start_order(self, order: loader_pb2.Order, received: float, per_chunk: int) -> None:
-        """Starts rendering an order chunk by chunk, each into a slot of its own, and queues the
-        chunks; stops where the client cancelled it."""
+    async def _start_order(self, order: loader_pb2.Order, indices: np.ndarray, received: float, per_chunk: int) -> None:
+        """Starts rendering an order (its sample ``indices``) chunk by chunk, each into a slot of
+        its own, and queues the chunks; stops where the client cancelled it."""
         shard = self._shards[order.shard_id]
-        indices = np.asarray(order.indices, dtype=np.int64)
         seeds = sample_seeds(order.seed, order.epoch, shard_key(shard.id), indices)
         for start in range(0, len(indices), per_chunk):
             if order.order_id in self._cancelled:

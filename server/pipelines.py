@@ -424,7 +424,10 @@ class Pipeline:
             if tg.BBOX_LABELS in fields:
                 targets[tg.BBOX_LABELS] = arrays.get(tg.BBOX_LABELS, np.zeros(0, np.int64))[kept]
         if tg.KEYPOINTS in fields:
-            xy = np.asarray(result[tg.KEYPOINTS], np.float32).reshape(len(points), -1)[:, :2]
+            if len(points):
+                xy = np.asarray(result[tg.KEYPOINTS], np.float32).reshape(len(points), -1)[:, :2]
+            else:  # (reshape(0, -1) cannot say how many columns none of them has)
+                xy = np.zeros((0, 2), np.float32)
             h, w = out.shape[:2]
             inside = (xy[:, 0] >= 0) & (xy[:, 0] < w) & (xy[:, 1] >= 0) & (xy[:, 1] < h)
             rows = np.concatenate([xy, np.where(inside, points[:, 2], 0)[:, None]], axis=1).astype(np.float32)

@@ -20,9 +20,10 @@ import asyncio
 
 import numpy as np
 
-from remoteloader.protos import limits
+from remoteloader.protos import limits, loader_pb2
 from remoteloader.protos.wire import RAW
-from remoteloader.server.catalog import Shard, SyntheticShard
+from remoteloader.server.catalog import Location, Shard, SyntheticShard
+from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
 from remoteloader.server.targets import MASK
@@ -40,14 +41,24 @@ class Renderer:
         shards: The server's shards.
         pool: The decode workers.
         cache: The shared cache of encoded samples, if any.
+        objects: The local copies of object-store samples, where shards are in a store.
     """
 
-    def __init__(self, shards: list[Shard], pool: WorkerPool, cache: SampleCache | None):
+    def __init__(
+        self, shards: list[Shard], pool: WorkerPool, cache: SampleCache | None, objects: ObjectCache | None = None
+    ):
         self.pool = pool
         self.cache = cache
+        self.objects = objects
         # Samples that have decoded whole without error, a byte per sample, in pages touched
         # only as samples are marked.
         self._decoded = {s.id: np.zeros(len(s), np.bool_) for s in shards}
+
+    def prefetch(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray) -> None:
+        """An order arrived: starts fetching its samples' bytes from their object store (if they
+        are in one), so that they are on this machine when its chunks are rendered."""
+        if self.objects is not None and shard.remote:
+            self.objects.prefetch(_ranges(spec, shard, indices)[0])
 
     def render(
         self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int
@@ -57,16 +68,72 @@ class Renderer:
             future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
             future.set_result(Rendered([], [b""] * len(indices) if spec.fields else []))
             return future
+        if self.objects is None or not shard.remote:
+            located = [shard.locate(i) for i in indices.tolist()]
+            return self._render(spec, shard, indices, seeds, slot, located, [""] * len(located))
+        ranges, owners = _ranges(spec, shard, indices)
+        held = self.objects.held_locally(ranges)
+        if held is None:  # some bytes are still to come: the chunk starts when they are here
+            return asyncio.ensure_future(self._render_fetched(spec, shard, indices, seeds, slot, ranges, owners))
+        # All here already (a later epoch): the tasks start now, not a few loop turns from now.
+        future = self._render(spec, shard, indices, seeds, slot, held[: len(indices)], [""] * len(indices))
+        objects = self.objects
+
+        def release(_done: asyncio.Future[Rendered]) -> None:
+            objects.release(ranges)
+
+        future.add_done_callback(release)
+        return future
+
+    async def _render_fetched(
+        self,
+        spec: PipelineSpec,
+        shard: Shard,
+        indices: np.ndarray,
+        seeds: list[int],
+        slot: int,
+        ranges: list[Location],
+        owners: list[int],
+    ) -> Rendered:
+        """Renders samples of an object store once their ``ranges`` (each for the sample in
+        ``owners``) are local; a fetch that failed fails its sample with the reason."""
+        objects = self.objects
+        assert objects is not None
+        reasons = await objects.fetch(ranges)
+        try:
+            located = [objects.local(location) for location in ranges[: len(indices)]]
+            failures = [""] * len(indices)
+            for owner, reason in zip(owners, reasons):  # its image's, or its mask member's
+                failures[owner] = failures[owner] or reason
+            return await asyncio.shield(self._render(spec, shard, indices, seeds, slot, located, failures))
+        finally:
+            objects.release(ranges)
+
+    def _render(
+        self,
+        spec: PipelineSpec,
+        shard: Shard,
+        indices: np.ndarray,
+        seeds: list[int],
+        slot: int,
+        located: list[Location],
+        failures: list[str],
+    ) -> asyncio.Future[Rendered]:
+        """Starts the worker tasks of a chunk whose samples are at ``located`` (those with a
+        ``failures`` reason fail with it)."""
         cache = self.cache
         locations, fills = [], []
         decoded = self._decoded[shard.id]
         for pos, index in enumerate(indices.tolist()):
-            path, offset, length = shard.locate(index)
+            path, offset, length, _ = located[pos]
+            failure = failures[pos]
             mode, cache_offset = cache.plan(shard.id, index, length) if cache is not None else (PLAIN_READ, 0)
             if mode == CACHE_FILL:
                 fills.append((pos, index, cache_offset))
             stored = shard.targets(index) if spec.fields else b""
-            locations.append((path, offset, length, mode, cache_offset, bool(decoded[index]), stored, shard.source))
+            locations.append(
+                (path, offset, length, mode, cache_offset, bool(decoded[index]), stored, shard.source, failure)
+            )
         # Split the chunk so that all workers share it (a task each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
         size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // self.pool.size)))
@@ -174,3 +241,19 @@ def _merge(
     for part in parts:
         part.add_done_callback(done)
     return merged
+
+
+def _ranges(spec: PipelineSpec, shard: Shard, indices: np.ndarray) -> tuple[list[Location], list[int]]:
+    """The byte ranges a chunk's samples are read from, and the sample each is for: the samples'
+    own, then (when the stream asks for masks) the mask members of those that have one."""
+    located = [shard.locate(i) for i in indices.tolist()]
+    owners = list(range(len(located)))
+    if MASK in spec.fields:
+        for pos, (index, location) in enumerate(zip(indices.tolist(), located[:])):
+            record = shard.targets(index)
+            if record:
+                stored = loader_pb2.Targets.FromString(record)
+                if stored.mask_length:
+                    located.append(location._replace(offset=stored.mask_offset, length=stored.mask_length))
+                    owners.append(pos)
+    return located, owners

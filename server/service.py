@@ -22,6 +22,7 @@ from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.metrics import Metrics
+from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_stream import OrderStream, serialize_chunk
 from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.pipelines import PRESETS, PipelineError
@@ -47,6 +48,7 @@ class LoaderService:
         arena: The shared chunk slots.
         cache: The shared cache of encoded samples, if any.
         checks: Builds and checks the pipelines Setups ask for.
+        objects: The local copies of object-store samples, where shards are in a store.
     """
 
     def __init__(
@@ -57,13 +59,14 @@ class LoaderService:
         arena: Arena,
         cache: SampleCache | None,
         checks: PipelineChecks,
+        objects: ObjectCache | None = None,
     ):
         self.config = config
         self.shards = {s.id: s for s in shards}
         self.checks = checks
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
         self.slots = Slots(arena, lambda: self.admission.active, config.stall_timeout)
-        self.renderer = Renderer(shards, pool, cache)
+        self.renderer = Renderer(shards, pool, cache, objects)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.metrics = Metrics()
         self.metrics.queue_depth.set_function(lambda: pool.outstanding)
@@ -71,6 +74,11 @@ class LoaderService:
         self.metrics.workers_busy.set_function(pool.busy_share)
         self.metrics.worker_busy_seconds.set_function(pool.busy_seconds)
         self.metrics.workers.set_function(lambda: pool.workers)
+        if objects is not None:
+            self.metrics.store_bytes.set_function(lambda: objects.stats.fetched_bytes)
+            self.metrics.store_requests.set_function(lambda: objects.stats.requests)
+            self.metrics.store_failures.set_function(lambda: objects.stats.failures)
+            self.metrics.disk_cache_bytes.set_function(lambda: objects.held)
         self._draining = asyncio.Event()
         # The same-host socket Describe offers (app._offer_local) and the host it is on; "": none.
         self.local_socket = ""

@@ -40,7 +40,9 @@ class Task:
     slot: int
     first: int
     pipeline: tuple  # (name, height, width, albumentations_json)
-    locations: list  # [(path, offset, length, cache_mode, cache_offset, verified, targets, source)]
+    # [(path, offset, length, cache_mode, cache_offset, verified, targets, source, failure)]; failure: why the
+    # sample's bytes could not be fetched ("" when they were)
+    locations: list
     seeds: list  # [int], one per sample
     chunk: int  # samples in the slot's chunk (its masks follow all of its pixels)
 

@@ -228,6 +228,8 @@ class _Samples:
             try:
                 if isinstance(self.pipeline, str):
                     raise DecodeError(self.pipeline)
+                if location[8]:  # its bytes could not be fetched (an object store): why
+                    raise DecodeError(location[8])
                 if with_targets or location[7] >= 0:  # (a --source's sample comes with its targets)
                     record = self._with_targets(out, masks, i, location, seed)
                 else:
@@ -266,7 +268,7 @@ class _Samples:
     def _with_targets(self, out: np.ndarray, masks: np.ndarray | None, i: int, location: tuple, seed: int) -> bytes:
         """Renders sample ``i`` with its targets; returns them transformed, serialized."""
         assert isinstance(self.pipeline, Pipeline)
-        path, offset, _, _, _, _, record, source = location
+        path, offset, _, _, _, _, record, source = location[:8]
         image: bytes | np.ndarray
         verified = False
         if source >= 0:

@@ -63,11 +63,12 @@ class Cluster:
         _LIVE.add(self)
 
     # ---- starting ---------------------------------------------------------------------
-    def add(self, data, *args: str, wait: bool = True) -> int:
-        """Starts a server on ``data`` (a path or a list of paths) at a free port; returns its index."""
-        return self.add_many([data], *args, wait=wait)[0]
+    def add(self, data, *args: str, wait: bool = True, env: dict[str, str] | None = None) -> int:
+        """Starts a server on ``data`` (a path or a list of paths) at a free port; returns its index.
+        ``env``: variables it gets (e.g. an object store's credentials)."""
+        return self.add_many([data], *args, wait=wait, env=env)[0]
 
-    def add_many(self, datas: list, *args: str, wait: bool = True) -> list[int]:
+    def add_many(self, datas: list, *args: str, wait: bool = True, env: dict[str, str] | None = None) -> list[int]:
         """Starts one server per entry of ``datas`` at once, then waits for all of them."""
         if self._closed:
             raise RuntimeError("cluster is closed")
@@ -76,7 +77,7 @@ class Cluster:
             paths = [str(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
             # No death signal: it costs a fork (not a vfork) while the test's gRPC threads run;
             # teardown and the atexit hook below stop the servers.
-            server = LocalServer(paths, args=[*DEFAULT_ARGS, *self.args, *args],
+            server = LocalServer(paths, args=[*DEFAULT_ARGS, *self.args, *args], env=env,
                                  log_path=self.log_dir / f"server{len(self.servers)}.log", die_with_parent=False)
             self.servers.append(server)
             server.launch()

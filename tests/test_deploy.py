@@ -594,7 +594,7 @@ def _json_patch(document: dict, operations: list[dict]) -> dict:
         node = document
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
-        key = int(last) if isinstance(node, list) else last
+        key = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
         op = operation["op"]
         if op == "test":
             assert node[key] == operation["value"], f"patch test failed at {operation['path']}: {node[key]!r}"
@@ -605,7 +605,7 @@ def _json_patch(document: dict, operations: list[dict]) -> dict:
             del node[key]
         elif op == "add":
             if isinstance(node, list):
-                node.insert(key, operation["value"])
+                node.insert(len(node) if last == "-" else key, operation["value"])
             else:
                 node[key] = operation["value"]
         else:
@@ -630,7 +630,7 @@ def test_k8s_files_parse_and_kustomization_lists_them():
     docs = _k8s_documents()
     assert docs and all("kind" in d and "apiVersion" in d for d in docs)
     listed = set()
-    for folder in (K8S, K8S / "base", K8S / "autoscaling"):
+    for folder in (K8S, K8S / "base", K8S / "autoscaling", K8S / "object-store"):
         kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
         listed |= {(folder / r).resolve() for r in kustomization["resources"]}
         listed |= {(folder / p["path"]).resolve() for p in kustomization.get("patches", [])}
@@ -640,7 +640,7 @@ def test_k8s_files_parse_and_kustomization_lists_them():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("folder", ["", "autoscaling"])
+@pytest.mark.parametrize("folder", ["", "autoscaling", "object-store"])
 def test_kubectl_kustomize_builds_what_these_tests_check(folder):
     built = subprocess.run(["kubectl", "kustomize", str(K8S / folder)], capture_output=True, text=True, timeout=60)
     assert built.returncode == 0, built.stderr
@@ -863,3 +863,69 @@ def test_a_bad_environment_variable_is_named_and_a_misspelt_one_is_reported(monk
     monkeypatch.setenv("REMOTELOADER_WROKERS", "2")
     assert serve_main(["--data", str(tmp_path / "missing"), "--port", "0"]) == 2  # no such data: no server
     assert "REMOTELOADER_WROKERS is set but names no setting" in capsys.readouterr().err
+
+
+# ---- object stores: compose's profile "s3" and the Kubernetes overlay, run against a real store --
+def _shell(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A compose ``sh -c`` command ($$ is compose's escape of $), with our console scripts on PATH."""
+    path = f"{pathlib.Path(_script_path('remoteloader')).parent}:{os.environ['PATH']}"
+    return subprocess.run(["sh", "-c", command.replace("$$", "$")], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, **env, "PATH": path})
+
+
+def test_compose_s3_profile_packs_the_demo_into_the_store_and_serves_it(tmp_path, free_port, run_bounded):
+    from remoteloader.client import RemoteLoader
+    from remoteloader.tools.local_s3 import LocalS3
+
+    services = _compose()["services"]
+    credentials = services["s3"]["environment"]
+    bucket = _flag(services["s3"]["command"], "-bucket")
+    # The store compose runs, with compose's credentials and bucket, on this machine.
+    with LocalS3(tmp_path / "s3", buckets=(bucket,), access_key=credentials["AWS_ACCESS_KEY_ID"],
+                 secret_key=credentials["AWS_SECRET_ACCESS_KEY"]) as store:
+        local = {"AWS_ENDPOINT_URL": store.endpoint}  # compose's s3:8333 is this store here
+        prepare = services["prepare-s3"]
+        assert prepare["entrypoint"] == ["sh", "-c"]
+        env = {**{k: str(v) for k, v in prepare["environment"].items()}, **local}
+        command = prepare["command"][0].replace("/tmp/demo", str(tmp_path / "demo"))
+        for attempt in ("first", "again"):  # a second `up` finds the shards there and goes on
+            done = _shell(command, env)
+            assert done.returncode == 0, f"{attempt}: {done.stdout}{done.stderr}"
+        service = services["loader-s3"]
+        stages = _dockerfile()
+        entry = _exec_form(_inherited(stages, "server", "ENTRYPOINT"))
+        port = free_port()
+        argv = [_script_path(entry[0]), *entry[1:], *[str(port) if a == str(CONTAINER_PORT) else a
+                                                      for a in service["command"]]]
+        env = _container_env(service, stages, free_port)
+        env.update(local)
+        env["REMOTELOADER_CACHE_DIR"] = str(tmp_path / "cache")  # the service's cache volume
+        process = ServerProcess(argv, env=env)
+        try:
+            process.wait_ready(60)
+            ok = _probe(env)
+            assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
+            with RemoteLoader(f"127.0.0.1:{port}", batch_size=8, image_size=32, drop_last=False,
+                              return_ids=True, connect_timeout=20) as loader:
+                ids = [i for _x, _y, batch in run_bounded(loader, 60) for i in batch.tolist()]
+                assert sorted(ids) == list(range(loader.num_samples)) and loader.num_samples > 0
+        finally:
+            process.kill()
+    volume = next(v for v in service["volumes"] if v.endswith(".cache"))
+    assert volume.split(":")[1] == "/home/loader/.cache", "the cache volume is not where the server keeps it"
+
+
+def test_k8s_object_store_overlay_reads_the_bucket_with_the_secrets_credentials(tmp_path):
+    statefulset, _ = _statefulset_and_service(_kustomize(K8S / "object-store"))
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args, env = _substituted_args(container)
+    namespace = _parse(_server_parser(), args, env)
+    assert [d for d in namespace.data if d.startswith("s3://")] == namespace.data, namespace.data
+    assert container["envFrom"] == [{"secretRef": {"name": "remoteloader-s3"}}]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "data" not in volumes and all(m["name"] != "data" for m in container["volumeMounts"])
+    cache = next(m for m in container["volumeMounts"] if m["name"] == "cache")
+    assert cache["mountPath"] == "/home/loader/.cache" and "emptyDir" in volumes["cache"]
+    limit = volumes["cache"]["emptyDir"]["sizeLimit"]
+    assert namespace.disk_cache_bytes < int(limit.rstrip("Gi")) * 2**30, "the cache limit exceeds the volume"

@@ -12,6 +12,7 @@ import tarfile
 import pytest
 
 from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, _read_classes, open_shards
+from remoteloader.server.storage import open_storage
 
 
 def test_a_failed_cache_fill_keeps_its_space_for_the_next_try(tmp_path):
@@ -49,7 +50,7 @@ def test_a_sample_file_that_changed_since_indexing_is_an_error_not_other_bytes(t
 
 def test_classes_txt_without_a_final_newline_or_with_crlf(tmp_path):
     (tmp_path / "classes.txt").write_bytes(b"cat\r\ndog")
-    assert _read_classes(tmp_path) == ["cat", "dog"]
+    assert _read_classes(*open_storage(str(tmp_path))) == ["cat", "dog"]
 
 
 def _tar(path, members):
@@ -63,17 +64,17 @@ def _tar(path, members):
 
 def test_a_damaged_sidecar_index_is_ignored(tmp_path):
     tar = _tar(tmp_path / "a.tar", [("x/1.jpg", b"\xff\xd8\xff" + b"0" * 50), ("x/1.cls", b"3")])
-    first = TarShard(tar, [])
+    first = TarShard(*open_storage(str(tar)), [])
     sidecar = tmp_path / ("a.tar" + INDEX_SUFFIX)
     assert sidecar.is_file()
     sidecar.write_bytes(sidecar.read_bytes()[:100])  # truncated
-    again = TarShard(tar, [])
+    again = TarShard(*open_storage(str(tar)), [])
     assert again.id == first.id and again.labels.tolist() == [3]
 
 
 def test_class_names_are_part_of_the_shard_id(tmp_path):
     tar = _tar(tmp_path / "a.tar", [("x/1.jpg", b"\xff\xd8\xff" + b"0" * 50), ("x/1.cls", b"0")])
-    assert TarShard(tar, ["cat"]).id != TarShard(tar, ["dog"]).id
+    assert TarShard(*open_storage(str(tar)), ["cat"]).id != TarShard(*open_storage(str(tar)), ["dog"]).id
     for folder, classes in (("one", ["a"]), ("two", ["a", "b"])):  # an extra, empty class folder
         for cls in classes:
             (tmp_path / folder / cls).mkdir(parents=True)

@@ -23,6 +23,7 @@ from conftest import CTRL_C_EXITS
 from remoteloader.client import RemoteLoader
 from remoteloader.server import decode as dec
 from remoteloader.server.catalog import CatalogError, TarShard, open_shards
+from remoteloader.server.storage import open_storage
 from remoteloader.tools.textures import encode_jpeg, make_image, make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,7 +241,7 @@ def test_pack_leaves_out_a_file_it_cannot_read_and_names_it(tmp_path, monkeypatc
         in capsys.readouterr().err
     names = {name for name, _ in members(report.paths[0])}
     assert "bee/bee_00000.jpg" in names and "bee/bee_00001.jpg" not in names and "bee/bee_00001.cls" not in names
-    assert len(TarShard(report.paths[0], CLASSES[:2])) == 5
+    assert len(TarShard(*open_storage(str(report.paths[0])), CLASSES[:2])) == 5
 
 
 def test_pack_refuses_tar_shards_as_its_source(packed, tmp_path):
@@ -298,7 +299,7 @@ def test_an_empty_class_folder_stays_a_class_and_is_named_in_one_warning(tmp_pat
     (src / "cow").mkdir()
     (src / "cow" / "notes.txt").write_text("no images here")
     caplog.set_level(logging.WARNING, logger="remoteloader.server.catalog")
-    shard = ImageFolderShard(src)
+    shard = ImageFolderShard(*open_storage(str(src)))
     assert shard.class_names == ["ant", "bat", "bee", "cat", "cow"]
     assert {shard.key(i).split("/")[0]: int(shard.labels[i]) for i in range(len(shard))} == \
         {"ant": 0, "bee": 2, "cat": 3}
@@ -326,10 +327,10 @@ def test_a_sidecar_index_matches_a_scan_and_a_stale_one_is_ignored(packed, tmp_p
     copy = tmp_path / "copy" / tar.name
     copy.parent.mkdir()
     copy.write_bytes(tar.read_bytes())  # no sidecar: scanned, and one is written
-    scanned = TarShard(copy, [])
+    scanned = TarShard(*open_storage(str(copy)), [])
     assert (copy.parent / (tar.name + INDEX_SUFFIX)).is_file()
-    loaded = TarShard(copy, [])  # from the sidecar
-    packed_one = TarShard(tar, [])  # from pack's sidecar
+    loaded = TarShard(*open_storage(str(copy)), [])  # from the sidecar
+    packed_one = TarShard(*open_storage(str(tar)), [])  # from pack's sidecar
     for shard in (loaded, packed_one):
         assert shard.id == scanned.id and len(shard) == len(scanned)
         assert [shard.key(i) for i in range(len(shard))] == [scanned.key(i) for i in range(len(scanned))]
@@ -337,9 +338,10 @@ def test_a_sidecar_index_matches_a_scan_and_a_stale_one_is_ignored(packed, tmp_p
         assert [shard.locate(i)[1:] for i in range(len(shard))] == [scanned.locate(i)[1:] for i in range(len(scanned))]
     with open(copy, "ab") as f:  # the tar changed: the sidecar no longer matches and is ignored
         f.write(b"\0" * 1024)
-    assert load_index(copy) is None
-    rescanned = TarShard(copy, [])  # scanned again, and the sidecar rewritten
-    assert rescanned.id == scanned.id and load_index(copy) is not None
+    storage, name = open_storage(str(copy))
+    assert load_index(storage, storage.head(name)) is None
+    rescanned = TarShard(storage, name, [])  # scanned again, and the sidecar rewritten
+    assert rescanned.id == scanned.id and load_index(storage, storage.head(name)) is not None
 
 
 def test_pack_no_shuffle_keeps_classes_together(packed, tmp_path):
@@ -378,7 +380,7 @@ def test_tar_shard_labels_wherever_the_cls_is(tmp_path, jpegs):
         ("x/g.cls", b"5"), ("x/e.jpg", j["e"]), ("x/e.cls", b"4"), ("x/g.jpg", j["g"]),  # before, not adjacent
         ("x/f.jpg", j["f"]), ("notes.txt", b"not a sample"), ("x/f.cls", b"5"),  # another member between
     ])
-    shard = TarShard(path, [])
+    shard = TarShard(*open_storage(str(path)), [])
     labels = {shard.key(i): int(shard.labels[i]) for i in range(len(shard))}
     assert labels == {"x/a.jpg": 3, "x/b.jpg": 1, "x/c.jpg": 2, "x/d.jpg": 0, "x/e.jpg": 4, "x/g.jpg": 5,
                       "x/f.jpg": 5}
@@ -394,7 +396,7 @@ def test_tar_shard_bad_label_names_the_file(tmp_path, jpegs):
     path = write_tar(tmp_path / "bad.tar", [("k/one.jpg", jpegs["a"]), ("k/one.cls", b"1"),
                                             ("k/two.jpg", jpegs["b"]), ("k/two.cls", b"dog")])
     with pytest.raises(CatalogError) as info:
-        TarShard(path, [])
+        TarShard(*open_storage(str(path)), [])
     message = str(info.value)
     assert "k/two.cls" in message and "bad.tar" in message and "dog" in message
 
@@ -402,7 +404,7 @@ def test_tar_shard_bad_label_names_the_file(tmp_path, jpegs):
 def test_tar_without_images_is_an_error(tmp_path):
     path = write_tar(tmp_path / "empty.tar", [("k/one.cls", b"1"), ("readme.txt", b"hello")])
     with pytest.raises(CatalogError, match="no images"):
-        TarShard(path, [])
+        TarShard(*open_storage(str(path)), [])
     folder = tmp_path / "folder"
     folder.mkdir()
     write_tar(folder / "nothing.tar", [])
@@ -418,7 +420,7 @@ def test_a_tar_without_cls_members_warns_once_per_start_naming_it(tmp_path, jpeg
     caplog.set_level(logging.WARNING, logger="remoteloader.server.catalog")
     for _ in ("scanned", "from the sidecar"):
         caplog.clear()
-        shard = TarShard(path, [])
+        shard = TarShard(*open_storage(str(path)), [])
         assert shard.labels.tolist() == [-1, -1, 1]
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 2, warnings  # no label, and no name for label 1 (no classes.txt)
@@ -426,7 +428,7 @@ def test_a_tar_without_cls_members_warns_once_per_start_naming_it(tmp_path, jpeg
         assert "<key>.cls" in warnings[0] and "classes.txt" in warnings[0]
         assert "labels go up to 1 but classes.txt beside it names 0 class(es)" in warnings[1]
     caplog.clear()
-    TarShard(path, ["p", "q"])  # named: only the missing labels are said
+    TarShard(*open_storage(str(path)), ["p", "q"])  # named: only the missing labels are said
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1, caplog.text
     caplog.clear()
     open_shards([str(packed[1])])

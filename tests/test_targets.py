@@ -28,6 +28,7 @@ from remoteloader.protos import targets as wire
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, open_shards
 from remoteloader.server.coco import CocoShard
+from remoteloader.server.storage import open_storage
 from remoteloader.tools.local import LocalServer, ServerStartError
 from remoteloader.tools.shapes import CATEGORIES, make_coco, make_target_tar
 from remoteloader.tools.textures import encode_jpeg, make_imagefolder
@@ -149,7 +150,7 @@ def test_boxes_masks_and_keypoints_stay_on_the_pixels_they_annotate(servers, pip
 
 def test_the_letterbox_eval_presets_move_boxes_exactly_as_albumentations_says(servers, data):
     """No randomness: each box is the COCO box scaled to fit and shifted by the padding."""
-    shard = CocoShard(pathlib.Path(data["coco"]), masks=False)
+    shard = CocoShard(*open_storage(str(pathlib.Path(data["coco"]))), masks=False)
     batches = one_epoch(
         servers.address(0), pipeline="detection-eval", fields=["bboxes", "bbox_labels"], return_ids=True, shuffle=False
     )
@@ -305,7 +306,7 @@ def test_the_coco_reader_converts_boxes_labels_crowds_polygons_and_rle(tmp_path)
         },
         {"id": 5, "image_id": 11, "category_id": 42, "bbox": [0, 0, 5, 5], "iscrowd": 0},
     ]
-    shard = CocoShard(write_coco(tmp_path, annotations), masks=True)
+    shard = CocoShard(*open_storage(str(write_coco(tmp_path, annotations))), masks=True)
     assert shard.class_names == ["background", "dog", "cat"]  # by category id: 5, then 17
     assert shard.fields == ("bboxes", "bbox_labels", "mask")
     first = loader_pb2.Targets.FromString(shard.targets(0))
@@ -509,7 +510,7 @@ def test_a_coco_catalog_keeps_a_few_hundred_bytes_per_sample(tmp_path):
     categories = [{"id": c, "name": f"c{c}"} for c in (1, 2, 3)]
     path = tmp_path / "instances.json"
     path.write_text(json.dumps({"images": images, "annotations": annotations, "categories": categories}))
-    shard = CocoShard(path)
+    shard = CocoShard(*open_storage(str(path)))
     held = (
         len(shard._targets)
         + len(shard._key_blob)

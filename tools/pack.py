@@ -46,9 +46,11 @@ import multiprocessing
 import os
 import pathlib
 import re
+import shutil
 import signal
 import sys
 import tarfile
+import tempfile
 from collections.abc import Iterable, Iterator
 
 import cv2
@@ -70,6 +72,7 @@ from remoteloader.server.catalog import (
 from remoteloader.server.coco import CocoShard
 from remoteloader.server.config import default_workers
 from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
+from remoteloader.server.storage import Storage, is_remote, open_storage
 from remoteloader.tools import signals
 
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
@@ -101,7 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "src", help="ImageFolder tree (SRC/<class>/<image>), or a COCO annotation file (instances_*.json, ...)"
     )
-    parser.add_argument("dst", help="output folder for shard-NNNNN.tar and classes.txt")
+    parser.add_argument(
+        "dst",
+        help="output folder, or object-store prefix (s3://bucket/prefix, gs://, az://; credentials from the "
+        "standard variables), for shard-NNNNN.tar, their indexes and classes.txt",
+    )
     parser.add_argument(
         "--shard-size", type=parse_size, default=parse_size("256MB"), help="target bytes per tar shard (default 256MB)"
     )
@@ -145,8 +152,9 @@ OUTCOMES = ("rewritten", "copied", "not rewritten", "unreadable", "left out", "b
 
 @dataclasses.dataclass
 class PackReport:
-    paths: list[pathlib.Path]  # the shards written
+    paths: list[pathlib.Path]  # the shards written (to an object store: staged here, then uploaded)
     counts: dict[str, int]  # samples by outcome (OUTCOMES)
+    bytes: int = 0  # of the shards
     rewritten_before: int = 0  # bytes of the rewritten files, before and after
     rewritten_after: int = 0
 
@@ -296,13 +304,18 @@ def pack(
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers}: expected at least 1")
+    if is_remote(src):
+        raise ValueError(
+            f"{src}: pack reads its source from this machine; copy it here first (its output may go to a store)"
+        )
     with _server_warnings_left_out():
         if _is_coco(src):
             source: Shard = _coco_source(src, image_root, masks)
         else:
             source = _image_folder_source(src, dst, image_root, masks)
-        out = pathlib.Path(dst)
-        if out.exists() and any(out.iterdir()):
+        upload = _Upload.to(dst) if is_remote(dst) else None
+        out = pathlib.Path(upload.staging if upload is not None else dst)
+        if upload is None and out.exists() and any(out.iterdir()):
             # A server reads every .tar in a folder: packing next to other files would mix datasets.
             raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
         made = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
@@ -311,7 +324,9 @@ def pack(
         preparer = None
         try:
             preparer = _Preparer(transcode, workers, masks)
-            _write_shards(source, out, shard_size, seed, shuffle, progress, transcode, masks, preparer, report)
+            _write_shards(
+                source, out, shard_size, seed, shuffle, progress, transcode, masks, preparer, report, upload, dst
+            )
         except BaseException:
             with signals.signals_ignored():
                 if preparer is not None:
@@ -322,9 +337,45 @@ def pack(
                 (out / CLASSES_FILE).unlink(missing_ok=True)
                 for folder in made:
                     folder.rmdir()
+                if upload is not None:
+                    upload.undo()
             raise
         preparer.stop()
     return report
+
+
+class _Upload:
+    """Shards written to an object store: each tar and its index are staged in a temporary
+    folder, uploaded as soon as the tar is complete and removed from it, so the staging never
+    holds more than one shard."""
+
+    def __init__(self, storage: Storage, prefix: str):
+        self.storage, self.prefix = storage, prefix
+        self.staging = tempfile.mkdtemp(prefix="remoteloader-pack-")
+        self.uploaded: list[str] = []
+
+    @classmethod
+    def to(cls, dst: str) -> _Upload:
+        storage, prefix = open_storage(dst)
+        try:
+            storage.children(prefix)
+        except FileNotFoundError:
+            return cls(storage, prefix)
+        raise FileExistsError(f"{dst} is not empty; choose a new or empty prefix for the shards")
+
+    def file(self, path: pathlib.Path) -> None:
+        """Uploads a staged file beside the others, then removes it from the staging."""
+        name = self.storage.join(self.prefix, path.name)
+        self.storage.upload(name, path)
+        self.uploaded.append(name)
+        path.unlink()
+
+    def undo(self) -> None:
+        """Removes what was uploaded and the staging (after a failure or an interruption)."""
+        for name in self.uploaded:
+            with contextlib.suppress(OSError):
+                self.storage.delete(name)
+        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def _is_coco(src: str) -> bool:
@@ -334,7 +385,7 @@ def _is_coco(src: str) -> bool:
 def _coco_source(src: str, image_root: str, masks: bool) -> CocoShard:
     if image_root and not os.path.isdir(image_root):
         raise ValueError(f"--image-root {image_root}: no such folder")
-    return CocoShard(pathlib.Path(src), image_root, masks)
+    return CocoShard(*open_storage(src), image_root, masks)
 
 
 def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> ImageFolderShard:
@@ -357,7 +408,7 @@ def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> Im
             f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>) or a COCO annotation "
             f".json; servers read tar shards as they are"
         )
-    return ImageFolderShard(pathlib.Path(src), tars_too=False)
+    return ImageFolderShard(*open_storage(src), tars_too=False)
 
 
 class _ForServers(logging.Filter):
@@ -390,9 +441,12 @@ def _write_shards(
     masks: bool,
     preparer: _Preparer,
     report: PackReport,
+    upload: _Upload | None = None,
+    dst: str = "",
 ) -> None:
     """Each sample's members: its image under its key; its label (``.cls``) when it has one; its
-    targets (``.json``) and, ``masks``, its mask (``.mask.png``) when its source has targets."""
+    targets (``.json``) and, ``masks``, its mask (``.mask.png``) when its source has targets.
+    Each tar gets its index as soon as it is complete (and goes to ``upload``'s store, if given)."""
     order = np.random.default_rng(seed).permutation(len(source)) if shuffle else np.arange(len(source))
     (out / CLASSES_FILE).write_text(_classes_text(source.class_names))
     counts, paths = report.counts, report.paths
@@ -420,7 +474,7 @@ def _write_shards(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(samples), unit="img", desc=f"packing into {out}", file=sys.stderr)
+        bar = tqdm(total=len(samples), unit="img", desc=f"packing into {dst or out}", file=sys.stderr)
     tar = None
     written = 0
     try:
@@ -460,6 +514,7 @@ def _write_shards(
             if tar is None or written >= shard_size:
                 if tar is not None:
                     tar.close()
+                    _complete(paths[-1], source, report, upload)
                 paths.append(out / f"shard-{len(paths):05d}.tar")
                 # PAX: names of any length (ustar stops at 100-255 bytes), read by any tar reader
                 tar = tarfile.open(paths[-1], "w", format=tarfile.PAX_FORMAT)
@@ -473,13 +528,24 @@ def _write_shards(
             tar.close()
         if bar is not None:
             bar.close()
-    names = list(source.class_names)
-    for path in paths:  # the sidecar indexes: servers start without scanning the tars
-        TarShard(path, names)
-
+    if paths:
+        _complete(paths[-1], source, report, upload)
+    if upload is not None:
+        upload.file(out / CLASSES_FILE)
+        shutil.rmtree(upload.staging, ignore_errors=True)
     _warn(counts, named, transcode)
     if not paths:
         raise ValueError(f"none of the {len(source)} samples could be packed (see the warnings above)")
+
+
+def _complete(path: pathlib.Path, source: Shard, report: PackReport, upload: _Upload | None) -> None:
+    """A tar is written: its sidecar index, so that servers start without scanning it (and both
+    uploaded, where the shards go to an object store)."""
+    TarShard(*open_storage(str(path)), list(source.class_names))
+    report.bytes += path.stat().st_size
+    if upload is not None:
+        upload.file(path)
+        upload.file(path.with_name(path.name + INDEX_SUFFIX))
 
 
 def _classes_text(names: list[str]) -> str:
@@ -607,7 +673,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as exc:  # CatalogError is a ValueError
         print(f"remoteloader pack: error: {exc}", file=sys.stderr)
         return 2
-    total = sum(p.stat().st_size for p in report.paths)
+    total = report.bytes
     rewritten = ""
     if not args.verbatim:
         growth = report.rewritten_after / report.rewritten_before - 1 if report.rewritten_before else 0.0

@@ -1,0 +1,405 @@
+"""Loader servers on an object store: a real S3 server (SeaweedFS, ``tools/local_s3.py``) on
+127.0.0.1, the same datasets uploaded to it and kept on disk, and servers on both.
+
+Module data (uploaded under the bucket ``data``):
+    packed/   ``remoteloader pack`` tar shards, with their indexes and classes.txt
+    plain/    a WebDataset tar with .json targets and .mask.png members, no index
+    folder/   an ImageFolder tree
+    coco/     a COCO annotation file and its images
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import pathlib
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from remoteloader.client import LoaderError, RemoteLoader
+from remoteloader.server.object_cache import _coalesce, _Mirror, _subtract
+from remoteloader.tools.local import ServerProcess, server_command
+from remoteloader.tools.local_s3 import LocalS3
+from remoteloader.tools.pack import pack
+from remoteloader.tools.shapes import make_coco, make_target_tar
+from remoteloader.tools.textures import make_imagefolder
+
+pytestmark = pytest.mark.timeout(180)
+
+DATASETS = ("packed", "plain", "folder", "coco")
+
+
+class Data:
+    def __init__(self, root: pathlib.Path, s3: LocalS3, local: dict[str, pathlib.Path]):
+        self.root, self.s3, self.local = root, s3, local
+
+    def url(self, name: str) -> str:
+        return f"s3://data/{name}"
+
+    def path(self, name: str) -> str:
+        if name == "coco":
+            return str(self.local[name] / "annotations.json")
+        return str(self.local[name])
+
+    def bucket_path(self, name: str) -> str:
+        return self.url("coco/annotations.json") if name == "coco" else self.url(name)
+
+    def upload(self, name: str, folder: pathlib.Path) -> None:
+        import obstore
+        from obstore.store import from_url
+
+        store = from_url("s3://data", client_options={"allow_http": "true"}, **_credentials(self.s3))
+        for file in sorted(folder.rglob("*")):
+            if file.is_file():
+                obstore.put(store, f"{name}/{file.relative_to(folder).as_posix()}", file.read_bytes())
+
+    def store(self):
+        from obstore.store import from_url
+
+        return from_url("s3://data", client_options={"allow_http": "true"}, **_credentials(self.s3))
+
+
+def _credentials(s3: LocalS3) -> dict:
+    return {"endpoint": s3.endpoint, "access_key_id": s3.access_key, "secret_access_key": s3.secret_key,
+            "region": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("object-store")
+    folder = make_imagefolder(root / "folder", ["ant", "bee", "cat"], 16, size=(96, 128), seed=3)
+    packed = root / "packed"
+    pack(str(folder), str(packed), shard_size=400_000, progress=False)
+    plain = make_target_tar(root / "plain" / "shapes.tar", 24, size=(96, 128), seed=4).parent
+    coco = make_coco(root / "coco", 20, size=(96, 128), seed=5).parent
+    s3 = LocalS3(root / "s3").start()
+    local = {"packed": packed, "plain": plain, "folder": folder, "coco": coco}
+    d = Data(root, s3, local)
+    for name, path in local.items():
+        d.upload(name, path)
+    yield d
+    s3.stop()
+
+
+def batches(loader, run_bounded, epochs: int = 1) -> list:
+    """Every batch of ``epochs`` epochs as plain values: ids, labels, images and any targets."""
+    out = []
+    for _ in range(epochs):
+        for item in loader:  # (dict batches: run_bounded keeps tuples; the test's timeout bounds this)
+            if isinstance(item, dict):
+                out.append({k: (v.numpy().copy() if isinstance(v, torch.Tensor) else [t.numpy().copy() for t in v])
+                            for k, v in item.items()})
+            else:
+                images, labels, ids = item
+                out.append({"images": images.numpy().copy(), "label": labels.numpy().copy(), "ids": ids.numpy().copy()})
+    return out
+
+
+def same(a: list, b: list) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.keys() != y.keys():
+            return False
+        for k in x:
+            xs, ys = (x[k], y[k]) if isinstance(x[k], list) else ([x[k]], [y[k]])
+            if len(xs) != len(ys) or not all(np.array_equal(p, q) for p, q in zip(xs, ys)):
+                return False
+    return True
+
+
+def loader(addresses, **kwargs) -> RemoteLoader:
+    options = dict(batch_size=6, image_size=48, drop_last=False, return_ids=True, seed=7, connect_timeout=30)
+    options.update(kwargs)
+    return RemoteLoader(addresses, **options)
+
+
+# ---- the same data from the bucket as from the disk ------------------------------------------
+def test_every_format_serves_the_same_batches_from_the_bucket_as_from_disk(cluster, data, run_bounded, tmp_path):
+    on_disk = cluster.add([data.path(n) for n in DATASETS], "--cache-dir", str(tmp_path / "disk"))
+    cache = tmp_path / "cache"
+    in_bucket = cluster.add([data.bucket_path(n) for n in DATASETS], "--cache-dir", str(cache), env=data.s3.env())
+    log = cluster.stderr(in_bucket)
+    assert "costs one request per image" in log and "remoteloader pack" in log, log  # the ImageFolder
+    with loader(cluster.address(on_disk)) as a, loader(cluster.address(in_bucket)) as b:
+        assert a.num_samples == b.num_samples == 48 + 48 + 24 + 20
+        assert {s.id for s in a.sample_space.shards} == {s.id for s in b.sample_space.shards}, "not the same shards"
+        assert "mask" in b.sample_space.fields and "bboxes" in b.sample_space.fields
+        first, second = batches(a, run_bounded, 2), batches(b, run_bounded, 2)  # the 2nd: region decodes
+    assert same(first, second), "the bucket's samples differ from the disk's"
+    assert len(list((cache / "indexes").glob("*.index.npz"))) == 1, "the plain tar's scanned index was not kept"
+    # A restart reads the kept index instead of scanning the tar again.
+    again = cluster.add([data.bucket_path("plain")], "--cache-dir", str(cache), env=data.s3.env())
+    assert "scanned" not in cluster.stderr(again) and "scanned" in log, cluster.stderr(again)
+
+
+def test_servers_on_one_bucket_are_replicas_and_fail_over_exactly_once(cluster, data, run_bounded, tmp_path):
+    args = ("--max-rate", "150")
+    first = cluster.add([data.bucket_path("packed")], *args, "--cache-dir", str(tmp_path / "a"), env=data.s3.env())
+    second = cluster.add([data.bucket_path("packed")], *args, "--cache-dir", str(tmp_path / "b"), env=data.s3.env())
+    reference = cluster.add([data.path("packed")], "--cache-dir", str(tmp_path / "c"))
+    with loader(cluster.address(reference)) as L:
+        expected = batches(L, run_bounded)
+
+    def kill_first(n, _batch):
+        if n == 2:
+            cluster.kill(first)
+
+    with loader([cluster.address(first), cluster.address(second)], prefetch=2) as L:
+        (shard,) = L.sample_space.shards
+        assert len(shard.owners) == 2, "two servers on one bucket must be replicas of its shards"
+        got = []
+        for batch in run_bounded(L, 90, kill_first):
+            images, labels, ids = batch
+            got.append({"images": images.numpy().copy(), "label": labels.numpy().copy(), "ids": ids.numpy().copy()})
+    assert same(got, expected)
+
+
+def test_a_store_down_for_seconds_mid_epoch_loses_and_repeats_nothing(cluster, data, run_bounded, tmp_path):
+    i = cluster.add([data.bucket_path("folder")], "--max-rate", "40", "--cache-dir", str(tmp_path / "c"),
+                    env=data.s3.env())
+    reference = cluster.add([data.path("folder")], "--cache-dir", str(tmp_path / "d"))
+    with loader(cluster.address(reference)) as L:
+        expected = batches(L, run_bounded)
+    outage = []
+
+    def stop_the_store(n, _batch):
+        if n == 1:
+            data.s3.stop()
+            started = time.monotonic()
+            time.sleep(3)
+            data.s3.start()
+            outage.append(time.monotonic() - started)
+
+    with loader(cluster.address(i), prefetch=1, max_inflight=1) as L:
+        got = [{"images": x.numpy().copy(), "label": y.numpy().copy(), "ids": ids.numpy().copy()}
+               for x, y, ids in run_bounded(L, 120, stop_the_store)]
+    assert outage and outage[0] >= 3
+    assert same(got, expected), "the epoch changed across the store's outage"
+
+
+class Throttling(threading.Thread):
+    """An HTTP proxy in front of the store that answers 503 SlowDown while ``throttle`` is set."""
+
+    def __init__(self, target: str):
+        super().__init__(daemon=True)
+        host, port = target.removeprefix("http://").split(":")
+        proxy = self
+        self.throttle = threading.Event()
+        self.refused = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.throttle.is_set():
+                    proxy.refused += 1
+                    reply = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                upstream = http.client.HTTPConnection(host, int(port), timeout=30)
+                upstream.request(self.command, self.path, body, dict(self.headers))  # Host kept: it is signed
+                answer = upstream.getresponse()
+                payload = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                upstream.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def run(self) -> None:
+        self.server.serve_forever()
+
+
+def test_throttling_is_retried_and_nothing_is_lost(cluster, data, run_bounded, tmp_path):
+    proxy = Throttling(data.s3.endpoint)
+    proxy.start()
+    try:
+        env = {**data.s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+        i = cluster.add([data.bucket_path("folder")], "--max-rate", "40", "--cache-dir", str(tmp_path / "c"), env=env)
+
+        def throttle(n, _batch):
+            if n == 1:
+                proxy.throttle.set()
+                threading.Timer(2.0, proxy.throttle.clear).start()
+
+        with loader(cluster.address(i), prefetch=1, max_inflight=1) as L:
+            ids = [int(v) for _x, _y, batch in run_bounded(L, 120, throttle) for v in batch]
+    finally:
+        proxy.server.shutdown()
+    assert proxy.refused > 0, "the proxy never throttled a request"
+    assert sorted(ids) == list(range(48))
+
+
+def test_objects_deleted_or_rewritten_since_indexing_fail_their_samples_by_name(cluster, data, run_bounded, tmp_path):
+    import obstore
+
+    store = data.store()
+    for name in ("folder", "packed"):  # copies this test may spoil
+        for page in obstore.list(store, name):
+            for meta in page:
+                obstore.copy(store, meta["path"], "spoiled-" + meta["path"])
+    i = cluster.add([data.url("spoiled-folder"), data.url("spoiled-packed")], "--cache-dir", str(tmp_path / "c"),
+                    env=data.s3.env())
+    obstore.delete(store, "spoiled-folder/bee/bee_00003.jpg")
+    tars = [p["path"] for page in obstore.list(store, "spoiled-packed") for p in page if p["path"].endswith(".tar")]
+    tar = sorted(tars)[0]
+    obstore.put(store, tar, bytes(obstore.get(store, tar).bytes()) + b"\0" * 512)  # same samples, another version
+    failures = []
+    with loader(cluster.address(i), on_error=failures.extend) as L:
+        ids = [int(v) for _x, _y, batch in run_bounded(L, 90) for v in batch]
+    assert sorted(ids) == list(range(96)), "a batch lost or repeated samples around the failures"
+    reasons = {f.key: f.reason for f in failures}
+    assert "bee/bee_00003.jpg" in reasons and "no such object" in reasons["bee/bee_00003.jpg"], reasons
+    changed = [r for r in reasons.values() if "changed since the server indexed it" in r]
+    assert changed and all(tar in r for r in changed), reasons
+    assert len(reasons) == 1 + len(changed)
+
+
+@pytest.mark.parametrize("problem", ["credentials", "bucket"])
+def test_bad_credentials_or_a_missing_bucket_stop_the_server_at_start_with_the_fix(data, tmp_path, problem):
+    env = data.s3.env()
+    url = data.url("packed")
+    if problem == "credentials":
+        env["AWS_SECRET_ACCESS_KEY"] = "wrong"
+    else:
+        url = "s3://no-such-bucket/packed"
+    process = ServerProcess([*server_command(), "--data", url, "--port", "0", "--cache-dir", str(tmp_path),
+                             "--store-timeout", "2"], env=env)
+    code = process.wait(60)
+    output = process.stderr()
+    process.kill()
+    assert code not in (None, 0), output
+    assert url in output, output
+    if problem == "credentials":
+        assert "refused these credentials" in output and "AWS_ACCESS_KEY_ID" in output, output
+    else:
+        assert "no such bucket" in output, output
+    assert "Traceback" not in output, output
+
+
+# ---- the cache's bookkeeping, without a store ------------------------------------------------
+def test_a_mirror_knows_exactly_which_bytes_it_holds(tmp_path):
+    rng = np.random.default_rng(0)
+    mirror = _Mirror(str(tmp_path / "m"))
+    held = np.zeros(4000, bool)
+    for _ in range(400):
+        start = int(rng.integers(0, 3900))
+        end = start + int(rng.integers(1, 100))
+        added = mirror.add(start, end)
+        assert added == int((~held[start:end]).sum())
+        held[start:end] = True
+        assert mirror.bytes == int(held.sum())
+        a = int(rng.integers(0, 3900))
+        b = a + int(rng.integers(1, 100))
+        assert mirror.covers(a, b) == bool(held[a:b].all())
+        missing = np.zeros(4000, bool)
+        for s, e in mirror.missing(a, b):
+            missing[s:e] = True
+        assert np.array_equal(missing[a:b], ~held[a:b])
+    mirror.close()
+    assert not os.path.exists(tmp_path / "m")
+
+
+def test_what_is_on_its_way_is_not_asked_for_twice():
+    assert _subtract([(0, 10)], [(2, 4), (6, 7)]) == [(0, 2), (4, 6), (7, 10)]
+    assert _subtract([(0, 10), (20, 30)], [(5, 25)]) == [(0, 5), (25, 30)]
+    assert _subtract([(0, 10)], [(0, 10)]) == [] and _subtract([(5, 8)], []) == [(5, 8)]
+
+
+def test_neighbouring_ranges_are_fetched_as_one_request():
+    from remoteloader.server.object_cache import COALESCE, MAX_REQUEST
+
+    assert _coalesce([(100, 200), (0, 50), (150, 300)]) == [(0, 300)]
+    assert _coalesce([(0, 10), (10 + COALESCE + 1, 10 + COALESCE + 5)]) == [(0, 10), (COALESCE + 11, COALESCE + 15)]
+    big = [(k * 1000, k * 1000 + 1000) for k in range(MAX_REQUEST // 1000 + 10)]
+    assert all(e - s <= MAX_REQUEST for s, e in _coalesce(big)) and len(_coalesce(big)) == 2
+
+
+def test_a_loader_error_names_a_server_whose_store_is_gone_for_good(cluster, data, run_bounded, tmp_path):
+    """Past --store-timeout the samples fail, named, under on_error: the server survives."""
+    s3 = LocalS3(tmp_path / "gone", buckets=("gone",)).start()
+    import obstore
+    from obstore.store import from_url
+
+    obstore.put(from_url("s3://gone", client_options={"allow_http": "true"}, **_credentials(s3)),
+                "x/a/1.jpg", (data.local["folder"] / "ant" / "ant_00000.jpg").read_bytes())
+    i = cluster.add(["s3://gone/x"], "--store-timeout", "2", "--cache-dir", str(tmp_path / "c"), env=s3.env())
+    s3.kill()
+    with loader(cluster.address(i), batch_size=1) as L:
+        with pytest.raises(LoaderError, match="the store failed for 2s of retries"):
+            run_bounded(L, 60)
+    assert cluster.servers[i].process.poll() is None, "the server died of its store"
+
+
+def test_pack_writes_shards_and_their_indexes_to_a_bucket(data, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from remoteloader.server.catalog import open_shards
+
+    env = {**os.environ, **data.s3.env()}
+    done = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", data.path("folder"),
+                           data.url("packed-by-pack/"), "--shard-size", "400000", "--quiet"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert data.url("packed-by-pack/") in done.stdout
+    for key, value in data.s3.env().items():  # (obstore reads the process's environment)
+        monkeypatch.setenv(key, value)
+    local = open_shards([data.path("packed")])
+    remote = open_shards([data.url("packed-by-pack")], index_folder=str(tmp_path / "indexes"))
+    assert [s.id for s in remote] == [s.id for s in local], "pack wrote other shards to the bucket"
+    assert not list(tmp_path.glob("indexes/*")), "the uploaded indexes were not used"
+    again = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", data.path("folder"),
+                            data.url("packed-by-pack/"), "--quiet"], capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert again.returncode == 2 and "is not empty" in again.stderr, again.stderr
+
+
+def test_the_disk_cache_keeps_to_its_byte_limit_and_refetches_what_it_dropped(cluster, data, run_bounded,
+                                                                             tmp_path, free_port):
+    import urllib.request
+
+    limit = 200_000  # a fraction of the ImageFolder's 48 images
+    port = free_port()
+    cache = tmp_path / "cache"
+    i = cluster.add([data.bucket_path("folder")], "--disk-cache-bytes", str(limit), "--metrics-port", str(port),
+                    "--cache-dir", str(cache), env=data.s3.env())
+
+    def metric(name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    folder_bytes = sum(p.stat().st_size for p in data.local["folder"].rglob("*.jpg"))
+    fetched = []
+    with loader(cluster.address(i), prefetch=1, max_inflight=1) as L:
+        for _ in range(2):
+            ids = [int(v) for _x, _y, batch in run_bounded(L, 90) for v in batch]
+            assert sorted(ids) == list(range(48))
+            fetched.append(metric("remoteloader_store_fetched_bytes_total"))
+            assert metric("remoteloader_disk_cache_bytes") <= limit
+            on_disk = sum(p.stat().st_blocks * 512 for p in cache.glob("objects/*"))
+            assert on_disk <= limit + 64 * 4096, on_disk  # (sparse files: blocks, not sizes)
+    assert fetched[0] == folder_bytes, "the first epoch fetched other than each byte once"
+    assert fetched[1] - fetched[0] > folder_bytes - limit, "what the limit dropped was not fetched again"
