@@ -62,4 +62,8 @@ else:
 record = {"steps": steps, "prepared": prepared is loader, "skip": skip}
 with open(os.path.join(config["out"], f"{config['phase']}-rank{accelerator.process_index}.json"), "w") as f:
     json.dump(record, f)
+loader.close()
+accelerator.wait_for_everyone()
 accelerator.end_training()
+if torch.distributed.is_initialized():  # (left to exit, gloo's threads may abort the process: SIGABRT)
+    torch.distributed.destroy_process_group()
