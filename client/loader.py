@@ -46,6 +46,7 @@ from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.security import TLSConfig
 from remoteloader.client.server_set import ServerSet
 from remoteloader.client.thread_receiver import ThreadReceiver
+from remoteloader.client.torchvision_form import torchvision_form
 from remoteloader.protos import targets as tg
 
 log = logging.getLogger("remoteloader.client")
@@ -115,7 +116,14 @@ class RemoteLoader:
             has none), all on ``device``; otherwise batches are (images, labels) tuples as for
             classification.
             (With None, a loader whose servers carry targets connects twice at start, once to
-            learn the fields; naming them saves that.)
+            learn the fields; naming them saves that.) A field that no server's shards carry
+            is an error naming what carries it (e.g. COCO servers' ``--coco-masks``), except
+            ``orig_size`` and ``to_orig``, which every server computes.
+        batch_format: None (default): batches as above; ``"torchvision"``: (images, targets) as
+            torchvision's detection models and references take them: ``images`` a list of float
+            [3, H, W] tensors on the 0..1 scale (or normalized, with ``normalize``), ``targets``
+            a list of dicts with "boxes", "labels", "image_id", "area", "iscrowd", "masks"
+            (with that field) and the other fields asked for (README, "Detection with torchvision").
         ordered: Yield batches in plan order (reproducible, default True) or as they complete.
         on_error: What to do with samples a server could not decode: "raise" (default),
             "warn" or "skip" (the batch comes without them), or a callable taking a list of
@@ -167,6 +175,7 @@ class RemoteLoader:
     dtype: Option[torch.dtype] = Option()
     return_ids: Option[bool] = Option()
     fields: Option[tuple[str, ...] | None] = Option()
+    batch_format: Option[str | None] = Option()
     ordered: Option[bool] = Option()
     on_error: Option[str | Callable[[list[SampleFailure]], None]] = Option()
     prefetch: Option[int] = Option()
@@ -192,6 +201,7 @@ class RemoteLoader:
         dtype: torch.dtype = torch.float32,
         return_ids: bool = False,
         fields: Sequence[str] | None = None,
+        batch_format: str | None = None,
         ordered: bool = True,
         on_error: str | Callable[[list[SampleFailure]], None] = "raise",
         prefetch: int = 8,
@@ -222,6 +232,7 @@ class RemoteLoader:
             dtype=dtype,
             return_ids=return_ids,
             fields=fields,
+            batch_format=batch_format,
             ordered=ordered,
             on_error=on_error,
             prefetch=prefetch,
@@ -265,19 +276,23 @@ class RemoteLoader:
         self._warn_if_epochs_are_empty(self._ranks.current())
 
     def _wanted_fields(self) -> tuple[str, ...]:
-        """The fields asked for, or (fields=None) those the servers' shards carry; warns of fields
-        asked for that no shard carries."""
+        """The fields asked for, or (fields=None) those the servers' shards carry; ValueError for
+        fields asked for that no shard carries (a model trained on empty targets is silently wrong)."""
         space = self._servers.space
-        if self.fields is None:
-            return space.fields
-        missing = [f for f in self.fields if f not in space.fields]
+        wanted = space.fields if self.fields is None else self.fields
+        missing = [f for f in wanted if f not in space.fields and f not in tg.RENDERED]
         if missing:
-            warnings.warn(
-                f"RemoteLoader: none of the servers' shards carry {', '.join(missing)} (they carry "
-                f"{', '.join(space.fields) or 'no targets'}); every sample gets an empty one",
-                stacklevel=3,
+            carried = "; ".join(f"{f}: {tg.CARRIED_BY.get(f, 'shards whose targets have it')}" for f in missing)
+            raise ValueError(
+                f"fields={list(wanted)}: none of the servers' shards carry {', '.join(missing)} (they carry "
+                f"{', '.join(space.fields) or 'no targets'}). What carries them: {carried}"
             )
-        return self.fields
+        if self.batch_format == "torchvision" and not {tg.BBOXES, tg.BBOX_LABELS} <= set(wanted):
+            raise ValueError(
+                f"batch_format='torchvision' needs the fields bboxes and bbox_labels (asked for: {list(wanted)}; "
+                f"the servers' shards carry {', '.join(space.fields) or 'no targets'})"
+            )
+        return wanted
 
     def _open_io(self, address: str | Iterable[str]) -> tuple[Receiver, Delivery]:
         """The receiver and the delivery the options ask for (closed again if either fails)."""
@@ -641,7 +656,7 @@ class RemoteLoader:
         if not self._closed and io is not None:
             io.buffer_freed()
 
-    def _deliver(self, item: Batch | Delivered) -> tuple[torch.Tensor, ...] | dict[str, Any] | None:
+    def _deliver(self, item: Batch | Delivered) -> tuple | dict[str, Any] | None:
         delivered = self._delivery.finish(item)
         images, labels, ids = delivered.images, delivered.labels, delivered.ids
         targets = delivered.targets
@@ -666,6 +681,8 @@ class RemoteLoader:
         self._throughput.batches += 1
         self._throughput.images += len(ids)
         self._throughput.bytes += delivered.nbytes
+        if self.batch_format == "torchvision":
+            return torchvision_form(images, targets, ids, self.options)
         if self._batch_fields is not None:
             batch: dict[str, Any] = {"images": images}
             for name in self._batch_fields:

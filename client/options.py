@@ -29,6 +29,7 @@ from remoteloader.protos import targets as tg
 from remoteloader.protos.wire import RAW, WIRES, missing
 
 ON_ERROR = ("raise", "warn", "skip")
+BATCH_FORMATS = ("torchvision",)  # besides None: (images, labels) tuples or dicts
 RECEIVERS = ("thread", "process")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 UINT64 = 1 << 64  # seeds and epochs travel as uint64
@@ -53,6 +54,7 @@ class LoaderOptions:
     normalize: tuple[list[float], list[float]] | None
     dtype: torch.dtype
     return_ids: bool
+    batch_format: str | None  # None, or "torchvision" (client/torchvision_form.py)
     ordered: bool
     on_error: str | Callable[[list[SampleFailure]], None]
     prefetch: int
@@ -97,6 +99,7 @@ class LoaderOptions:
         receiver: Any,
         wire: Any = RAW,
         shared_memory: Any = True,
+        batch_format: Any = None,
     ) -> LoaderOptions:
         """Validates RemoteLoader's arguments (ValueError naming the first bad one)."""
         batch_size = check_int("batch_size", batch_size, 1)
@@ -114,6 +117,8 @@ class LoaderOptions:
         normal = _normalize(normalize)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype}: expected torch.float32, bfloat16, float16 or float64")
+        if batch_format is not None and batch_format not in BATCH_FORMATS:
+            raise ValueError(f"batch_format={batch_format!r}: expected None or one of {', '.join(BATCH_FORMATS)}")
         if not callable(on_error) and on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {', '.join(ON_ERROR)} or a callable")
         prefetch, max_inflight = check_int("prefetch", prefetch, 1), check_int("max_inflight", max_inflight, 1)
@@ -141,6 +146,7 @@ class LoaderOptions:
             normalize=normal,
             dtype=dtype,
             return_ids=bool(return_ids),
+            batch_format=batch_format,
             ordered=bool(ordered),
             on_error=on_error,
             prefetch=prefetch,

@@ -197,18 +197,20 @@ class TargetArray(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("value", "polygons", "rle", "rle_height", "rle_width")
+    __slots__ = ("value", "polygons", "rle", "rle_height", "rle_width", "box")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     POLYGONS_FIELD_NUMBER: _ClassVar[int]
     RLE_FIELD_NUMBER: _ClassVar[int]
     RLE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     RLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
     value: int
     polygons: _containers.RepeatedCompositeFieldContainer[Polygon]
     rle: _containers.RepeatedScalarFieldContainer[int]
     rle_height: int
     rle_width: int
-    def __init__(self, value: _Optional[int] = ..., polygons: _Optional[_Iterable[_Union[Polygon, _Mapping]]] = ..., rle: _Optional[_Iterable[int]] = ..., rle_height: _Optional[int] = ..., rle_width: _Optional[int] = ...) -> None: ...
+    box: int
+    def __init__(self, value: _Optional[int] = ..., polygons: _Optional[_Iterable[_Union[Polygon, _Mapping]]] = ..., rle: _Optional[_Iterable[int]] = ..., rle_height: _Optional[int] = ..., rle_width: _Optional[int] = ..., box: _Optional[int] = ...) -> None: ...
 
 class Polygon(_message.Message):
     __slots__ = ("xy",)

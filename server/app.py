@@ -24,9 +24,10 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from remoteloader.protos import limits, malloc
 from remoteloader.protos.same_host import host_id
-from remoteloader.server.catalog import Shard, SyntheticShard, TarShard, open_shards
+from remoteloader.server.catalog import Shard, SyntheticShard
 from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
+from remoteloader.server.formats import FormatOptions, open_shards
 from remoteloader.server.health import Health
 from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.object_cache import ObjectCache
@@ -128,15 +129,15 @@ def _object_cache(config: ServerConfig, shards: list[Shard]) -> ObjectCache | No
     remote = [s for s in shards if s.remote]
     if not stores:
         return None
-    tars = {s.path: s.object.size for s in remote if isinstance(s, TarShard)}
-    total = sum(tars.values()) + sum(s.nbytes for s in remote if not isinstance(s, TarShard))
+    files = {s.locate(0).path: s.object.size for s in remote if s.object is not None and len(s)}
+    total = sum(files.values()) + sum(s.nbytes for s in remote if s.object is None)
     fits = total <= config.disk_cache_bytes
     log.info(
         "object stores: %.1f GB of shards, %s --disk-cache-bytes (%.1f GB): %s",
         total / 1e9,
         "within" if fits else "over",
         config.disk_cache_bytes / 1e9,
-        "tars are fetched in whole blocks, each byte once"
+        "tars and TFRecord files are fetched in whole blocks, each byte once"
         if fits
         else "each sample's bytes are fetched as it is needed, and fetched again once evicted",
     )
@@ -145,7 +146,7 @@ def _object_cache(config: ServerConfig, shards: list[Shard]) -> ObjectCache | No
         config.disk_cache_bytes,
         list(stores.values()),
         config.fetch_concurrency,
-        blocks=tars if fits else None,
+        blocks=files if fits else None,
     )
 
 
@@ -202,10 +203,15 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
     shards = open_shards(
         list(config.data),
-        config.image_root,
-        config.coco_masks,
-        index_folder=os.path.join(config.cache_dir, "indexes"),
-        retry_seconds=config.store_timeout,
+        FormatOptions(
+            image_root=config.image_root,
+            coco_masks=config.coco_masks,
+            lmdb_unpickle=config.lmdb_unpickle,
+            tfrecord_features=config.tfrecord_features,
+            parquet_columns=config.parquet_columns,
+            index_folder=os.path.join(config.cache_dir, "indexes"),
+            retry_seconds=config.store_timeout,
+        ),
     )
     if config.source:
         shards.append(open_source(config.source, config.source_args))

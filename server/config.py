@@ -60,7 +60,23 @@ class ServerConfig:
         "on this machine or in an object store (s3://bucket/prefix, gs://, az://, https://)",
     )
     image_root: str = _setting("", "folder or URL of a COCO file's images (default: the folder the .json is in)")
-    coco_masks: bool = _setting(False, "draw COCO segmentations into a semantic mask (the 'mask' field)")
+    coco_masks: bool = _setting(
+        False, "keep COCO segmentations: a semantic mask (the 'mask' field) and an instance mask per box ('masks')"
+    )
+    tfrecord_features: str = _setting(
+        "",
+        'TFRecord feature names other than TensorFlow\'s usual ones, as JSON: {"image": "jpeg", "label": "cls"} '
+        "(image, label, xmin, ymin, xmax, ymax, bbox_label, width, height)",
+    )
+    parquet_columns: str = _setting(
+        "",
+        'Parquet columns other than those found by type, as JSON: {"image": "img", "label": "y"} '
+        "(image, label, labels, objects, bbox_format: coco or pascal_voc)",
+    )
+    # Unpickling runs code from the file: only the operator may ask for it, never a client.
+    lmdb_unpickle: bool = _setting(
+        False, "read LMDB values that are pickles: this RUNS CODE from the database file; only for files you trust"
+    )
     # The operator's code, from this command line only; never sent by a client.
     source: str = _setting("", "serve samples from your own Python object: package.module:factory")
     source_args: str = _setting("{}", "JSON object of keyword arguments for the --source factory")
@@ -172,6 +188,11 @@ class ServerConfig:
             raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
         if not isinstance(args, dict):
             raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
+        if self.tfrecord_features or self.parquet_columns:
+            from remoteloader.server.formats import parquet, tfrecord  # (their parsers say what is wrong)
+
+            tfrecord.features(self.tfrecord_features)
+            parquet.columns(self.parquet_columns)
         if self.image_root and not is_remote(self.image_root) and not os.path.isdir(self.image_root):
             raise ValueError(f"image_root={self.image_root!r}: no such folder")
         _positive(

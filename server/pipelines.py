@@ -11,12 +11,14 @@ training presets start, resizes the image once, to the size the two give (``Defe
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
 draw the same random numbers, so they give the same pixels up to resampling rounding.
 
-Targets that move with the pixels (boxes, keypoints, the mask) go through the same
+Targets that move with the pixels (boxes, keypoints, the masks) go through the same
 ``A.Compose`` as the image (``Pipeline.with_targets``), with albumentations' own box and
 keypoint processors, so they are exactly albumentations' result. Where the pipeline starts
 with a random-resized crop, that crop (``RegionCrop``) draws its window as albumentations
 does and returns the region the fused decode made of it, while the targets go through the
 crop and the rest unchanged. Targets that do not move (``labels``, extra arrays) pass through.
+The geometry (``orig_size``, ``to_orig``) is measured by two reference points that go through
+the keypoint processor with the sample's own.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ PAD_FILL = 114  # grey padding of letterboxed and scale-jittered images (as YOLO
 # detector cannot learn from them; torchvision's refuses boxes of no width).
 BBOX_PARAMS = {"format": "pascal_voc", "label_fields": [tg.BBOX_LABELS], "clip": True, "min_width": 1, "min_height": 1}
 KEYPOINT_PARAMS = {"format": "xy", "remove_invisible": False}
-MOVING = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.MASK)  # fields transformed with the pixels
+MOVING = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.MASK, tg.MASKS)  # fields transformed with the pixels
+THROUGH_COMPOSE = MOVING + tg.RENDERED  # fields that need the whole compose (not the fused decode)
 MAX_PIPELINE_JSON = 64 * 1024  # bytes of UTF-8
 MAX_TRANSFORMS = 100  # in a custom pipeline, nested composes included
 
@@ -183,7 +186,7 @@ def _with_processors(compose: A.Compose, fields: tuple[str, ...]) -> A.Compose:
     ours (BBOX_PARAMS, KEYPOINT_PARAMS) otherwise."""
     own = _processor_params(compose)
     wanted: dict[str, object] = {}
-    if tg.BBOXES in fields or tg.BBOX_LABELS in fields:
+    if tg.BBOXES in fields or tg.BBOX_LABELS in fields or tg.MASKS in fields:  # (a mask per kept box)
         params = own.get("bbox_params") or A.BboxParams(**BBOX_PARAMS)
         if params.format != "pascal_voc" or list(params.label_fields or []) != [tg.BBOX_LABELS]:
             raise PipelineError(
@@ -191,7 +194,7 @@ def _with_processors(compose: A.Compose, fields: tuple[str, ...]) -> A.Compose:
                 f"{list(params.label_fields or [])}; boxes travel as pascal_voc with label_fields=['bbox_labels']"
             )
         wanted["bbox_params"] = params
-    if tg.KEYPOINTS in fields:
+    if tg.KEYPOINTS in fields or tg.TO_ORIG in fields:
         params = own.get("keypoint_params") or A.KeypointParams(**KEYPOINT_PARAMS)
         if params.format != "xy" or params.remove_invisible or params.label_fields:
             raise PipelineError(
@@ -245,7 +248,7 @@ class Pipeline:
         transforms = list(self.compose.transforms)
         first = transforms[0] if transforms else None
         self._crop = first if isinstance(first, A.RandomResizedCrop) and first.p >= 1 else None
-        if self._crop is not None and any(f in MOVING for f in spec.fields):
+        if self._crop is not None and any(f in THROUGH_COMPOSE for f in spec.fields):
             # Targets go through the whole compose; its crop returns the decoded region.
             self._crop = first = _recast(RegionCrop, self._crop)
             transforms[0] = first
@@ -308,7 +311,13 @@ class Pipeline:
                         tg.BBOX_LABELS: np.zeros(1, np.int64),
                         tg.KEYPOINTS: np.asarray([[2, 2, 2]], np.float32),
                     }
-                    out = self.with_targets(image, 0, arrays, lambda h, w: np.ones((h, w), np.uint8))[0]
+                    out = self.with_targets(
+                        image,
+                        0,
+                        arrays,
+                        lambda h, w: np.ones((h, w), np.uint8),
+                        lambda n, h, w: np.ones((n, h, w), np.uint8),
+                    )[0]
                 else:
                     out = self.compose(image=image)["image"]
             except Exception as exc:  # the pipeline cannot handle some image sizes
@@ -360,6 +369,7 @@ class Pipeline:
         seed: int,
         arrays: dict[str, np.ndarray],
         mask_of: Callable[[int, int], np.ndarray | None],
+        instances_of: Callable[[int, int, int], np.ndarray | None] = lambda n, h, w: None,
         verified: bool = False,
         fused: bool = True,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
@@ -367,6 +377,7 @@ class Pipeline:
 
         ``image``: encoded bytes or a uint8 RGB array; ``arrays``: its targets as the source gave
         them (boxes in the image's pixels); ``mask_of(height, width)``: its mask at the image's size;
+        ``instances_of(boxes, height, width)``: its instance masks (None: none drawn, zeros);
         ``fused`` False: a first fit and scale resize twice, as plain albumentations (DeferredFit)."""
         fields = self.spec.fields
         if isinstance(image, np.ndarray):
@@ -376,7 +387,7 @@ class Pipeline:
                 )
             self.reseed(seed)
             pixels = image
-        elif not any(f in MOVING for f in fields):  # nothing moves with the pixels: the fused path
+        elif not any(f in THROUGH_COMPOSE for f in fields):  # nothing moves with the pixels: the fused path
             return self(image, seed, fused, verified), _passed(arrays, fields), None
         else:
             fmt, height, width = dec.read_size(image, self.max_pixels)
@@ -388,7 +399,7 @@ class Pipeline:
             else:
                 pixels = dec.decode(image, fmt, 0, 0, height, width)
         try:
-            return self._transform(pixels, arrays, mask_of, fused)
+            return self._transform(pixels, arrays, mask_of, instances_of, fused)
         finally:
             if isinstance(self._crop, RegionCrop):
                 self._crop.render = None
@@ -398,6 +409,7 @@ class Pipeline:
         pixels: np.ndarray,
         arrays: dict[str, np.ndarray],
         mask_of: Callable[[int, int], np.ndarray | None],
+        instances_of: Callable[[int, int, int], np.ndarray | None],
         fused: bool = True,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         fields = self.spec.fields
@@ -407,12 +419,18 @@ class Pipeline:
         if mask is not None:
             kwargs["mask"] = mask
         boxes = self._boxes
+        source_boxes = arrays.get(tg.BBOXES, np.zeros((0, 4), np.float32))
         if boxes:
-            kwargs[tg.BBOXES] = tg.fit_boxes(arrays.get(tg.BBOXES, np.zeros((0, 4), np.float32)), height, width)
+            kwargs[tg.BBOXES] = tg.fit_boxes(source_boxes, height, width)
             kwargs[tg.BBOX_LABELS] = np.arange(len(kwargs[tg.BBOXES]))
-        points = arrays.get(tg.KEYPOINTS, np.zeros((0, 3), np.float32))
-        if tg.KEYPOINTS in fields:
-            kwargs[tg.KEYPOINTS] = points[:, :2]
+        if tg.MASKS in fields:
+            instances = instances_of(len(source_boxes), height, width)
+            kwargs["masks"] = np.zeros((len(source_boxes), height, width), np.uint8) if instances is None else instances
+        points = arrays.get(tg.KEYPOINTS, np.zeros((0, 3), np.float32)) if tg.KEYPOINTS in fields else _NO_POINTS
+        if tg.KEYPOINTS in fields or tg.TO_ORIG in fields:
+            # (the geometry's two reference points last: the source's corners)
+            corners = np.asarray([[0, 0], [width, height]], np.float32) if tg.TO_ORIG in fields else _NO_POINTS[:, :2]
+            kwargs[tg.KEYPOINTS] = np.concatenate([points[:, :2], corners])
         result = self._compose(fused, **kwargs)
         out = result["image"]
         targets = _passed(arrays, fields)
@@ -423,11 +441,20 @@ class Pipeline:
                 targets[tg.BBOXES] = np.asarray(result[tg.BBOXES], np.float32).reshape(-1, 4)
             if tg.BBOX_LABELS in fields:
                 targets[tg.BBOX_LABELS] = arrays.get(tg.BBOX_LABELS, np.zeros(0, np.int64))[kept]
+        if tg.MASKS in fields:
+            # (nearest-neighbour throughout; a pad's fill_mask, 255 in segmentation-eval, is not the object)
+            targets[tg.MASKS] = (np.asarray(result["masks"], np.uint8).reshape(-1, *out.shape[:2])[kept] == 1).view(
+                np.uint8
+            )
+        passed = len(kwargs.get(tg.KEYPOINTS, ()))
+        moved = np.asarray(result[tg.KEYPOINTS], np.float32).reshape(passed, -1)[:, :2] if passed else _NO_POINTS[:, :2]
+        if tg.TO_ORIG in fields:
+            targets[tg.TO_ORIG] = _to_orig(moved[-2:], height, width)
+            moved = moved[:-2]
+        if tg.ORIG_SIZE in fields:
+            targets[tg.ORIG_SIZE] = np.asarray([height, width], np.int64)
         if tg.KEYPOINTS in fields:
-            if len(points):
-                xy = np.asarray(result[tg.KEYPOINTS], np.float32).reshape(len(points), -1)[:, :2]
-            else:  # (reshape(0, -1) cannot say how many columns none of them has)
-                xy = np.zeros((0, 2), np.float32)
+            xy = moved
             h, w = out.shape[:2]
             inside = (xy[:, 0] >= 0) & (xy[:, 0] < w) & (xy[:, 1] >= 0) & (xy[:, 1] < h)
             rows = np.concatenate([xy, np.where(inside, points[:, 2], 0)[:, None]], axis=1).astype(np.float32)
@@ -547,6 +574,23 @@ def _recast(kind: type, transform: A.BasicTransform):
     return kind(**transform.get_transform_init_args())
 
 
+_NO_POINTS = np.zeros((0, 3), np.float32)
+
+
+def _to_orig(corners: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(sx, sy, tx, ty) taking output pixels back to the source's, from where the source's
+    corners (0, 0) and (width, height) went. albumentations flips a point as a pixel centre
+    (x to width - 1 - x) and a box as edges (x to width - x): the map is for boxes, so a
+    mirrored axis is shifted by the one pixel between the two."""
+    (x0, y0), (x1, y1) = corners.tolist()
+    fx, fy = (x1 - x0) / width, (y1 - y0) / height  # output pixels per source pixel
+    if fx < 0:
+        x0 += 1
+    if fy < 0:
+        y0 += 1
+    return np.asarray([1 / fx, 1 / fy, -x0 / fx, -y0 / fy], np.float32)
+
+
 def _processor_params(compose: A.Compose) -> dict:
     """The bbox_params / keypoint_params a compose was built with."""
     processors = getattr(compose, "processors", {})
@@ -557,4 +601,4 @@ def _processor_params(compose: A.Compose) -> dict:
 def _passed(arrays: dict[str, np.ndarray], fields: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The sample's targets that pass through untransformed (``labels``, extra arrays) and that
     the stream asked for."""
-    return {name: value for name, value in arrays.items() if name in fields and name not in MOVING}
+    return {name: value for name, value in arrays.items() if name in fields and name not in THROUGH_COMPOSE}

@@ -69,14 +69,16 @@ class Renderer:
             future.set_result(Rendered([], [b""] * len(indices) if spec.fields else []))
             return future
         if self.objects is None or not shard.remote:
-            located = [shard.locate(i) for i in indices.tolist()]
-            return self._render(spec, shard, indices, seeds, slot, located, [""] * len(located))
+            positions = indices.tolist()
+            located = [shard.locate(i) for i in positions]
+            return self._render(spec, shard, indices, seeds, slot, located, [shard.failure(i) for i in positions])
         ranges, owners = _ranges(spec, shard, indices)
         held = self.objects.held_locally(ranges)
         if held is None:  # some bytes are still to come: the chunk starts when they are here
             return asyncio.ensure_future(self._render_fetched(spec, shard, indices, seeds, slot, ranges, owners))
         # All here already (a later epoch): the tasks start now, not a few loop turns from now.
-        future = self._render(spec, shard, indices, seeds, slot, held[: len(indices)], [""] * len(indices))
+        known = [shard.failure(i) for i in indices.tolist()]
+        future = self._render(spec, shard, indices, seeds, slot, held[: len(indices)], known)
         objects = self.objects
 
         def release(_done: asyncio.Future[Rendered]) -> None:
@@ -102,7 +104,7 @@ class Renderer:
         reasons = await objects.fetch(ranges)
         try:
             located = [objects.local(location) for location in ranges[: len(indices)]]
-            failures = [""] * len(indices)
+            failures = [shard.failure(i) for i in indices.tolist()]
             for owner, reason in zip(owners, reasons):  # its image's, or its mask member's
                 failures[owner] = failures[owner] or reason
             return await asyncio.shield(self._render(spec, shard, indices, seeds, slot, located, failures))

@@ -20,16 +20,22 @@ from remoteloader.protos.targets import (
     BBOXES,
     DTYPES,
     FIELDS,
+    IMAGE_ID,
     KEYPOINTS,
     LABEL,
     LABELS,
     MASK,
+    MASKS,
     MAX_FIELDS,
+    ORIG_SIZE,
+    RENDERED,
     RESERVED,
+    TO_ORIG,
     TargetError,
     arrays_of,
     check_field_name,
     in_order,
+    mask_of_runs,
     to_message,
 )
 
@@ -37,12 +43,17 @@ __all__ = [
     "BBOXES",
     "BBOX_LABELS",
     "FIELDS",
+    "IMAGE_ID",
     "KEYPOINTS",
     "LABEL",
     "LABELS",
     "MASK",
+    "MASKS",
     "MAX_FIELDS",
+    "ORIG_SIZE",
+    "RENDERED",
     "RESERVED",
+    "TO_ORIG",
     "TargetError",
     "arrays_of",
     "check_field_name",
@@ -62,7 +73,8 @@ def from_source(raw: object) -> tuple[int | None, dict[str, np.ndarray]]:
     """A source's targets as (class label or None, typed arrays); raises TargetError.
 
     ``raw`` maps field names to values: numbers, nested lists or numpy arrays. A ``mask``
-    here must be an array (a tar's mask is its ``<key>.mask.png`` member instead).
+    here must be an array (a tar's mask is its ``<key>.mask.png`` member instead); ``masks``
+    one 0/1 array [n, H, W] with a mask per box.
     """
     if not isinstance(raw, Mapping):
         raise TargetError(f"targets must be an object (a mapping of field names), not {type(raw).__name__}")
@@ -84,6 +96,10 @@ def from_source(raw: object) -> tuple[int | None, dict[str, np.ndarray]]:
             arrays[name] = _keypoints(value)
         elif name == MASK:
             arrays[name] = _mask(value)
+        elif name == MASKS:
+            arrays[name] = _instance_masks(value)
+        elif name in RENDERED:
+            raise TargetError(f"{name} is computed by the server when a loader asks for it; a source cannot give it")
         else:
             arrays[name] = _extra(name, value)
     if BBOXES in arrays or BBOX_LABELS in arrays:
@@ -94,6 +110,10 @@ def from_source(raw: object) -> tuple[int | None, dict[str, np.ndarray]]:
         if len(box_labels) != len(boxes):
             raise TargetError(f"{len(boxes)} bboxes but {len(box_labels)} bbox_labels; expected one label per box")
         arrays[BBOXES] = boxes
+    if MASKS in arrays and len(arrays[MASKS]) != len(arrays.get(BBOXES, ())):
+        raise TargetError(
+            f"{len(arrays[MASKS])} instance masks but {len(arrays.get(BBOXES, ()))} bboxes; expected one mask per box"
+        )
     return label, arrays
 
 
@@ -165,6 +185,13 @@ def _mask(value: object) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def _instance_masks(value: object) -> np.ndarray:
+    array = _numeric(value, MASKS)
+    if array.ndim != 3 or array.dtype.kind not in "biu" or (array.size and array.max() > 1) or array.min(initial=0) < 0:
+        raise TargetError(f"masks is {array.dtype} {array.shape}; expected 0/1 values [n, H, W], one mask per box")
+    return np.ascontiguousarray(array, np.uint8)
+
+
 def _extra(name: str, value: object) -> np.ndarray:
     array = _numeric(value, name)
     if array.ndim > 8:
@@ -228,17 +255,7 @@ def draw_regions(regions, height: int, width: int) -> np.ndarray:
     mask = np.zeros((height, width), np.uint8)
     covered = np.zeros((height, width), np.uint8)
     for region in regions:
-        one = np.zeros((height, width), np.uint8)
-        if region.rle:
-            if (region.rle_height, region.rle_width) != (height, width):
-                raise TargetError(
-                    f"an RLE mask is {region.rle_width}x{region.rle_height} but the image is {width}x{height}"
-                )
-            one = _decode_rle(list(region.rle), height, width)
-        for polygon in region.polygons:
-            points = np.asarray(polygon.xy, np.float32).reshape(-1, 2)
-            if len(points) >= 3:
-                cv2.fillPoly(one, [np.round(points).astype(np.int32)], 1)
+        one = _drawn(region, height, width)
         inside = one.astype(bool)
         clash = inside & (covered > 0) & (mask != region.value)
         mask[inside] = region.value
@@ -247,13 +264,37 @@ def draw_regions(regions, height: int, width: int) -> np.ndarray:
     return mask
 
 
-def _decode_rle(counts: list[int], height: int, width: int) -> np.ndarray:
-    """COCO's uncompressed RLE: alternating runs of 0 and 1, column by column."""
-    if sum(counts) != height * width:
-        raise TargetError(f"RLE runs cover {sum(counts)} pixels, the image {height * width}")
-    values = np.zeros(len(counts), np.uint8)
-    values[1::2] = 1
-    return np.repeat(values, counts).reshape(width, height).T.copy()
+def draw_instances(regions, boxes: int, height: int, width: int) -> np.ndarray:
+    """The instance masks of COCO regions, uint8 [boxes, H, W]: mask i is the region of box i
+    (``Region.box`` = i + 1), zeros for a box without one; crowd regions have no box."""
+    masks = np.zeros((boxes, height, width), np.uint8)
+    for region in regions:
+        if 0 < region.box <= boxes:
+            masks[region.box - 1] |= _drawn(region, height, width)
+    return masks
+
+
+def _drawn(region, height: int, width: int) -> np.ndarray:
+    """A region's pixels as a uint8 0/1 mask: its RLE decoded, its polygons filled."""
+    if region.rle:
+        if (region.rle_height, region.rle_width) != (height, width):
+            raise TargetError(
+                f"an RLE mask is {region.rle_width}x{region.rle_height} but the image is {width}x{height}"
+            )
+        one = mask_of_runs(region.rle, height, width)
+    else:
+        one = np.zeros((height, width), np.uint8)
+    for polygon in region.polygons:
+        points = np.asarray(polygon.xy, np.float32).reshape(-1, 2)
+        if len(points) >= 3:
+            cv2.fillPoly(one, [np.round(points).astype(np.int32)], 1)
+    return one
+
+
+def check_instances(masks: np.ndarray, boxes: int, height: int, width: int) -> np.ndarray:
+    if masks.shape != (boxes, height, width):
+        raise TargetError(f"its instance masks are {masks.shape}; expected [{boxes}, {height}, {width}] (one per box)")
+    return masks
 
 
 def decode_coco_rle(counts: str) -> list[int]:

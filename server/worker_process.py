@@ -293,7 +293,14 @@ class _Samples:
                 return tg.draw_regions(stored.regions, height, width)
             return None
 
-        pixels, transformed, mask = self.pipeline.with_targets(image, seed, arrays, mask_of, verified)
+        def instances_of(boxes: int, height: int, width: int) -> np.ndarray | None:
+            if tg.MASKS in arrays:
+                return tg.check_instances(arrays.pop(tg.MASKS), boxes, height, width)
+            if stored.regions:
+                return tg.draw_instances(stored.regions, boxes, height, width)
+            return None
+
+        pixels, transformed, mask = self.pipeline.with_targets(image, seed, arrays, mask_of, instances_of, verified)
         out[i] = pixels
         if masks is not None:
             masks[i] = 0 if mask is None else mask

@@ -24,6 +24,7 @@ import pathlib
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 import weakref
@@ -77,7 +78,9 @@ class Cluster:
             paths = [str(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
             # No death signal: it costs a fork (not a vfork) while the test's gRPC threads run;
             # teardown and the atexit hook below stop the servers.
-            server = LocalServer(paths, args=[*DEFAULT_ARGS, *self.args, *args], env=env,
+            # Its own --cache-dir (fetched bytes, tar indexes), not this user's ~/.cache, unless given.
+            cache = () if "--cache-dir" in args else ("--cache-dir", str(self.log_dir / f"cache{len(self.servers)}"))
+            server = LocalServer(paths, args=[*DEFAULT_ARGS, *cache, *self.args, *args], env=env,
                                  log_path=self.log_dir / f"server{len(self.servers)}.log", die_with_parent=False)
             self.servers.append(server)
             server.launch()
@@ -325,3 +328,19 @@ def run_bounded():
 def eval_reference():
     """Returns ``f(path, size) -> uint8 HWC RGB``, the expected eval-preset output for a file."""
     return _eval_reference
+
+
+# A command run with FOLDER mounted read-only over itself (as compose :ro and Kubernetes readOnly mount
+# data): READ_ONLY_MOUNT + [FOLDER, COMMAND...].
+READ_ONLY_MOUNT = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                   'mount --bind -o ro "$1" "$1" && shift && exec "$@"', "sh"]  # then: FOLDER COMMAND...
+
+
+def read_only_mounts(folder: pathlib.Path) -> str | None:
+    """Why a read-only bind mount of ``folder`` cannot be made here (None when it can)."""
+    probe = READ_ONLY_MOUNT + [str(folder), "sh", "-c", 'touch "$0/probe" 2>/dev/null && exit 1 || exit 0', str(folder)]
+    try:
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare is not available: {exc}"
+    return None if result.returncode == 0 else f"cannot make a read-only bind mount: {result.stderr.strip()}"

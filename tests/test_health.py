@@ -124,7 +124,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
 
     import numpy as np
 
-    from remoteloader.server.catalog import open_shards
+    from remoteloader.server.formats import open_shards
     from remoteloader.server.pipelines import PipelineSpec
     from remoteloader.server.render import Renderer
     from remoteloader.server.shared_memory import Arena

@@ -31,7 +31,8 @@ from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(180)
 
-DATASETS = ("packed", "plain", "folder", "coco")
+DATASETS = ("packed", "plain", "folder", "coco", "tfrecord", "parquet")
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "formats"
 
 
 class Data:
@@ -77,8 +78,14 @@ def data(tmp_path_factory):
     pack(str(folder), str(packed), shard_size=400_000, progress=False)
     plain = make_target_tar(root / "plain" / "shapes.tar", 24, size=(96, 128), seed=4).parent
     coco = make_coco(root / "coco", 20, size=(96, 128), seed=5).parent
+    formats = {}
+    for kind in ("tfrecord", "parquet"):  # (written by TensorFlow and by Hugging Face datasets: test_formats.py)
+        formats[kind] = root / kind
+        formats[kind].mkdir()
+        (formats[kind] / f"detection.{kind}").write_bytes((FIXTURES / f"detection.{kind}").read_bytes())
+        (formats[kind] / "classes.txt").write_text("background\nsquare\ndisc\n")
     s3 = LocalS3(root / "s3").start()
-    local = {"packed": packed, "plain": plain, "folder": folder, "coco": coco}
+    local = {"packed": packed, "plain": plain, "folder": folder, "coco": coco, **formats}
     d = Data(root, s3, local)
     for name, path in local.items():
         d.upload(name, path)
@@ -92,8 +99,11 @@ def batches(loader, run_bounded, epochs: int = 1) -> list:
     for _ in range(epochs):
         for item in loader:  # (dict batches: run_bounded keeps tuples; the test's timeout bounds this)
             if isinstance(item, dict):
-                out.append({k: (v.numpy().copy() if isinstance(v, torch.Tensor) else [t.numpy().copy() for t in v])
-                            for k, v in item.items()})
+                out.append({  # (None: an extra field, e.g. COCO's image_id, that a sample lacks)
+                    k: v.numpy().copy() if isinstance(v, torch.Tensor) else [t if t is None else t.numpy().copy()
+                                                                            for t in v]
+                    for k, v in item.items()
+                })
             else:
                 images, labels, ids = item
                 out.append({"images": images.numpy().copy(), "label": labels.numpy().copy(), "ids": ids.numpy().copy()})
@@ -108,7 +118,10 @@ def same(a: list, b: list) -> bool:
             return False
         for k in x:
             xs, ys = (x[k], y[k]) if isinstance(x[k], list) else ([x[k]], [y[k]])
-            if len(xs) != len(ys) or not all(np.array_equal(p, q) for p, q in zip(xs, ys)):
+            if len(xs) != len(ys) or not all(
+                (p is None and q is None) or (p is not None and q is not None and np.array_equal(p, q))
+                for p, q in zip(xs, ys)
+            ):
                 return False
     return True
 
@@ -127,12 +140,14 @@ def test_every_format_serves_the_same_batches_from_the_bucket_as_from_disk(clust
     log = cluster.stderr(in_bucket)
     assert "costs one request per image" in log and "remoteloader pack" in log, log  # the ImageFolder
     with loader(cluster.address(on_disk)) as a, loader(cluster.address(in_bucket)) as b:
-        assert a.num_samples == b.num_samples == 48 + 48 + 24 + 20
+        assert a.num_samples == b.num_samples == 48 + 48 + 24 + 20 + 12 + 12
         assert {s.id for s in a.sample_space.shards} == {s.id for s in b.sample_space.shards}, "not the same shards"
         assert "mask" in b.sample_space.fields and "bboxes" in b.sample_space.fields
         first, second = batches(a, run_bounded, 2), batches(b, run_bounded, 2)  # the 2nd: region decodes
     assert same(first, second), "the bucket's samples differ from the disk's"
-    assert len(list((cache / "indexes").glob("*.index.npz"))) == 1, "the plain tar's scanned index was not kept"
+    kept = list((cache / "indexes").glob("*.index.npz"))
+    assert len(kept) == 2, f"the indexes of the plain tar and the TFRecord file were not kept: {kept}"
+    assert len(list((cache / "parquet").glob("*.images"))) == 1, "the Parquet file's images were not extracted"
     # A restart reads the kept index instead of scanning the tar again.
     again = cluster.add([data.bucket_path("plain")], "--cache-dir", str(cache), env=data.s3.env())
     assert "scanned" not in cluster.stderr(again) and "scanned" in log, cluster.stderr(again)
@@ -357,7 +372,7 @@ def test_pack_writes_shards_and_their_indexes_to_a_bucket(data, tmp_path, monkey
     import subprocess
     import sys
 
-    from remoteloader.server.catalog import open_shards
+    from remoteloader.server.formats import FormatOptions, open_shards
 
     env = {**os.environ, **data.s3.env()}
     done = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", data.path("folder"),
@@ -368,7 +383,7 @@ def test_pack_writes_shards_and_their_indexes_to_a_bucket(data, tmp_path, monkey
     for key, value in data.s3.env().items():  # (obstore reads the process's environment)
         monkeypatch.setenv(key, value)
     local = open_shards([data.path("packed")])
-    remote = open_shards([data.url("packed-by-pack")], index_folder=str(tmp_path / "indexes"))
+    remote = open_shards([data.url("packed-by-pack")], FormatOptions(index_folder=str(tmp_path / "indexes")))
     assert [s.id for s in remote] == [s.id for s in local], "pack wrote other shards to the bucket"
     assert not list(tmp_path.glob("indexes/*")), "the uploaded indexes were not used"
     again = subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", data.path("folder"),

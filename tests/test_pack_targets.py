@@ -20,15 +20,18 @@ from remoteloader.protos import loader_pb2
 from remoteloader.protos.targets import EMPTY
 from remoteloader.server import decode as dec
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import INDEX_SUFFIX, MASK_SUFFIX, TarShard, open_shards
-from remoteloader.server.coco import CocoShard
+from remoteloader.server.catalog import MASK_SUFFIX
+from remoteloader.server.formats import open_shards
+from remoteloader.server.formats.coco import CocoShard
+from remoteloader.server.formats.index import INDEX_SUFFIX
+from remoteloader.server.formats.tar import TarShard
 from remoteloader.server.storage import open_storage
 from remoteloader.tools.shapes import make_coco
 
 pytestmark = pytest.mark.timeout(60)
 
 COUNT = 30
-COMPARED = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS)
+COMPARED = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.IMAGE_ID)
 
 
 def pack_cli(*args) -> subprocess.CompletedProcess:
@@ -114,7 +117,7 @@ def arrays(record: bytes) -> dict[str, np.ndarray]:
     message = loader_pb2.Targets.FromString(record)
     assert not message.error, message.error
     got = tg.arrays_of(message)
-    return {name: got.get(name, np.zeros(*EMPTY[name])) for name in COMPARED}
+    return {name: got[name] if name in got else np.zeros(*EMPTY[name]) for name in COMPARED}
 
 
 def read(path: str, offset: int, length: int) -> bytes:
@@ -136,7 +139,8 @@ def check_same_targets(folder: pathlib.Path, coco_path: pathlib.Path, cases: dic
     some = next(iter(tars.values()))[0]
     assert some.class_names == reference.class_names == ["background", "square", "disc", "triangle"]
     unmasked = CocoShard(*open_storage(str(coco_path)))  # the fields a server on the COCO file offers, without masks
-    fields = set(reference.fields if masks else unmasked.fields)
+    # (pack writes the semantic mask as <key>.mask.png; the instance masks stay with the COCO file)
+    fields = set(reference.fields if masks else unmasked.fields) - {"masks"}
     for shard in {s for s, _ in tars.values()}:
         assert set(shard.fields) == fields, (shard.fields, fields)
         assert pathlib.Path(shard.path + INDEX_SUFFIX).is_file()
@@ -190,11 +194,13 @@ def test_pack_coco_members_and_json(coco, packed_masks):
         for name, data in members.items():
             if name.endswith(".json"):
                 document = json.loads(data)
-                assert set(document) <= {"bboxes", "bbox_labels", "keypoints"}, document  # no _keypoint_box
+                assert set(document) <= {"bboxes", "bbox_labels", "keypoints", "image_id"}, document  # no _keypoint_box
                 assert name[: -len(".json")] + ".jpg" in members and name[: -len(".json")] + MASK_SUFFIX in members
     assert not any(n.endswith(".cls") for n in names)  # detection samples have no class label
     stem = cases["empty"][: -len(".jpg")]
-    assert json.loads(members_of(dst, stem + ".json")) == {"bboxes": [], "bbox_labels": []}
+    document = json.loads(members_of(dst, stem + ".json"))
+    assert document == {"bboxes": [], "bbox_labels": [], "image_id": document.get("image_id")}
+    assert isinstance(document["image_id"], list) and len(document["image_id"]) == 1  # COCO's id travels along
 
 
 def members_of(folder: pathlib.Path, name: str) -> bytes:

@@ -62,7 +62,7 @@ def same(a, b) -> None:
 @pytest.mark.parametrize("receiver", ["thread", "process"])
 def test_batches_labels_targets_and_failures_are_the_same_bit_for_bit(cluster, data, receiver):
     folder = cluster.add(data["folder"])
-    coco = cluster.add(data["coco"])
+    coco = cluster.add(data["coco"], "--coco-masks", "true")  # (FIELDS asks for the mask)
     for index, options in ((folder, {}), (coco, {"fields": FIELDS, "pipeline": "detection-train"})):
         address = cluster.address(index)
         shared, shared_failures, servers = read_epoch(address, receiver=receiver, **options)

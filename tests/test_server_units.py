@@ -11,7 +11,9 @@ import tarfile
 
 import pytest
 
-from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, _read_classes, open_shards
+from remoteloader.server.formats import open_shards, read_classes
+from remoteloader.server.formats.index import INDEX_SUFFIX
+from remoteloader.server.formats.tar import TarShard
 from remoteloader.server.storage import open_storage
 
 
@@ -50,7 +52,7 @@ def test_a_sample_file_that_changed_since_indexing_is_an_error_not_other_bytes(t
 
 def test_classes_txt_without_a_final_newline_or_with_crlf(tmp_path):
     (tmp_path / "classes.txt").write_bytes(b"cat\r\ndog")
-    assert _read_classes(*open_storage(str(tmp_path))) == ["cat", "dog"]
+    assert read_classes(*open_storage(str(tmp_path))) == ["cat", "dog"]
 
 
 def _tar(path, members):

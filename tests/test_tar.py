@@ -22,7 +22,9 @@ from conftest import CTRL_C_EXITS
 
 from remoteloader.client import RemoteLoader
 from remoteloader.server import decode as dec
-from remoteloader.server.catalog import CatalogError, TarShard, open_shards
+from remoteloader.server.catalog import CatalogError
+from remoteloader.server.formats import open_shards
+from remoteloader.server.formats.tar import TarShard
 from remoteloader.server.storage import open_storage
 from remoteloader.tools.textures import encode_jpeg, make_image, make_imagefolder
 
@@ -227,14 +229,14 @@ def test_pack_leaves_out_a_file_it_cannot_read_and_names_it(tmp_path, monkeypatc
 
     src = make_imagefolder(tmp_path / "src", CLASSES[:2], 3, size=(24, 32), seed=9)
     broken = str(src / "bee" / "bee_00001.jpg")
-    read_bytes = pathlib.Path.read_bytes
+    read_sample = pack_module.read_sample  # (root reads any file whatever its mode: fail the read itself)
 
-    def failing(path):
+    def failing(path, offset, length):
         if str(path) == broken:
             raise PermissionError(13, "Permission denied", broken)
-        return read_bytes(path)
+        return read_sample(path, offset, length)
 
-    monkeypatch.setattr(pathlib.Path, "read_bytes", failing)
+    monkeypatch.setattr(pack_module, "read_sample", failing)
     report = pack_module.pack(str(src), str(tmp_path / "dst"), 1 << 20, progress=False, workers=1)
     assert report.counts["left out"] == 1 and sum(report.counts.values()) == 6
     assert "1 file(s) could not be read and are left out: bee/bee_00001.jpg (cannot read it: Permission denied)" \
@@ -292,7 +294,7 @@ def test_pack_refuses_an_output_folder_inside_its_source_and_the_reverse(tmp_pat
 def test_an_empty_class_folder_stays_a_class_and_is_named_in_one_warning(tmp_path, caplog):
     """Dropping it would shift the labels of the classes after it; keeping it silently adds a
     class the model has no sample of."""
-    from remoteloader.server.catalog import ImageFolderShard
+    from remoteloader.server.formats.imagefolder import ImageFolderShard
 
     src = make_imagefolder(tmp_path / "src", CLASSES, 2, size=(24, 32), seed=11)
     (src / "bat").mkdir()
@@ -320,7 +322,7 @@ def test_pack_says_what_it_reads_when_the_source_holds_no_images(tmp_path):
 
 
 def test_a_sidecar_index_matches_a_scan_and_a_stale_one_is_ignored(packed, tmp_path):
-    from remoteloader.server.catalog import INDEX_SUFFIX, TarShard, load_index
+    from remoteloader.server.formats.index import INDEX_SUFFIX, load
 
     _, dst, _ = packed
     tar = sorted(dst.glob("*.tar"))[0]
@@ -339,9 +341,9 @@ def test_a_sidecar_index_matches_a_scan_and_a_stale_one_is_ignored(packed, tmp_p
     with open(copy, "ab") as f:  # the tar changed: the sidecar no longer matches and is ignored
         f.write(b"\0" * 1024)
     storage, name = open_storage(str(copy))
-    assert load_index(storage, storage.head(name)) is None
+    assert load(storage, storage.head(name)) is None
     rescanned = TarShard(storage, name, [])  # scanned again, and the sidecar rewritten
-    assert rescanned.id == scanned.id and load_index(storage, storage.head(name)) is not None
+    assert rescanned.id == scanned.id and load(storage, storage.head(name)) is not None
 
 
 def test_pack_no_shuffle_keeps_classes_together(packed, tmp_path):
@@ -523,31 +525,18 @@ def test_two_servers_on_one_tar_folder_are_replicas(servers, run_bounded):
         assert np.array_equal(both[key][0], image) and both[key][1] == name
 
 
-READ_ONLY_MOUNT = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                   'mount --bind -o ro "$1" "$1" && shift && exec "$@"', "sh"]  # then: FOLDER COMMAND...
-
-
-def _read_only_mounts(folder: pathlib.Path) -> str | None:
-    """Why a read-only bind mount of ``folder`` cannot be made here (None when it can)."""
-    probe = READ_ONLY_MOUNT + [str(folder), "sh", "-c", 'touch "$0/probe" 2>/dev/null && exit 1 || exit 0', str(folder)]
-    try:
-        result = subprocess.run(probe, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unshare is not available: {exc}"
-    return None if result.returncode == 0 else f"cannot make a read-only bind mount: {result.stderr.strip()}"
-
-
 def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, servers, tmp_path, run_bounded):
     """Compose mounts shards :ro and Kubernetes readOnly: tars made by other tools (no sidecar
-    index) are indexed in memory, with one warning saying how to keep the index, and served."""
-    from conftest import DEFAULT_ARGS
+    index) are scanned and served, their indexes kept in the index folder (--cache-dir), one
+    line says so, and the next start reads them from there instead of scanning again."""
+    from conftest import DEFAULT_ARGS, READ_ONLY_MOUNT, read_only_mounts
 
     from remoteloader.tools.local import ServerProcess, server_command
 
     _, dst, _ = packed
     folder = tmp_path / "ro"
     folder.mkdir()
-    why = _read_only_mounts(folder)
+    why = read_only_mounts(folder)
     if why:
         pytest.skip(why)
     for path in dst.iterdir():
@@ -555,21 +544,27 @@ def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, ser
             (folder / path.name).write_bytes(path.read_bytes())
     before = sorted(os.listdir(folder))
     argv = [*READ_ONLY_MOUNT, str(folder), *server_command(), "--data", str(folder), "--host", "127.0.0.1",
-            "--port", "0", *DEFAULT_ARGS]
-    server = ServerProcess(argv, tmp_path / "ro-server.log")
-    try:
-        port = server.wait_ready(60)
-        served, _ = eval_epoch(run_bounded, f"127.0.0.1:{port}")
-        expected, _ = eval_epoch(run_bounded, servers[1])
-        assert served.keys() == expected.keys()
-        for key, (image, name) in expected.items():
-            assert np.array_equal(served[key][0], image) and served[key][1] == name, key
-        log = server.stderr()
-        assert re.search(r"\d+ tar shard\(s\) have no \.index\.npz index beside them and it cannot be written there "
-                         r"\(Read-only file system\)", log), log
-        assert log.count("cannot be written there") == 1, log  # one warning for all the tars
-    finally:
-        server.signal(subprocess.signal.SIGTERM)
-        server.wait(30)
-        server.reap()
+            "--port", "0", "--cache-dir", str(tmp_path / "cache"), *DEFAULT_ARGS]
+    for start in ("first", "next"):
+        server = ServerProcess(argv, tmp_path / f"ro-server-{start}.log")
+        try:
+            port = server.wait_ready(60)
+            log = server.stderr()
+            if start == "first":
+                served, _ = eval_epoch(run_bounded, f"127.0.0.1:{port}")
+                expected, _ = eval_epoch(run_bounded, servers[1])
+                assert served.keys() == expected.keys()
+                for key, (image, name) in expected.items():
+                    assert np.array_equal(served[key][0], image) and served[key][1] == name, key
+                assert re.search(r"\d+ shard file\(s\) have no \.index\.npz index beside them and it cannot be "
+                                 r"written there \(Read-only file system\): their indexes are kept in the index "
+                                 r"folder", log), log
+                assert log.count("cannot be written there") == 1 and log.count("has no index: scanned") == 3, log
+            else:
+                assert "scanned" not in log and "cannot be written there" not in log, log
+        finally:
+            server.signal(subprocess.signal.SIGTERM)
+            server.wait(30)
+            server.reap()
+    assert len(list((tmp_path / "cache" / "indexes").glob("*.index.npz"))) == 3
     assert sorted(os.listdir(folder)) == before  # nothing was written, not even a partial file

@@ -26,8 +26,9 @@ from remoteloader.client import LoaderError, RemoteLoader
 from remoteloader.protos import loader_pb2
 from remoteloader.protos import targets as wire
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import CatalogError, open_shards
-from remoteloader.server.coco import CocoShard
+from remoteloader.server.catalog import CatalogError
+from remoteloader.server.formats import open_shards
+from remoteloader.server.formats.coco import CocoShard
 from remoteloader.server.storage import open_storage
 from remoteloader.tools.local import LocalServer, ServerStartError
 from remoteloader.tools.shapes import CATEGORIES, make_coco, make_target_tar
@@ -130,8 +131,8 @@ def test_boxes_masks_and_keypoints_stay_on_the_pixels_they_annotate(servers, pip
         batches = one_epoch(servers.address(source), pipeline=pipeline, return_ids=True, seed=5)
         seen = 0
         for batch in batches:
-            assert set(batch) == {"images", "labels", "bboxes", "bbox_labels", "mask", "keypoints", "ids"} - (
-                {"labels"} if source == 0 else set()
+            assert set(batch) == {"images", "bboxes", "bbox_labels", "mask", "keypoints", "ids"} | (
+                {"masks", "image_id"} if source == 0 else {"labels"}
             )
             for row in range(len(batch["ids"])):
                 where = f"{pipeline}, {'coco' if source == 0 else 'tar'} sample {int(batch['ids'][row])}"
@@ -169,16 +170,19 @@ def test_the_letterbox_eval_presets_move_boxes_exactly_as_albumentations_says(se
             assert batch["bbox_labels"][row].tolist() == arrays["bbox_labels"].tolist()
 
 
-def test_a_dataset_of_class_labels_still_yields_tuples_and_fields_name_what_comes(servers, tmp_path):
+def test_a_dataset_of_class_labels_still_yields_tuples_and_fields_name_what_comes(servers, data, tmp_path):
     folder = make_imagefolder(tmp_path / "folder", ["a", "b"], 4, size=(40, 40))
     with Cluster(tmp_path / "logs") as cluster:
         cluster.add(folder)
         (images, labels), *_ = one_epoch(cluster.address(0), batch_size=4)
         assert images.shape == (4, SIZE, SIZE, 3) and labels.dtype == torch.int64
-        with pytest.warns(UserWarning, match="none of the servers' shards carry bboxes"):
-            batch, *_ = one_epoch(cluster.address(0), batch_size=4, fields=["label", "bboxes"])
-        assert set(batch) == {"images", "label", "bboxes"}
-        assert all(b.shape == (0, 4) and b.dtype == torch.float32 for b in batch["bboxes"])
+        # A field no server carries is an error naming what would carry it, not empty targets.
+        with pytest.raises(ValueError, match=r"none of the servers' shards carry bboxes .*COCO files"):
+            RemoteLoader(cluster.address(0), batch_size=4, fields=["label", "bboxes"])
+    with Cluster(tmp_path / "nomasks") as cluster:
+        cluster.add(data["coco"])  # without --coco-masks
+        with pytest.raises(ValueError, match=r"carry mask, masks .*--coco-masks"):
+            RemoteLoader(cluster.address(0), fields=["bboxes", "mask", "masks"])
     batch, *_ = one_epoch(servers.address(1), fields=["bboxes", "labels"])
     assert set(batch) == {"images", "bboxes", "labels"}  # no mask asked for: none sent
     with pytest.raises(ValueError, match="cannot name a target"):
@@ -308,7 +312,7 @@ def test_the_coco_reader_converts_boxes_labels_crowds_polygons_and_rle(tmp_path)
     ]
     shard = CocoShard(*open_storage(str(write_coco(tmp_path, annotations))), masks=True)
     assert shard.class_names == ["background", "dog", "cat"]  # by category id: 5, then 17
-    assert shard.fields == ("bboxes", "bbox_labels", "mask")
+    assert shard.fields == ("bboxes", "bbox_labels", "mask", "masks", "image_id")
     first = loader_pb2.Targets.FromString(shard.targets(0))
     arrays = wire.arrays_of(first)
     np.testing.assert_array_equal(arrays["bboxes"], [[1, 2, 11, 22]])  # crowd and empty boxes left out
@@ -316,6 +320,11 @@ def test_the_coco_reader_converts_boxes_labels_crowds_polygons_and_rle(tmp_path)
     drawn = tg.draw_regions(first.regions, 40, 50)
     assert (drawn[5:15, 30:45] == tg.CROWD).all() and (drawn[3:21, 2:10] == 1).all()
     assert int(drawn.astype(bool).sum()) == int((drawn[5:15, 30:45] > 0).sum() + (drawn == 1).sum())
+    # One instance mask per box, in the boxes' order: the crowd region is in none of them.
+    instances = tg.draw_instances(first.regions, len(arrays["bboxes"]), 40, 50)
+    assert instances.shape == (1, 40, 50)
+    np.testing.assert_array_equal(instances[0], (drawn == 1).astype(np.uint8))
+    assert arrays["image_id"].tolist() == [10]
     second = loader_pb2.Targets.FromString(shard.targets(1))
     assert "unknown category_id 42" in second.error
     assert "missing" in loader_pb2.Targets.FromString(shard.targets(2)).error
@@ -549,7 +558,8 @@ def test_a_pipeline_starting_with_a_crop_decodes_its_region_and_moves_targets_as
         assert len(regions) == i + 1, "the image was not decoded by its crop's region"
         fmt, h, w = dec.read_size(data, 10**8)
         pipeline.reseed(i)
-        plain = pipeline._transform(dec.decode(data, fmt, 0, 0, h, w), dict(arrays), lambda h, w, m=mask: m)
+        pixels = dec.decode(data, fmt, 0, 0, h, w)
+        plain = pipeline._transform(pixels, dict(arrays), lambda h, w, m=mask: m, lambda n, h, w: None)
         assert fused[1].keys() == plain[1].keys() == {"bboxes", "bbox_labels", "keypoints"}
         for name in fused[1]:
             np.testing.assert_array_equal(fused[1][name], plain[1][name], err_msg=name)

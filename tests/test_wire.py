@@ -165,7 +165,7 @@ def test_jpeg95_is_close_and_its_labels_and_ids_are_exact(servers):
 @pytest.mark.parametrize("name", ["zstd", "jpeg95"])
 def test_masks_and_targets_stay_exact_under_every_encoding(servers, name):
     address = servers.address(2)
-    fields = ["label", "mask", "bboxes", "bbox_labels"]
+    fields = ["mask", "masks", "bboxes", "bbox_labels"]  # (a COCO server: no class label; instance masks too)
     raw = epoch(address, wire="raw", pipeline="segmentation-train", fields=fields)
     got = epoch(address, wire=name, pipeline="segmentation-train", fields=fields)
     assert len(got) == len(raw)

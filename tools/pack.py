@@ -4,7 +4,7 @@ From an ImageFolder tree, each sample becomes ``<class>/<file>`` (under its Imag
 and ``<class>/<stem>.cls`` (its label as decimal text). From a COCO annotation ``.json`` (its
 images under ``--image-root``, default its folder), each image becomes ``<stem>.<ext>`` (under
 its ``file_name``, the key a server on the COCO file gives it) and ``<stem>.json``: the targets
-that server reads from the file (``server/coco.py``: pascal_voc boxes in pixels, labels 1..C,
+that server reads from the file (``server/formats/coco.py``: pascal_voc boxes in pixels, labels 1..C,
 crowds and boxes of no area left out), as ``{"bboxes": [[x1, y1, x2, y2], ...], "bbox_labels":
 [...], "keypoints": [[x, y, v], ...]}`` with only the fields the sample has; with ``--masks``,
 also ``<stem>.mask.png``, the semantic mask drawn from its segmentations at the image's own size
@@ -34,6 +34,7 @@ as it is.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -59,20 +60,16 @@ import simplejpeg
 
 from remoteloader.protos import loader_pb2
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import (
-    CLASSES_FILE,
-    IMAGE_EXTENSIONS,
-    INDEX_SUFFIX,
-    MASK_SUFFIX,
-    MAX_JSON_BYTES,
-    ImageFolderShard,
-    Shard,
-    TarShard,
-)
-from remoteloader.server.coco import CocoShard
+from remoteloader.server.catalog import CLASSES_FILE, IMAGE_EXTENSIONS, MASK_SUFFIX, MAX_JSON_BYTES, Shard
 from remoteloader.server.config import default_workers
 from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
+from remoteloader.server.formats import FormatOptions, open_shards
+from remoteloader.server.formats.coco import CocoShard
+from remoteloader.server.formats.imagefolder import ImageFolderShard
+from remoteloader.server.formats.index import INDEX_SUFFIX
+from remoteloader.server.formats.tar import TarShard
 from remoteloader.server.storage import Storage, is_remote, open_storage
+from remoteloader.server.worker_process import read_sample
 from remoteloader.tools import signals
 
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
@@ -163,13 +160,16 @@ class PackReport:
 Prepared = tuple[bytes | None, str, str, int]
 
 
-def prepare(path: str, transcode: bool = True) -> Prepared:
-    """A file's bytes for the shard (None: leave it out), its outcome (one of OUTCOMES), why,
-    and its size as read."""
+def prepare(where: str | tuple[str, int, int], transcode: bool = True) -> Prepared:
+    """A sample's bytes for the shard (None: leave it out), its outcome (one of OUTCOMES), why,
+    and its size as read; ``where``: a file, or (file, offset, length) as a shard locates it."""
     try:
-        data = pathlib.Path(path).read_bytes()
-    except OSError as exc:  # one unreadable file must not end a run of hours
-        return None, "left out", f"cannot read it: {exc.strerror or exc}", 0
+        if isinstance(where, str):
+            data = pathlib.Path(where).read_bytes()
+        else:
+            data, _ = read_sample(*where)  # (a range of a TFRecord file, an LMDB's data.mdb...)
+    except (OSError, DecodeError) as exc:  # one unreadable file must not end a run of hours
+        return None, "left out", f"cannot read it: {getattr(exc, 'strerror', None) or exc}", 0
     try:  # the header only (a full decode would cost ~1 ms per image)
         fmt, height, width = read_size(data, max_pixels=1 << 62)
     except DecodeError as exc:
@@ -196,19 +196,19 @@ def prepare(path: str, transcode: bool = True) -> Prepared:
     return rewritten, "rewritten", "", len(data)
 
 
-# A sample to prepare: its file, and (--masks) its serialized loader_pb2.Targets, whose regions
-# become its mask; None: no mask.
-Job = tuple[str, bytes | None]
+# A sample to prepare: where its bytes are (file, offset, length), and (--masks) its serialized
+# loader_pb2.Targets, whose regions become its mask; None: no mask.
+Job = tuple[tuple[str, int, int], bytes | None]
 # What prepare_sample() makes of a Job: prepare()'s answer, the mask as a PNG (None: no mask),
 # and why the mask cannot be drawn ("": it can).
 PreparedSample = tuple[Prepared, bytes | None, str]
 
 
-def prepare_sample(path: str, regions: bytes | None, transcode: bool = True) -> PreparedSample:
+def prepare_sample(where: tuple[str, int, int], regions: bytes | None, transcode: bool = True) -> PreparedSample:
     """prepare() of the file and, when ``regions`` holds a Targets record, the semantic mask of
     its regions at the image's size as a PNG: what a server on the COCO file draws
     (``targets.draw_regions``)."""
-    prepared = prepare(path, transcode)
+    prepared = prepare(where, transcode)
     data, outcome = prepared[0], prepared[1]
     if regions is None or data is None or outcome == "unreadable":  # no size to draw at: it fails when served
         return prepared, None, ""
@@ -224,7 +224,7 @@ def prepare_sample(path: str, regions: bytes | None, transcode: bool = True) -> 
 
 
 def _prepare_all(jobs: list[Job], transcode: bool) -> list[PreparedSample]:
-    return [prepare_sample(path, regions, transcode) for path, regions in jobs]
+    return [prepare_sample(where, regions, transcode) for where, regions in jobs]
 
 
 def _start_worker(parent: int) -> None:
@@ -388,7 +388,7 @@ def _coco_source(src: str, image_root: str, masks: bool) -> CocoShard:
     return CocoShard(*open_storage(src), image_root, masks)
 
 
-def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> ImageFolderShard:
+def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> Shard:
     if image_root or masks:
         raise ValueError(
             f"--image-root and --masks are for a COCO annotation .json source; {src} is not one (an ImageFolder "
@@ -403,12 +403,27 @@ def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> Im
         raise ValueError(
             f"the source {src} is inside the output folder {dst}; choose a new or empty folder outside the source"
         )
-    if pathlib.Path(src).is_dir() and any(pathlib.Path(src).glob("*.tar")):
+    if pathlib.Path(src).is_dir() and any(pathlib.Path(src).glob("*.tar")) or src.endswith(".tar"):
         raise ValueError(
-            f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>) or a COCO annotation "
-            f".json; servers read tar shards as they are"
+            f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>), a COCO annotation .json, "
+            f"a TFRecord file, an LMDB database or a Parquet file; servers read tar shards as they are"
         )
-    return ImageFolderShard(*open_storage(src), tars_too=False)
+    if pathlib.Path(src).is_dir() and not _other_format(src):
+        return ImageFolderShard(*open_storage(src), tars_too=False)
+    # A TFRecord file, an LMDB database, a Parquet file: as a server reads it (a Parquet file's
+    # images are extracted into a temporary folder first, as a server's --cache-dir holds them).
+    scratch = tempfile.mkdtemp(prefix="remoteloader-pack-source-")
+    atexit.register(shutil.rmtree, scratch, True)
+    shards = open_shards([src], FormatOptions(index_folder=os.path.join(scratch, "indexes")))
+    if len(shards) != 1:
+        raise ValueError(f"{src} holds {len(shards)} shard files: pack one file (or database) at a time")
+    return shards[0]
+
+
+def _other_format(src: str) -> bool:
+    """Whether a folder is an LMDB database or holds TFRecord or Parquet files (not an ImageFolder)."""
+    names = [p.name.lower() for p in pathlib.Path(src).iterdir() if p.is_file()]
+    return "data.mdb" in names or any(n.endswith((".tfrecord", ".tfrecords", ".record", ".parquet")) for n in names)
 
 
 class _ForServers(logging.Filter):
@@ -468,7 +483,9 @@ def _write_shards(
 
     def job(index: int) -> Job:  # made as the preparer takes it: not every sample's regions at once
         record = source.targets(index) if masks else b""
-        return source.locate(index).path, record if record and not loader_pb2.Targets.FromString(record).error else None
+        location = source.locate(index)
+        regions = record if record and not loader_pb2.Targets.FromString(record).error else None
+        return (location.path, location.offset, location.length), regions
 
     bar = None
     if progress:

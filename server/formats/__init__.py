@@ -1,0 +1,154 @@
+"""The formats a server reads, one module each, and the one place that tells which reads a path.
+
+Each format module has ``shards_at(storage, name, found, options)``: the shards it makes of what a
+``--data`` path names (``found``: a file with its entry, or a folder with the files in it), or
+None when the path is not in its format. ``open_shards`` asks the formats in ``FORMATS``'s
+order and takes the first answer, so a new format is a new module and its place in that list.
+Formats read their bytes through ``server/storage.py`` (a local folder or an object store)
+and keep the contract of ``server/catalog.py``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import pathlib
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from remoteloader.server.catalog import CLASSES_FILE, CatalogError, Shard, basename
+from remoteloader.server.storage import Entry, Storage, StorageError, open_storage
+
+log = logging.getLogger(__name__)
+
+GLOB = "*?["
+
+
+@dataclass(frozen=True)
+class FormatOptions:
+    """How the server reads its formats (ServerConfig's flags of the same names)."""
+
+    image_root: str = ""  # a COCO file's images (default: its folder)
+    coco_masks: bool = False  # serve COCO segmentations as the "mask" field
+    index_folder: str = ""  # where indexes go that cannot be kept beside their files
+    retry_seconds: float = 60.0  # an object store's retries
+    lmdb_unpickle: bool = False  # read LMDB values that are pickles (runs code from the file)
+    tfrecord_features: str = ""  # JSON: feature names other than TensorFlow's usual ones
+    parquet_columns: str = ""  # JSON: column names other than those found by type
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a ``--data`` path names: a "file" (its ``entry``) or a "folder" (the ``files`` in it)."""
+
+    kind: str
+    entry: Entry | None = None
+    files: list[Entry] = field(default_factory=list)
+
+
+def _formats() -> tuple[ModuleType, ...]:
+    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, tar, tfrecord
+
+    return (coco, tar, tfrecord, parquet, lmdb, imagefolder)  # ImageFolder last: any other folder is one
+
+
+def open_shards(paths: list[str], options: FormatOptions | None = None) -> list[Shard]:
+    """Indexes every shard under the given paths (on this machine or object-store URLs; a
+    path with ``*``, ``?`` or ``[`` is a glob of files)."""
+    options = options or FormatOptions()
+    shards: list[Shard] = []
+    for raw in paths:
+        storage, name = open_storage(raw, options.retry_seconds)
+        for path, found in _expand(storage, name, raw):
+            for module in _formats():
+                opened = module.shards_at(storage, path, found, options)
+                if opened is not None:
+                    shards.extend(opened)
+                    break
+            else:
+                raise CatalogError(f"data path {raw!r} is not a folder nor a file of a format this server reads")
+    _warn_unsaved_indexes([s for s in shards if s.index_error is not None])
+    ids = [s.id for s in shards]
+    if len(set(ids)) != len(ids):
+        raise CatalogError("the same shard is listed twice in --data")
+    return shards
+
+
+def _expand(storage: Storage, name: str, raw: str) -> list[tuple[str, Found]]:
+    """What a path names: itself, or for a glob every file it matches (sorted)."""
+    if not any(c in basename(name) for c in GLOB):
+        return [(name, _find(storage, name, raw))]
+    folder = name.rpartition("/")[0]
+    try:
+        files = storage.children(folder)[1]
+    except FileNotFoundError:
+        files = []
+    except StorageError as exc:
+        raise CatalogError(f"data path {raw!r}: {exc}") from None
+    matched = [e for e in files if fnmatch.fnmatchcase(basename(e.name), basename(name))]
+    if not matched:
+        raise CatalogError(f"data path {raw!r} matches no file")
+    return [(e.name, Found("file", e)) for e in matched]
+
+
+def _find(storage: Storage, name: str, raw: str) -> Found:
+    """Whether ``name`` is a file or a folder (CatalogError: neither, saying which)."""
+    try:
+        if not storage.remote:
+            path = pathlib.Path(storage.location(name))
+            if path.is_dir():
+                return Found("folder", None, storage.children(name)[1])
+            if path.is_file():
+                return Found("file", storage.head(name))
+            why = "is neither a folder nor a file" if path.exists() else "does not exist"
+            raise CatalogError(f"data path {raw!r} {why}")
+        try:
+            return Found("file", storage.head(name))
+        except FileNotFoundError:
+            pass
+        try:
+            return Found("folder", None, storage.children(name)[1])
+        except FileNotFoundError:
+            raise CatalogError(f"data path {raw!r} does not exist") from None
+    except StorageError as exc:
+        raise CatalogError(f"data path {raw!r}: {exc}") from None
+
+
+def read_classes(storage: Storage, folder: str) -> list[str]:
+    """The class names of ``classes.txt`` in a folder of shards, one per line ([] without one)."""
+    try:
+        text = storage.read(storage.join(folder, CLASSES_FILE)).decode()
+    except FileNotFoundError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _warn_unsaved_indexes(shards: list[Shard]) -> None:
+    """One line for all the files scanned at this start whose index could not be kept beside them."""
+    if not shards:
+        return
+    from remoteloader.server.formats.index import INDEX_SUFFIX
+
+    kept = [s for s in shards if s.index_kept]
+    lost = [s for s in shards if not s.index_kept]
+    error = shards[0].index_error
+    assert error is not None, "only shards whose index could not be kept beside them"
+    if kept:
+        log.info(
+            "%d shard file(s) have no %s index beside them and it cannot be written there (%s): their indexes "
+            "are kept in the index folder (--cache-dir), and the next start reads them from there",
+            len(kept),
+            INDEX_SUFFIX,
+            error.strerror or error,
+        )
+    if lost:
+        names = ", ".join(basename(getattr(s, "path", s.name)) for s in lost[:3]) + (" ..." if len(lost) > 3 else "")
+        log.warning(
+            "%d shard file(s) have no %s index and it can be kept neither beside them nor in an index folder "
+            "(%s): indexed in memory, and scanned again at every start (%s). Give the server a writable "
+            "--cache-dir, or write the indexes beside the files with `remoteloader pack`",
+            len(lost),
+            INDEX_SUFFIX,
+            error.strerror or error,
+            names,
+        )

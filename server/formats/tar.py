@@ -1,0 +1,203 @@
+"""WebDataset-style tar shards: ``<key>.jpg`` with ``<key>.cls``, ``<key>.json`` targets and
+``<key>.mask.png`` masks, as ``remoteloader pack`` and WebDataset write them.
+
+A ``.tar`` file, or a folder of them (with ``classes.txt`` naming the labels), here or in an
+object store. A tar is indexed from its ``<tar>.index.npz`` (``formats/index.py``), or
+scanned once and its index kept for the next start.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import tarfile
+import time
+
+import numpy as np
+
+from remoteloader.server import targets as tg
+from remoteloader.server.catalog import (
+    CLASSES_FILE,
+    IMAGE_EXTENSIONS,
+    MASK_SUFFIX,
+    MAX_JSON_BYTES,
+    CatalogError,
+    KeyTable,
+    Location,
+    Shard,
+    basename,
+)
+from remoteloader.server.formats import FormatOptions, Found, members, read_classes
+from remoteloader.server.formats import index as shard_index
+from remoteloader.server.storage import Entry, Storage
+
+log = logging.getLogger(__name__)
+
+
+class TarShard(Shard):
+    """A WebDataset tar: members ``<key>.jpg|jpeg|png`` with optional ``<key>.cls`` labels,
+    ``<key>.json`` targets (an object of the fields in ``targets.py``) and ``<key>.mask.png``
+    semantic masks.
+
+    Indexed in one streaming pass over the tar headers (reading only the small ``.cls`` and
+    ``.json`` members); a sample's members are expected next to each other (as WebDataset
+    writes them), with a fallback for those that are not. A ``.json`` that is not usable
+    makes its sample fail with the reason when served, as a damaged image does.
+    """
+
+    def __init__(
+        self, storage: Storage, name: str, class_names: list[str], index_folder: str = "", entry: Entry | None = None
+    ):
+        self.path = storage.location(name)
+        self.storage, self.remote = storage, storage.remote
+        self.object = entry or storage.head(name)  # its size and version, as indexed
+        self.etag = self.object.etag
+        cached = shard_index.load(storage, self.object, index_folder)
+        path = self.path
+        if cached is not None:
+            table, index_digest, fields, _ = cached
+            super().__init__(
+                basename(name),
+                table,
+                class_names,
+                members.fingerprint("tar", index_digest, table.labels, class_names, table.targets),
+                fields,
+            )
+            self.index_digest = index_digest
+        else:
+            started = time.perf_counter()
+            self._scan(storage, name, class_names)
+            log.info(
+                "%s has no index: scanned it (%d samples, %.1f MB) in %.1fs",
+                self.path,
+                len(self),
+                self.object.size / 1e6,
+                time.perf_counter() - started,
+            )
+            self.index_kept, self.index_error = shard_index.save(
+                storage, self.object, self, self.index_digest, index_folder
+            )
+        unlabelled = int(np.count_nonzero(self.labels < 0))
+        # A tar made by hand: without this, every sample is served as class -1 without a word
+        # (a tar of other targets needs no class).
+        if unlabelled and set(self.fields) <= {tg.LABEL}:
+            log.warning(
+                "%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
+                "and are served with label -1: labels come from <key>.cls members holding the class index "
+                "as decimal text, class names from %s (one per line) beside the shards, as `remoteloader "
+                "pack` writes them",
+                path,
+                unlabelled,
+                len(self),
+                CLASSES_FILE,
+            )
+        top = int(self.labels.max()) if len(self) else -1
+        if top >= len(class_names):  # no classes.txt, or a short one: class_names[label] fails in training code
+            log.warning(
+                "%s: labels go up to %d but %s beside it names %d class(es); clients get no name for the "
+                "others (class_names[label] fails)",
+                path,
+                top,
+                CLASSES_FILE,
+                len(class_names),
+            )
+
+    def _scan(self, storage: Storage, name: str, class_names: list[str]) -> None:
+        path = self.path
+        table = KeyTable()
+        digest = hashlib.sha256()
+        last_stem, last_index = None, -1
+        # Members not right after their image (before it, or far after): matched by stem at the end.
+        unmatched: dict[str, dict[str, object]] = {}
+        extras: dict[int, dict[str, object]] = {}  # sample index -> its "json" bytes and "mask" (offset, size)
+        try:
+            with storage.open(name) as file, tarfile.open(fileobj=file, mode="r:") as tar:
+                while True:
+                    member = tar.next()
+                    if member is None:
+                        break
+                    # tarfile keeps every header otherwise (in TarFile.members, which typeshed does not list)
+                    tar.members.clear()  # type: ignore[attr-defined]
+                    if not member.isfile():
+                        continue
+                    digest.update(f"{member.name}\0{member.size}\0{member.offset_data}\n".encode())
+                    if member.name.lower().endswith(MASK_SUFFIX):
+                        stem, kind = member.name[: -len(MASK_SUFFIX)], "mask"
+                        value: object = (member.offset_data, member.size)
+                    else:
+                        stem, _, ext = member.name.rpartition(".")
+                        ext = "." + ext.lower()
+                        if ext in IMAGE_EXTENSIONS:
+                            last_stem = stem
+                            pieces = unmatched.pop(stem, {})
+                            label = pieces.pop("cls", -1)
+                            last_index = table.add(member.name, label, member.offset_data, member.size)  # type: ignore[arg-type]
+                            if pieces:
+                                extras[last_index] = pieces
+                            continue
+                        if ext == ".cls":
+                            kind, value = "cls", _read_label(tar, member, path)
+                        elif ext == ".json":
+                            kind, value = "json", _read_member(tar, member)
+                        else:
+                            continue
+                    if stem == last_stem:
+                        if kind == "cls":
+                            table.labels[last_index] = value
+                        else:
+                            extras.setdefault(last_index, {})[kind] = value
+                    else:
+                        unmatched.setdefault(stem, {})[kind] = value
+        except (tarfile.TarError, OSError) as exc:
+            raise CatalogError(f"{path}: cannot read tar shard: {exc}") from None
+        if not len(table):
+            raise CatalogError(f"{path} holds no images (expected members <key>.jpg and <key>.cls)")
+        if unmatched:  # members whose image came earlier, not just before: match by stem once
+            for index in range(len(table)):
+                start = table.ends[index - 1] if index else 0
+                stem = table.blob[start : table.ends[index]].decode().rpartition(".")[0]
+                pieces = unmatched.pop(stem, {})
+                if pieces:
+                    if "cls" in pieces:
+                        table.labels[index] = pieces.pop("cls")
+                    if pieces:
+                        extras.setdefault(index, {}).update(pieces)
+        fields = members.add_targets(table, extras, path)
+        self.index_digest = digest.hexdigest()
+        super().__init__(basename(name), table, class_names, "", fields)
+        self.id = members.fingerprint("tar", self.index_digest, self.labels, class_names, table.targets)
+
+    def locate(self, index: int) -> Location:
+        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes | str:
+    """A small member's bytes, or why they are not read (a str)."""
+    if member.size > MAX_JSON_BYTES:
+        return f"{member.name} is {member.size} bytes, over the limit of {MAX_JSON_BYTES}"
+    reader = tar.extractfile(member)
+    assert reader is not None, "a regular file member has contents"
+    return reader.read()
+
+
+def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
+    reader = tar.extractfile(member)
+    assert reader is not None, "a regular file member has contents"
+    return members.label(reader.read(64), f"{path}: {member.name}")
+
+
+def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
+    """A ``.tar`` file is a shard, and so is every ``.tar`` in a folder (``classes.txt`` beside
+    them names the labels)."""
+    if found.kind == "file" and name.endswith(".tar"):
+        folder = name.rpartition("/")[0]
+        return [TarShard(storage, name, read_classes(storage, folder), options.index_folder, found.entry)]
+    tars = [e for e in found.files if e.name.endswith(".tar")] if found.kind == "folder" else []
+    if not tars:
+        return None
+    names = read_classes(storage, name)
+    with concurrent.futures.ThreadPoolExecutor(16 if storage.remote else 1) as pool:
+        # (requests to a store overlap; a local disk is read one tar at a time)
+        opened = [pool.submit(TarShard, storage, e.name, names, options.index_folder, e) for e in tars]
+        return [f.result() for f in opened]

@@ -1,0 +1,323 @@
+"""TFRecord files of ``tf.train.Example``, read without TensorFlow.
+
+``--data`` a ``.tfrecord`` file (or ``.tfrecords``, ``.record``), a folder of them or a glob.
+Each Example is a sample; its features are read by the names TensorFlow's own pipelines use,
+and ``--tfrecord-features`` names others (JSON: ``{"image": "jpeg", "label": "cls"}``):
+
+* ``image``: ``image/encoded`` (a JPEG or PNG; the first value);
+* ``label``: ``image/class/label`` (an int64);
+* boxes, as the TF Object Detection API writes them: ``image/object/bbox/xmin``, ``ymin``,
+  ``xmax``, ``ymax`` (floats normalised to 0..1, made pixels with the image's size, from
+  ``image/width``/``image/height`` or its header) and ``image/object/class/label`` (int64s):
+  served as the ``bboxes`` and ``bbox_labels`` fields.
+
+A file is indexed in one pass that checks both CRCs of every record (TFRecord's masked
+CRC32C) and parses each Example by hand (``protowire.py``) to find where its image bytes lie,
+so that the decode workers read them by offset as from a tar; the index is kept as a tar's is
+(``formats/index.py``: beside the file, or in the index folder on a read-only mount), as DALI's
+``tfrecord2idx`` does. A record whose data CRC fails, or whose Example is malformed or lacks
+an image, is a sample that fails with the reason when served; a bad length CRC ends the
+file's usable records there, with a warning. ``classes.txt`` beside the files names labels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from remoteloader.server import targets as tg
+from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
+from remoteloader.server.decode import DecodeError, read_size
+from remoteloader.server.formats import FormatOptions, Found, members, protowire, read_classes
+from remoteloader.server.formats import index as shard_index
+from remoteloader.server.storage import Entry, Storage
+
+google_crc32c: Any
+try:
+    import google_crc32c
+except ImportError:  # (the server extra installs it; an error says so where a file needs it)
+    google_crc32c = None
+
+log = logging.getLogger(__name__)
+
+SUFFIXES = (".tfrecord", ".tfrecords", ".record")
+FEATURES = {
+    "image": "image/encoded",
+    "label": "image/class/label",
+    "xmin": "image/object/bbox/xmin",
+    "ymin": "image/object/bbox/ymin",
+    "xmax": "image/object/bbox/xmax",
+    "ymax": "image/object/bbox/ymax",
+    "bbox_label": "image/object/class/label",
+    "width": "image/width",
+    "height": "image/height",
+}
+_MASK_DELTA = 0xA282EAD8
+
+
+def features(spec: str) -> dict[str, str]:
+    """The feature names to read: FEATURES, with ``spec``'s JSON object of renamings (ValueError:
+    not such an object, or a key FEATURES does not have)."""
+    if not spec:
+        return dict(FEATURES)
+    try:
+        renamed = json.loads(spec)
+    except ValueError as exc:
+        raise ValueError(f"tfrecord_features={spec!r} is not JSON: {exc}") from None
+    if not isinstance(renamed, dict) or not all(isinstance(v, str) for v in renamed.values()):
+        raise ValueError(
+            f'tfrecord_features={spec!r}: expected a JSON object of feature names, e.g. {{"image": "jpeg"}}'
+        )
+    unknown = sorted(set(renamed) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"tfrecord_features={spec!r}: {', '.join(unknown)} not among {', '.join(FEATURES)}")
+    return {**FEATURES, **renamed}
+
+
+def masked_crc(data: bytes | memoryview) -> int:
+    """TFRecord's CRC: CRC32C, rotated right by 15 bits, plus a constant."""
+    crc = google_crc32c.value(bytes(data))
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def _read(file: Any, size: int) -> bytes:
+    """``size`` bytes, fewer only at the end of the file (a raw reader may return less at once)."""
+    data = file.read(size)
+    while data and len(data) < size:
+        more = file.read(size - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+class TFRecordShard(Shard):
+    """Every Example of one TFRecord file, in file order.
+
+    Args:
+        storage / name: The file (here or in an object store).
+        class_names: Names of the labels (``classes.txt`` beside the files), may be empty.
+        options: ``tfrecord_features`` and ``index_folder``.
+        entry: Its size and version, where the caller listed them.
+    """
+
+    def __init__(
+        self, storage: Storage, name: str, class_names: list[str], options: FormatOptions, entry: Entry | None = None
+    ):
+        self.path = storage.location(name)
+        self.storage, self.remote = storage, storage.remote
+        self.object = entry or storage.head(name)
+        self.etag = self.object.etag
+        cached = shard_index.load(storage, self.object, options.index_folder)
+        if cached is not None:
+            table, digest, fields, failed = cached
+        else:
+            started = time.perf_counter()
+            table, digest, fields, failed = _scan(storage, name, self.path, features(options.tfrecord_features))
+            log.info(
+                "%s has no index: read it (%d records, %.1f MB) in %.1fs",
+                self.path,
+                len(table),
+                self.object.size / 1e6,
+                time.perf_counter() - started,
+            )
+        self.index_digest = digest
+        ident = members.fingerprint("tfrecord", digest, table.labels, class_names, table.targets)
+        super().__init__(basename(name), table, class_names, ident, fields)
+        self.failed = failed
+        if failed:
+            log.warning(
+                "%s: %d record(s) cannot be used (e.g. record %d: %s); each fails with the reason when served",
+                self.path,
+                len(failed),
+                min(failed),
+                failed[min(failed)],
+            )
+        if cached is None:
+            self.index_kept, self.index_error = shard_index.save(
+                storage, self.object, self, digest, options.index_folder
+            )
+
+    def locate(self, index: int) -> Location:
+        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
+
+
+def _scan(
+    storage: Storage, name: str, where: str, names: dict[str, str]
+) -> tuple[KeyTable, str, tuple[str, ...], dict[int, str]]:
+    """Reads the file once: every record's image location, label and boxes; the bad ones' reasons."""
+    table = KeyTable()
+    digest = hashlib.sha256(json.dumps(names, sort_keys=True).encode())
+    failed: dict[int, str] = {}
+    boxes = False
+    if google_crc32c is None:
+        raise CatalogError(f"{where}: checking TFRecord CRCs needs google-crc32c: pip install 'remoteloader[server]'")
+    with storage.open(name) as reader:
+        offset = 0
+        while True:
+            head = _read(reader, 12)
+            if not head:
+                break
+            key = f"record-{len(table):08d}"
+            if len(head) < 12:
+                log.warning(
+                    "%s: ends in the middle of a record's header at byte %d; the rest is left out", where, offset
+                )
+                break
+            (length,) = struct.unpack("<Q", head[:8])
+            if masked_crc(head[:8]) != struct.unpack("<I", head[8:12])[0]:
+                log.warning(
+                    "%s: the length of the record at byte %d fails its CRC; the %s records after it are left out",
+                    where,
+                    offset,
+                    "file's",
+                )
+                break
+            data = _read(reader, length)
+            footer = _read(reader, 4)
+            if len(data) < length or len(footer) < 4:
+                log.warning("%s: the record at byte %d is cut short (a truncated file); left out", where, offset)
+                break
+            start = offset + 12
+            offset += 16 + length
+            problem = ""
+            if masked_crc(data) != struct.unpack("<I", footer)[0]:
+                problem = f"record {len(table)} at byte {start - 12}: its data fails its CRC (a damaged file)"
+            try:
+                image, label, targets = _example(memoryview(data), names)
+            except (protowire.WireError, ValueError) as exc:
+                image, label, targets = None, -1, None
+                problem = problem or f"record {len(table)} at byte {start - 12}: not a tf.train.Example ({exc})"
+            if image is None:
+                problem = problem or f"record {len(table)} at byte {start - 12}: no {names['image']!r} feature"
+                image = (0, 0)
+            stored = b""
+            if targets is not None:
+                boxes = True
+                stored, _ = tg.stored(tg.to_message(targets))
+            index = table.add(key, label, start + image[0], image[1] - image[0], stored)
+            if problem:
+                failed[index] = problem
+            digest.update(f"{start + image[0]}\0{image[1] - image[0]}\0{label}\n".encode())
+    if not len(table):
+        raise CatalogError(f"{where}: no TFRecord records in it")
+    fields = (tg.BBOXES, tg.BBOX_LABELS) if boxes else ()
+    if boxes:  # every sample gets a record: an empty one where it has no boxes
+        table = _with_empty_targets(table)
+    return table, digest.hexdigest(), fields, failed
+
+
+def _with_empty_targets(table: KeyTable) -> KeyTable:
+    """The table with an empty boxes record for each sample that has none."""
+    empty, _ = tg.stored(
+        tg.to_message({tg.BBOXES: np.zeros((0, 4), np.float32), tg.BBOX_LABELS: np.zeros(0, np.int64)})
+    )
+    ends = np.frombuffer(table.target_ends, np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    out = KeyTable()
+    out.blob, out.ends, out.labels, out.offsets, out.sizes = (
+        table.blob,
+        table.ends,
+        table.labels,
+        table.offsets,
+        table.sizes,
+    )
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        out.targets += table.targets[s:e] if e > s else empty
+        out.target_ends.append(len(out.targets))
+    return out
+
+
+def _example(data: memoryview, names: dict[str, str]) -> tuple[tuple[int, int] | None, int, dict | None]:
+    """From a serialized tf.train.Example: the image's (start, end) in ``data``, the label (-1:
+    none), and the boxes' targets (None: no boxes)."""
+    wanted = set(names.values())
+    found: dict[str, tuple[int, int, int]] = {}  # feature name -> (kind 1 bytes/2 floats/3 ints, start, end)
+    for number, kind, a, b in protowire.fields(data):
+        if number != 1 or kind != protowire.LENGTH:  # Example.features
+            continue
+        for entry_number, entry_kind, ea, eb in protowire.fields(data, a, b):
+            if entry_number != 1 or entry_kind != protowire.LENGTH:  # Features.feature (map entry)
+                continue
+            key, value = "", (0, 0)
+            for field, field_kind, fa, fb in protowire.fields(data, ea, eb):
+                if field == 1 and field_kind == protowire.LENGTH:
+                    key = bytes(data[fa:fb]).decode("utf-8", "replace")
+                elif field == 2 and field_kind == protowire.LENGTH:
+                    value = (fa, fb)
+            if key in wanted:
+                for list_kind, _, la, lb in protowire.fields(data, *value):  # Feature: the one list it has
+                    found[key] = (list_kind, la, lb)
+    image = None
+    if names["image"] in found:
+        _, a, b = found[names["image"]]
+        for field, kind, va, vb in protowire.fields(data, a, b):  # BytesList.value: the first
+            if field == 1 and kind == protowire.LENGTH:
+                image = (va, vb)
+                break
+    label = -1
+    ints = {k: _ints(data, *found[n][1:]) for k, n in names.items() if n in found and found[n][0] == 3}
+    if ints.get("label"):
+        label = ints["label"][0]
+    corners = [names[k] for k in ("xmin", "ymin", "xmax", "ymax")]
+    if not all(c in found for c in corners):
+        return image, label, None
+    xmin, ymin, xmax, ymax = (np.asarray(_floats(data, *found[c][1:]), np.float32) for c in corners)
+    if not len(xmin) == len(ymin) == len(xmax) == len(ymax):
+        raise ValueError("its box coordinates are lists of different lengths")
+    width, height = (ints.get(k, [0])[0] for k in ("width", "height"))
+    if image is not None and not (width and height):
+        try:
+            _, height, width = read_size(bytes(data[image[0] : image[1]]), 1 << 40)
+        except DecodeError as exc:
+            raise ValueError(f"its image's size cannot be read ({exc})") from None
+    labels = np.asarray(ints.get("bbox_label", []), np.int64)
+    if len(labels) != len(xmin):
+        raise ValueError(f"{len(xmin)} boxes but {len(labels)} box labels")
+    pixels = np.stack([xmin * width, ymin * height, xmax * width, ymax * height], axis=1).reshape(-1, 4)
+    return image, label, {tg.BBOXES: pixels.astype(np.float32), tg.BBOX_LABELS: labels}
+
+
+def _ints(data: memoryview, start: int, end: int) -> list[int]:
+    """An Int64List's values (packed, or not)."""
+    out: list[int] = []
+    for field, kind, a, b in protowire.fields(data, start, end):
+        if field == 1:
+            out += (
+                [protowire.signed(v) for v in protowire.packed_varints(data, a, b)]
+                if kind == protowire.LENGTH
+                else [protowire.signed(a)]
+            )
+    return out
+
+
+def _floats(data: memoryview, start: int, end: int) -> list[float]:
+    """A FloatList's values (packed, or not)."""
+    out: list[float] = []
+    for field, kind, a, b in protowire.fields(data, start, end):
+        if field == 1:
+            out += (
+                protowire.packed_floats(data, a, b)
+                if kind == protowire.LENGTH
+                else list(struct.unpack("<f", data[a:b]))
+            )
+    return out
+
+
+def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
+    """A TFRecord file is a shard, and so is every one in a folder (``classes.txt`` names labels)."""
+    if found.kind == "file":
+        if not name.lower().endswith(SUFFIXES):
+            return None
+        return [TFRecordShard(storage, name, read_classes(storage, name.rpartition("/")[0]), options, found.entry)]
+    files = [e for e in found.files if e.name.lower().endswith(SUFFIXES)]
+    if not files:
+        return None
+    names = read_classes(storage, name)
+    return [TFRecordShard(storage, e.name, names, options, e) for e in files]
