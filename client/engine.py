@@ -544,11 +544,22 @@ class Engine:
         if link.state is LinkState.DEAD:
             log.error("loader server %s refused this client: %s", link.address, describe_error(exc))
         elif orders:
+            others = {
+                a
+                for o in orders
+                for a in o.shard.owners
+                if a != link.address and a in self.links and self.links[a].state is LinkState.UP
+            }
             log.warning(
-                "loader server %s failed (%s); %d order(s) go back to the queue",
+                "loader server %s failed (%s); %d order(s) go back to the queue, %s; "
+                "reconnecting to it for up to %.0fs",
                 link.address,
                 describe_error(exc),
                 len(orders),
+                f"for {', '.join(sorted(others))}"
+                if others
+                else "which waits for it: no other server holds its shards",
+                link.retry_left(),
             )
         else:  # e.g. drained while this loader had nothing in flight there
             log.info("loader server %s went away (%s); it held no orders", link.address, describe_error(exc))

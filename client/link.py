@@ -42,6 +42,7 @@ _STREAM = f"/{SERVICE}/Stream"
 RETRY_DELAY = 0.1  # first reconnect attempt after a failure; doubles up to MAX_RETRY_DELAY
 MAX_RETRY_DELAY = 2.0
 HEALTHY_AFTER = 10.0  # seconds a stream must last to count as working without delivering anything
+STILL_DOWN_EVERY = 10.0  # seconds between "still down" warnings while a server is retried
 DROPPED = 256  # cancelled orders whose chunks still on the way a link recognizes (and drops)
 
 # Status codes that mean the request itself is wrong: retrying elsewhere cannot help.
@@ -216,16 +217,32 @@ class Link(Generic[OrderT]):
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         return grpc.aio.secure_channel(self.address, tls.credentials(), options=options)
 
-    async def fetch_describe(self, timeout: float | None = None) -> loader_pb2.DescribeResponse:
-        """Connects the control channel and asks what the server holds (bounded in time)."""
+    async def fetch_describe(self, timeout: float | None = None, refused: bool = False) -> loader_pb2.DescribeResponse:
+        """Connects the control channel and asks what the server holds (bounded in time).
+        ``refused``: a refused connection is an error at once (at start: nothing listens there),
+        not a wait for the server to come up."""
         timeout = self.options.connect_timeout if timeout is None else timeout
         if self._control is None:
             self._control = self._channel(16 * limits.MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
+        request, metadata = loader_pb2.DescribeRequest(), self.options.metadata
         try:
-            describe = await stub.Describe(
-                loader_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True, metadata=self.options.metadata
-            )
+            if refused:  # one try without waiting: refused, or answered, or on to the wait below
+                try:
+                    describe = await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=metadata)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
+                        raise ConnectionError(
+                            f"loader server {self.address} refused the connection: nothing listens there "
+                            f"(is the server running, and on this port?)"
+                        ) from None
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    describe = None
+            else:
+                describe = None
+            if describe is None:
+                describe = await stub.Describe(request, timeout=timeout, wait_for_ready=True, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
@@ -420,6 +437,12 @@ class Link(Generic[OrderT]):
             self._start_reconnecting()
         self._events.on_link_down(self, orders, exc)
 
+    def retry_left(self) -> float:
+        """Seconds this link is still retried for (0: not retrying)."""
+        if self.state is not LinkState.DOWN or self._down_since is None:
+            return 0.0
+        return max(0.0, self._down_since + self.options.reconnect_timeout - time.monotonic())
+
     def revive(self) -> None:
         """A link given up on (or refused) earlier gets another reconnect_timeout, from now."""
         if self.state is LinkState.DEAD or (self.state is LinkState.DOWN and not self._reconnecting()):
@@ -445,17 +468,31 @@ class Link(Generic[OrderT]):
         # (one that refuses each new stream, e.g. RESOURCE_EXHAUSTED): no tight retry loop.
         delay = self._retry_delay
         reconnect_timeout = self.options.reconnect_timeout
-        deadline = (self._down_since or time.monotonic()) + reconnect_timeout
+        since = self._down_since or time.monotonic()
+        deadline = since + reconnect_timeout
+        report = since + STILL_DOWN_EVERY
         while time.monotonic() < deadline and self.state is LinkState.DOWN:
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, MAX_RETRY_DELAY)
             try:
                 await self._reset_channels()
-                await self.fetch_describe(max(0.5, min(self.options.connect_timeout, deadline - time.monotonic())))
+                timeout = max(0.5, min(self.options.connect_timeout, deadline - time.monotonic()))
+                await self.fetch_describe(timeout, refused=True)  # (refused: back off and try again)
                 assert self._setup is not None, "a link goes down only after open_stream"
                 await self.open_stream(self._setup)
             except Exception as exc:  # still down; try again until the deadline
                 self.last_error = describe_error(exc)
+                now = time.monotonic()
+                if now >= report and now < deadline:
+                    report = now + STILL_DOWN_EVERY
+                    log.warning(
+                        "loader server %s still down after %.0fs; retrying for %.0fs more (reconnect_timeout=%gs): %s",
+                        self.address,
+                        now - since,
+                        deadline - now,
+                        reconnect_timeout,
+                        self.last_error,
+                    )
                 continue
             self.reconnects += 1
             self._retry_delay = delay  # the next failure's first wait, unless this stream works

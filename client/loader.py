@@ -17,6 +17,7 @@ import atexit
 import collections
 import concurrent.futures
 import logging
+import math
 import os
 import queue
 import threading
@@ -53,8 +54,12 @@ log = logging.getLogger("remoteloader.client")
 
 _OPEN: weakref.WeakSet[RemoteLoader] = weakref.WeakSet()  # closed at exit, while threads still run
 _KEY_BLOCK = 1024
-# Above this share of an epoch spent waiting for data, the loader logs a warning (once).
+# Above this share of an epoch spent waiting for data, the loader logs a warning (once), for a
+# pass that trains: one of at least WARN_AFTER_S, not an eval pipeline's, whose loop spent at
+# least LOOP_WORK_S per batch on its own work (a loop that only reads batches waits by design).
 WAIT_WARNING = 0.2
+WARN_AFTER_S = 10.0
+LOOP_WORK_S = 0.002
 _EPOCHS_KEPT = 100  # epochs stats() reports
 
 
@@ -585,7 +590,7 @@ class RemoteLoader:
         receiver_busy: float,
     ) -> None:
         """One line per epoch played to its end (stats()["epochs"] and the log), with its likely
-        limit (``bottleneck``); a warning, once, when the loop waited for data more than
+        limit (``bottleneck``); a warning, once, when a training loop waited for data more than
         WAIT_WARNING of the epoch, saying what would help."""
         s = self._throughput
         share = waited / seconds if seconds else 0.0
@@ -613,7 +618,13 @@ class RemoteLoader:
             100 * share,
             limit,
         )
-        if share > WAIT_WARNING and not s.warned:
+        batches = max(1, math.ceil(images / self.batch_size))
+        trains = (
+            seconds >= WARN_AFTER_S
+            and not self.options.setup.pipeline.endswith("eval")
+            and (seconds - waited) / batches >= LOOP_WORK_S
+        )
+        if share > WAIT_WARNING and trains and not s.warned:
             s.warned = True
             log.warning(
                 "epoch %d: the training loop waited for data %.0f%% of the time (%.0f images/s): its input is "

@@ -93,7 +93,7 @@ class ThreadReceiver:
         return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
 
     async def _describe_all(self, links: list[Link[_Order]]) -> None:
-        results = await asyncio.gather(*(link.fetch_describe() for link in links), return_exceptions=True)
+        results = await asyncio.gather(*(link.fetch_describe(refused=True) for link in links), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await asyncio.gather(*(link.close() for link in links), return_exceptions=True)

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from remoteloader.protos import limits, malloc
 from remoteloader.protos.same_host import host_id
 from remoteloader.server.catalog import Shard, SyntheticShard
-from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed
+from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed, check_port_free
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.formats import FormatOptions, open_shards
 from remoteloader.server.health import Health
@@ -280,6 +280,7 @@ async def _serve_on(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server_health = Health(health_servicer, resources.pool)
     address = f"{bracketed(config.host)}:{config.port}"
+    check_port_free(config.host, config.port, "--port")
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
@@ -414,6 +415,12 @@ async def serve(config: ServerConfig) -> None:
     log.info("draining (grace %.0fs)", config.grace)
     await server.stop()
     serving.cancel()
+    # On its way out a repeated stop signal (a supervisor's second SIGTERM) must not end the
+    # process by the signal instead of exit code 0: closing the loop would restore the default
+    # action, so the handlers go now, replaced by "ignore".
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     log.info("stopped")
 
 

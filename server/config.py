@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,26 @@ def bracketed(host: str) -> str:
     """``host`` as written before ``:port``: an IPv6 literal in brackets (``[::1]:50051``), so
     that gRPC and clients read the port after the last colon and not inside the address."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """OSError ("cannot bind ...") when something listens on ``host:port`` already: said before
+    gRPC tries, whose own failure logs a C-core line ahead of ours. Port 0 is always free."""
+    if not port:
+        return
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a port in TIME_WAIT is free)
+        try:
+            probe.bind((bare, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(
+                    f"{CANNOT_BIND} {bracketed(host)}:{port}: the port is in use (another server on it?); "
+                    f"choose another {flag}"
+                ) from None
+            # (other failures, e.g. an address this machine lacks: gRPC's bind says why)
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -307,11 +329,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            default = getattr(defaults, f.name)
+            # (an empty default means "none"; a help text that says its default keeps its words)
+            shown = "" if default == "" or "(default" in doc else f" (default {default})"
             parser.add_argument(
-                flag,
-                type=_typed(kind, env),
-                default=os.environ.get(env),
-                help=f"{doc} (default {getattr(defaults, f.name)}) [env {env}]",
+                flag, type=_typed(kind, env), default=os.environ.get(env), help=f"{doc}{shown} [env {env}]"
             )
 
 

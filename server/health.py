@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remoteloader.protos import SERVICE
-from remoteloader.server.config import CANNOT_BIND, bracketed
+from remoteloader.server.config import CANNOT_BIND, bracketed, check_port_free
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class Health:
         server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         address = f"{bracketed(host)}:{port}"
+        check_port_free(host, port, "--health-port")
         try:
             bound = server.add_insecure_port(address)
         except RuntimeError as exc:

@@ -105,6 +105,18 @@ def test_the_verdict_says_whether_the_job_is_input_bound_and_what_closes_the_gap
         assert text not in verdict, verdict
 
 
+def test_the_verdict_does_not_ask_for_more_servers_when_more_gave_nothing():
+    """Two same-host servers slower than one: more of them would not help, whatever the average says."""
+    runs = [run_of([900], bottleneck.SERVERS), run_of([420, 430], bottleneck.SERVERS)]
+    verdict = " ".join(remoteloader_bench.verdict(runs, 3000))
+    assert "More servers did not add throughput here (1 gave 900 images/s, 2 gave 850)" in verdict, verdict
+    assert "more server(s) of this kind" not in verdict, verdict
+    # Where they did add, the gain measured per added server sizes the advice: (3000 - 1500) / 600.
+    runs = [run_of([900], bottleneck.SERVERS), run_of([750, 750], bottleneck.SERVERS)]
+    verdict = " ".join(remoteloader_bench.verdict(runs, 3000))
+    assert "About 3 more server(s) of this kind would close the gap (600 images/s each" in verdict, verdict
+
+
 def test_bench_refuses_bad_flags_before_connecting_and_an_unreachable_server_in_one_line(tmp_path):
     parser = argparse.ArgumentParser()
     remoteloader_bench.add_arguments(parser)

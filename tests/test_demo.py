@@ -216,22 +216,31 @@ def test_prepare_with_connect_still_refuses_a_foreign_folder(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("address, message", [
-    ("127.0.0.1:{free}", "did not answer within 1s"),  # nothing listening
+    ("127.0.0.1:{free}", "refused the connection: nothing listens there"),  # at once, not after connect_timeout
+    ("127.0.0.1:{silent}", "did not answer within 2s"),  # a port that accepts and never answers
     ("no-port-here", "expected host:port"),
 ])
 def test_connect_to_no_server_is_a_one_line_error(monkeypatch, free_port, address, message):
     import functools
+    import socket
 
     from remoteloader.client import loader
     from remoteloader.tools.cli import main
 
     # The loader's default connect_timeout (10 s) is what a user waits; the message is the same.
-    monkeypatch.setattr(loader, "RemoteLoader", functools.partial(loader.RemoteLoader, connect_timeout=1))
-    address = address.format(free=free_port())
-    with pytest.raises(SystemExit) as info:
-        main(["demo", "--connect", address])
+    monkeypatch.setattr(loader, "RemoteLoader", functools.partial(loader.RemoteLoader, connect_timeout=2))
+    with socket.socket() as silent:  # listens (the kernel accepts) but never speaks gRPC
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = address.format(free=free_port(), silent=silent.getsockname()[1])
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as info:
+            main(["demo", "--connect", address])
+    took = time.monotonic() - started
     assert isinstance(info.value.code, str) and "\n" not in info.value.code, info.value.code
     assert info.value.code.startswith(f"--connect={address}: ") and message in info.value.code, info.value.code
+    if "refused" in message:
+        assert took < 1.5, f"a refused connection took {took:.1f}s to report"
 
 
 # A client-only install (`pip install remoteloader`, no `server` extra): its modules fail to import.

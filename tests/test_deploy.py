@@ -9,6 +9,7 @@ exact server command compose runs for loader-0 (the image's ENTRYPOINT + compose
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
 import re
@@ -37,6 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
+POD_OWNERS = ("StatefulSet", "Deployment", "DaemonSet", "Job")
 CONTAINER_PORT = 50051
 HEALTH_PORT = 50052  # the image's plaintext health port (REMOTELOADER_HEALTH_PORT)
 
@@ -675,6 +677,85 @@ def test_k8s_statefulset_has_a_headless_service_and_probes():
     assert container["lifecycle"]["preStop"], "no preStop hook"
     requests = container["resources"]["requests"]
     assert requests.get("cpu") and requests.get("memory"), requests
+
+
+# The "restricted" Pod Security Standard (kubernetes.io/docs/concepts/security/pod-security-standards),
+# its rules as the admission controller checks them for a pod spec.
+RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What in a pod spec the restricted level forbids (empty: admitted)."""
+    found = []
+    context = pod.get("securityContext") or {}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            found.append(f"{key} is set")
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            found.append(f"volume {volume['name']} is of type {sorted(kinds - RESTRICTED_VOLUMES)}")
+    if (context.get("seLinuxOptions") or {}).get("type") not in (None, "", "container_t", "container_init_t"):
+        found.append("pod seLinuxOptions.type")
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        name = container["name"]
+        own = container.get("securityContext") or {}
+        if own.get("privileged"):
+            found.append(f"{name}: privileged")
+        if own.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation must be false")
+        capabilities = own.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            found.append(f"{name}: capabilities must drop ALL")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: adds capabilities {capabilities['add']}")
+        if own.get("runAsNonRoot", context.get("runAsNonRoot")) is not True:
+            found.append(f"{name}: runAsNonRoot must be true (pod or container)")
+        if own.get("runAsUser", context.get("runAsUser")) == 0:
+            found.append(f"{name}: runAsUser 0")
+        seccomp = (own.get("seccompProfile") or context.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile.type must be RuntimeDefault or Localhost (is {seccomp})")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            found.append(f"{name}: hostPort")
+        if own.get("procMount") not in (None, "Default"):
+            found.append(f"{name}: procMount")
+    return found
+
+
+@pytest.mark.parametrize("folder", ["", "autoscaling", "object-store"])
+def test_k8s_pods_meet_the_restricted_pod_security_level(folder):
+    pods = [d["spec"]["template"]["spec"] for d in _kustomize(K8S / folder) if d["kind"] in POD_OWNERS]
+    assert pods
+    for pod in pods:
+        assert restricted_violations(pod) == []
+    # The checker is not blind: the base pod without its security settings fails it.
+    loose = copy.deepcopy(pods[0])
+    del loose["securityContext"]["seccompProfile"]
+    del loose["containers"][0]["securityContext"]
+    assert len(restricted_violations(loose)) == 3, restricted_violations(loose)
+
+
+def test_k8s_start_up_waits_for_indexing_and_keeps_indexes_across_restarts():
+    statefulset, _ = _statefulset_and_service()
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    startup = container["startupProbe"]
+    assert startup["grpc"]["port"] == {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
+    # Our own figure: an index-less tar shard is scanned at 48 s per million samples.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 48 * 10, "under ten million samples"
+    assert "initialDelaySeconds" not in container["livenessProbe"], "the startupProbe gates liveness"
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["data"].get("readOnly") and "emptyDir" in volumes["cache"]
+    assert mounts["cache"]["mountPath"] == "/home/loader/.cache" and not mounts["cache"].get("readOnly")
+    # ... which is where the image's server keeps its cache (and so the indexes of read-only tars).
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "useradd --create-home --uid 10001 loader" in dockerfile and "/home/loader/.cache" in dockerfile
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert "REMOTELOADER_CACHE_DIR" not in env
 
 
 def _substituted_args(container: dict) -> tuple[list[str], dict[str, str]]:

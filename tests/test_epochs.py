@@ -23,6 +23,7 @@ import torch
 from conftest import pixels_by_id
 
 from remoteloader.client import RemoteLoader
+from remoteloader.client import loader as loader_module
 from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
@@ -333,14 +334,29 @@ def test_stats_count_what_was_delivered(servers):
         assert s["orders"] > 0 and s["failures"] == 0 and s["reconnects"] == 0 and s["state"] == "up", (address, s)
 
 
-def test_each_epoch_is_one_line_of_stats_and_waiting_for_data_is_warned_of_once(servers, caplog):
-    # The slow synthetic server alone: a loop that does nothing waits for nearly every batch.
-    with RemoteLoader(servers.slow, batch_size=8, image_size=SIZE, drop_last=False) as loader:
+def test_each_epoch_is_one_line_of_stats_and_waiting_for_data_is_warned_of_once(servers, caplog, monkeypatch):
+    def play(loader: RemoteLoader, epochs: int, work: float) -> list[str]:
+        caplog.clear()
         with caplog.at_level(logging.INFO, logger="remoteloader.client"):
-            for epoch in range(2):
+            for epoch in range(epochs):
                 loader.set_epoch(epoch)
                 for _ in loader:
-                    pass
+                    time.sleep(work)  # the training step
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "waited for data" in
+                r.getMessage()]
+
+    # Epochs of a few seconds (SYNTHETIC images at SLOW_RATE): under WARN_AFTER_S, never warned of.
+    with RemoteLoader(servers.fast, batch_size=8, image_size=SIZE, drop_last=False) as loader:
+        assert play(loader, 1, 0.005) == []
+    monkeypatch.setattr(loader_module, "WARN_AFTER_S", 0.0)
+    # A loop that only reads batches, and an eval pass, wait by design: not warned of either.
+    with RemoteLoader(servers.fast, batch_size=8, image_size=SIZE, drop_last=False) as loader:
+        assert play(loader, 1, 0.0) == []
+    with RemoteLoader(servers.fast, batch_size=8, image_size=SIZE, drop_last=False, pipeline="eval") as loader:
+        assert play(loader, 1, 0.005) == []
+    # A training loop on the slow server waits for nearly every batch: one line per epoch, one warning.
+    with RemoteLoader(servers.slow, batch_size=8, image_size=SIZE, drop_last=False) as loader:
+        warned = play(loader, 2, 0.005)
         epochs = loader.stats()["epochs"]
     assert [e["epoch"] for e in epochs] == [0, 1]
     for e in epochs:
@@ -348,8 +364,7 @@ def test_each_epoch_is_one_line_of_stats_and_waiting_for_data_is_warned_of_once(
         assert e["wait_fraction"] > 0.5, e
     lines = [r.getMessage() for r in caplog.records]
     assert sum("images/s); the loop waited for data" in m for m in lines) == 2, lines
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "waited for data" in r.getMessage()]
-    assert len(warned) == 1 and "epoch 0" in warned[0].getMessage(), lines
+    assert len(warned) == 1 and "epoch 0" in warned[0], lines
 
 
 # ---- uneven servers ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ server can serve a shard within ``reconnect_timeout``, a LoaderError names the s
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
@@ -19,6 +20,7 @@ import torch
 from conftest import Cluster
 
 from remoteloader.client import LoaderError, RemoteLoader, thread_receiver
+from remoteloader.client import link as link_module
 from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
@@ -282,9 +284,11 @@ def test_server_of_a_unique_shard_restarted_on_its_port_resumes_the_epoch(server
         assert_exactly_once(epoch(loader, 1), total)
 
 
-def test_server_that_stays_down_raises_loader_error_naming_it(servers):
+def test_server_that_stays_down_raises_loader_error_naming_it(servers, monkeypatch, caplog):
     limit = 2.0
     bound = limit + 10
+    monkeypatch.setattr(link_module, "STILL_DOWN_EVERY", 0.5)  # (10 s in use)
+    caplog.set_level(logging.WARNING, logger="remoteloader.client")
     up(servers, (A, B))
     victim = servers.address(B)
     with make_loader(target(servers, (A, B)), reconnect_timeout=limit) as loader:
@@ -306,3 +310,9 @@ def test_server_that_stays_down_raises_loader_error_naming_it(servers):
     assert waited >= limit * 0.95, f"gave up after {waited:.1f}s, before reconnect_timeout={limit:g}s"
     assert waited < bound, f"took {waited:.1f}s to give up with reconnect_timeout={limit:g}s"
     assert state["failures"] >= 1 and state["state"] in ("down", "dead"), state
+    # Said at once, and again while it is retried: which server, what waits, for how long.
+    said = [r.getMessage() for r in caplog.records]
+    lost = [m for m in said if m.startswith(f"loader server {victim} failed")]
+    assert lost and "no other server holds its shards" in lost[0] and "reconnecting to it for up to 2s" in lost[0], said
+    still = [m for m in said if m.startswith(f"loader server {victim} still down after")]
+    assert still and "refused the connection" in still[-1] and "reconnect_timeout=2s" in still[-1], said

@@ -4,8 +4,10 @@ is given and leaves nothing behind."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
+import numpy as np
 import pytest
 
 from remoteloader.tools.local import LocalServer
@@ -74,6 +76,76 @@ def test_a_busy_metrics_port_is_a_one_line_error_and_stops_everything(tmp_path):
     while group_members(process.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert group_members(process.pid) == [], "decode workers outlived the server"
+
+
+@pytest.mark.timeout(60)
+def test_stop_signals_repeated_as_the_server_exits_leave_exit_code_0():
+    """A supervisor that sends SIGTERM again while the server exits (the race behind a flaky
+    drain test): the process still ends with 0, not by the signal."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+    command = [sys.executable, "-m", "remoteloader.server.cli", "--synthetic", "8", "--workers", "1", "--port", "0"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = process.stderr.readline()
+            assert line, "the server ended before listening"
+        process.send_signal(signal.SIGTERM)
+        while "stopped" not in line:
+            line = process.stderr.readline()
+            assert line, "the server ended without saying it stopped"
+        while process.poll() is None:  # again and again until it is gone
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.001)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+    assert process.wait() == 0
+
+
+@pytest.mark.timeout(120)
+def test_start_up_errors_say_what_is_wrong_in_one_line_of_ours(tmp_path):
+    """A missing path, images without class folders and a busy port: one line, ours, naming
+    the fix; no gRPC C-core log line before it. And --help shows no empty default."""
+    import socket
+    import subprocess
+    import sys
+
+    from remoteloader.tools.textures import encode_jpeg
+
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for i in range(3):
+        (loose / f"{i}.jpg").write_bytes(encode_jpeg(np.zeros((16, 16, 3), np.uint8), 90))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
+    server = [sys.executable, "-m", "remoteloader.server.cli"]
+
+    def fails(*args: str) -> str:
+        result = subprocess.run([*server, *args], capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("remoteloader-server: error: "), result.stderr
+        return lines[0]
+
+    assert "'" + str(tmp_path / "nowhere") + "' does not exist" in fails("--data", str(tmp_path / "nowhere"))
+    line = fails("--data", str(loose), "--port", "0")
+    assert "holds 3 image(s) directly, not in class folders" in line and "one folder per class" in line
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = fails("--synthetic", "8", "--workers", "1", "--port", str(port))
+        assert f"cannot bind 127.0.0.1:{port}: the port is in use" in line and "--port" in line
+        line = fails("--synthetic", "8", "--workers", "1", "--port", "0", "--health-port", str(port))
+        assert f"cannot bind 127.0.0.1:{port}: the port is in use" in line and "--health-port" in line
+    usage = subprocess.run([*server, "--help"], capture_output=True, text=True, env=env, timeout=60).stdout
+    usage = " ".join(usage.split())
+    assert "(default )" not in usage and not re.search(r"\(default[: ][^()]*\) \(default", usage), usage
 
 
 @pytest.mark.parametrize("host, written", [("::1", "[::1]"), ("[::1]", "[::1]"), ("fd00::5", "[fd00::5]"),

@@ -233,12 +233,23 @@ def verdict(runs: list[Run], consumed: float | None) -> list[str]:
         f"The training step consumes {consumed:.0f} images/s: input-bound; the loop would wait for data "
         f"{1 - every.images_per_s / consumed:.0%} of the time."
     )
-    if every.limit != bottleneck.RECEIVING and per_server:
-        more = math.ceil(consumed / per_server) - n
-        behind = " behind links of their own" if every.limit == bottleneck.LINKS else ""
+    first = runs[0]
+    added = n - len(first.servers)
+    # What one more server gave, measured: the last runs' gain per added server, where there is one.
+    gain = (every.images_per_s - first.images_per_s) / added if added > 0 else per_server
+    alone = first.images_per_s / len(first.servers)
+    if every.limit != bottleneck.RECEIVING and added > 0 and gain < 0.1 * alone:
         lines.append(
-            f"About {more} more server(s) of this kind{behind} would close the gap ({per_server:.0f} images/s each, "
-            f"as {n} gave together)."
+            f"More servers did not add throughput here ({len(first.servers)} gave {first.images_per_s:.0f} images/s, "
+            f"{n} gave {every.images_per_s:.0f}): they share what limits them (one machine's cores, its link or "
+            f"its disk), so more of them there would not close the gap; servers on other machines might."
+        )
+    elif every.limit != bottleneck.RECEIVING and gain > 0:
+        more = math.ceil((consumed - every.images_per_s) / gain)
+        behind = " behind links of their own" if every.limit == bottleneck.LINKS else ""
+        how = "as the servers added gave" if added > 0 else f"as {n} gave"
+        lines.append(
+            f"About {more} more server(s) of this kind{behind} would close the gap ({gain:.0f} images/s each, {how})."
         )
     if every.limit == bottleneck.LINKS:
         lines.append(

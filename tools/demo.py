@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="classification",
         help="classification (stripe textures, accuracy) or detection (coloured shapes, boxes, mean IoU)",
     )
-    parser.add_argument("--servers", type=int, default=2, help="loader servers (one shard each)")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--servers", type=int, default=2, help="loader servers, one shard each (default 2)")
+    parser.add_argument("--epochs", type=int, default=4, help="training epochs (default 4)")
     parser.add_argument("--images-per-class", type=int, default=None, help="classification (default 160)")
     parser.add_argument("--classes", type=int, default=None, help=f"classification: 2..{len(CLASSES)} (default 4)")
     parser.add_argument(
@@ -59,16 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"evaluation (default {DEFAULTS['detection']['images']})",
     )
     parser.add_argument("--batch-size", type=int, default=None, help="default 64; detection: 32")
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=1, help="decode workers per server")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--image-size", type=int, default=64, help="side of the square images trained on (default 64)")
+    parser.add_argument("--workers", type=int, default=1, help="decode workers per server (default 1)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu or cuda (default auto)")
     parser.add_argument(
         "--data",
         default=None,
         help="write the generated dataset here and keep it: a new or empty folder, or one "
         "an earlier demo wrote (default: a temp dir, removed at exit)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data, the order and the model (default 0)")
     parser.add_argument(
         "--prepare",
         metavar="DIR",
