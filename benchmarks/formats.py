@@ -5,8 +5,9 @@ as a tar of the same bytes, a TFRecord file, an LMDB database (Caffe Datum recor
 Parquet file (Hugging Face's ``{bytes, path}`` image struct), and as ``pack`` writes them
 (``packed``: JPEGs rewritten losslessly, so a crop decodes only its own blocks), each served by
 one local server with ``--workers`` decode workers, read ``--epochs`` times (after a warm-up
-epoch) by the same training-loop-less reader; prints images/s and the ratio to the tar of the
-same bytes (what a format alone costs; target 0.9x), and ``packed``'s.
+epoch) by the same training-loop-less reader, the formats' epochs in turn; prints the median
+images/s and the ratio to the tar of the same bytes (what a format alone costs; target 0.9x),
+and ``packed``'s.
 
 Part 2, catalogs: ``--catalog-samples`` (default 1,000,000) samples of one small JPEG in each
 format, indexed as a server indexes them, in this process: the start-up time of the first
@@ -74,8 +75,9 @@ def write_tfrecord(path: pathlib.Path, samples: list[tuple[bytes, int]]) -> None
 
 def datum(jpeg: bytes, label: int) -> bytes:
     """A Caffe Datum: channels, height, width, data (encoded), label, encoded."""
-    return (_varint(1 << 3) + _varint(3) + _field(4, jpeg) + _varint(5 << 3) + _varint(label)
-            + _varint(7 << 3) + _varint(1))
+    return (
+        _varint(1 << 3) + _varint(3) + _field(4, jpeg) + _varint(5 << 3) + _varint(label) + _varint(7 << 3) + _varint(1)
+    )
 
 
 def write_lmdb(folder: pathlib.Path, samples: list[tuple[bytes, int]]) -> None:
@@ -118,24 +120,40 @@ def write_tar(folder: pathlib.Path, samples: list[tuple[bytes, int]]) -> None:
                 tar.addfile(info, io.BytesIO(data))
 
 
-def throughput(path: str, args: argparse.Namespace, work: pathlib.Path) -> list[float]:
+def throughput(paths: dict[str, str], args: argparse.Namespace, work: pathlib.Path) -> dict[str, list[float]]:
+    """Images/s of each format's epochs: one server per format, all started first, their epochs
+    taken in turn (a round of one epoch each, the order rotating) after a warm-up epoch each
+    (whole decodes, page cache), so that the machine's drifts fall on every format alike."""
     from remoteloader.client import RemoteLoader
 
-    server = LocalServer(path, args=["--workers", str(args.workers), "--cache-dir", str(work / "cache"),
-                                     "--log-level", "WARNING"])
-    server.launch()
-    server.wait_ready(600)
-    rates = []
+    servers = {
+        name: LocalServer(
+            path,
+            args=["--workers", str(args.workers), "--cache-dir", str(work / "cache" / name), "--log-level", "WARNING"],
+        )
+        for name, path in paths.items()
+    }
+    loaders: dict[str, RemoteLoader] = {}
+    rates: dict[str, list[float]] = {name: [] for name in paths}
     try:
-        with RemoteLoader(server.address, batch_size=args.batch_size, image_size=224, connect_timeout=60) as loader:
-            for epoch in range(args.epochs + 1):
+        for server in servers.values():
+            server.launch()
+        for name, server in servers.items():
+            server.wait_ready(600)
+            loaders[name] = RemoteLoader(server.address, batch_size=args.batch_size, image_size=224, connect_timeout=60)
+        names = list(paths)
+        for round_ in range(args.epochs + 1):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 started, images = time.perf_counter(), 0
-                for batch, _labels in loader:
+                for batch, _labels in loaders[name]:
                     images += len(batch)
-                if epoch:  # the first: warm-up (whole decodes, page cache)
-                    rates.append(images / (time.perf_counter() - started))
+                if round_:  # the first round: warm-up
+                    rates[name].append(images / (time.perf_counter() - started))
     finally:
-        server.stop(30)
+        for loader in loaders.values():
+            loader.close()
+        for server in servers.values():
+            server.stop(30)
     return rates
 
 
@@ -189,8 +207,8 @@ def main() -> None:
     args = parser.parse_args()
     root = ensure_dataset(pathlib.Path(args.data).expanduser(), args.images)
     packed = ensure_packed(root, args.workers)
-    files, classes = list_samples(root)
-    samples = [(pathlib.Path(root / rel).read_bytes(), classes.index(rel.split("/")[0])) for rel, _ in files]
+    files, _ = list_samples(root)
+    samples = [(pathlib.Path(path).read_bytes(), label) for path, label in files]
     work = pathlib.Path(tempfile.mkdtemp(prefix="formats-bench-"))
     write_tfrecord(work / "data.tfrecord", samples)
     (work / "lmdb").mkdir()
@@ -198,9 +216,14 @@ def main() -> None:
     write_parquet(work / "data.parquet", samples)
     (work / "tar").mkdir()
     write_tar(work / "tar", samples)  # the same bytes as the other formats: what a format alone costs
-    paths = {"tar": str(work / "tar"), "packed": str(packed), "tfrecord": str(work / "data.tfrecord"),
-             "lmdb": str(work / "lmdb"), "parquet": str(work / "data.parquet")}
-    rates = {name: throughput(path, args, work) for name, path in paths.items()}
+    paths = {
+        "tar": str(work / "tar"),
+        "packed": str(packed),
+        "tfrecord": str(work / "data.tfrecord"),
+        "lmdb": str(work / "lmdb"),
+        "parquet": str(work / "data.parquet"),
+    }
+    rates = throughput(paths, args, work)
     median = {name: statistics.median(r) for name, r in rates.items()}
     report = {
         "images": len(samples),

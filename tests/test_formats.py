@@ -258,6 +258,24 @@ def test_formats_are_served_from_a_read_only_mount_with_their_indexes_kept_aside
     assert len(list((tmp_path / "cache" / "indexes").glob("*.index.npz"))) == 2, server.stderr()
 
 
+def test_a_parquet_files_extract_and_index_are_reused_at_the_next_start(tmp_path, caplog):
+    """Its images are copied out once; the next start reads the kept index (whose offsets are
+    the extract's, not the Parquet file's) instead of extracting again."""
+    import logging
+
+    source = tmp_path / "data.parquet"
+    shutil.copy(FIXTURES / "classification.parquet", source)
+    options = FormatOptions(index_folder=str(tmp_path / "cache" / "indexes"))
+    caplog.set_level(logging.INFO, logger="remoteloader.server.formats.parquet")
+    (first,) = open_shards([str(source)], options)
+    assert sum("extracted" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    (again,) = open_shards([str(source)], options)
+    assert not any("extracted" in r.getMessage() for r in caplog.records), "extracted again"
+    assert again.id == first.id and len(again) == len(first)
+    assert [again.locate(i) for i in range(len(again))] == [first.locate(i) for i in range(len(first))]
+
+
 def test_pack_turns_each_format_into_tar_shards_of_the_same_samples(data, tmp_path):
     from remoteloader.tools.pack import pack
 

@@ -428,7 +428,7 @@ def test_a_tar_without_cls_members_warns_once_per_start_naming_it(tmp_path, jpeg
         assert len(warnings) == 2, warnings  # no label, and no name for label 1 (no classes.txt)
         assert "mine.tar" in warnings[0] and "2 of 3 samples have no label" in warnings[0]
         assert "<key>.cls" in warnings[0] and "classes.txt" in warnings[0]
-        assert "labels go up to 1 but classes.txt beside it names 0 class(es)" in warnings[1]
+        assert "labels go up to 1 but no classes.txt is beside it to name them" in warnings[1]
     caplog.clear()
     TarShard(*open_storage(str(path)), ["p", "q"])  # named: only the missing labels are said
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1, caplog.text

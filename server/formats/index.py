@@ -53,23 +53,28 @@ def _in_folder(folder: str, storage: Storage, entry: Entry) -> pathlib.Path:
     return pathlib.Path(folder) / f"{key}{INDEX_SUFFIX}"
 
 
-def load(storage: Storage, entry: Entry, folder: str = "", beside: bool = True) -> Index | None:
-    """The file's index, if one matches it: beside it (unless not ``beside``), else in ``folder``."""
+def load(
+    storage: Storage, entry: Entry, folder: str = "", beside: bool = True, extent: int | None = None
+) -> Index | None:
+    """The file's index, if one matches it: beside it (unless not ``beside``), else in ``folder``.
+    ``extent``: the bytes its samples' offsets lie in, where that is not the file itself (a
+    Parquet file's extract); default the file's size."""
+    extent = entry.size if extent is None else extent
     raw = None
     with contextlib.suppress(OSError):
         if beside:
             raw = storage.read(entry.name + INDEX_SUFFIX)
     if raw is not None:
-        found = _parse(raw, storage, entry)
+        found = _parse(raw, storage, entry, extent)
         if found is not None:
             return found
     if folder:
         with contextlib.suppress(OSError):
-            return _parse(_in_folder(folder, storage, entry).read_bytes(), storage, entry)
+            return _parse(_in_folder(folder, storage, entry).read_bytes(), storage, entry, extent)
     return None
 
 
-def _parse(raw: bytes, storage: Storage, entry: Entry) -> Index | None:
+def _parse(raw: bytes, storage: Storage, entry: Entry, extent: int) -> Index | None:
     """An index, if it is whole and made from this very file."""
     try:
         with np.load(io.BytesIO(raw), allow_pickle=False) as data:
@@ -103,7 +108,7 @@ def _parse(raw: bytes, storage: Storage, entry: Entry) -> Index | None:
         and bool(np.all(np.diff(ends) > 0))
         and ends[0] > 0
         and bool(np.all(offsets >= 0))
-        and bool(np.all(offsets + sizes <= entry.size))
+        and bool(np.all(offsets + sizes <= extent))
     )
     return Index(table, digest, fields, failed) if consistent else None
 

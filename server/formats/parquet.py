@@ -89,8 +89,9 @@ class ParquetShard(Shard):
         self.path = str(folder / f"{key}.images")  # the extract the workers read
         self.extract = self.path  # (for the log)
         # The index is kept with the extract, never beside the Parquet file.
-        cached = shard_index.load(storage, self.object, str(folder), beside=False)
-        if cached is not None and os.path.isfile(self.path):
+        extracted = os.path.getsize(self.path) if os.path.isfile(self.path) else None
+        cached = shard_index.load(storage, self.object, str(folder), beside=False, extent=extracted or 0)
+        if cached is not None and extracted:
             table, digest, fields, _ = cached
         else:
             cached = None

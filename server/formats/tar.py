@@ -94,13 +94,16 @@ class TarShard(Shard):
             )
         top = int(self.labels.max()) if len(self) else -1
         if top >= len(class_names):  # no classes.txt, or a short one: class_names[label] fails in training code
+            named = (
+                f"{CLASSES_FILE} beside it names {len(class_names)} class(es)"
+                if class_names
+                else f"no {CLASSES_FILE} is beside it to name them"
+            )
             log.warning(
-                "%s: labels go up to %d but %s beside it names %d class(es); clients get no name for the "
-                "others (class_names[label] fails)",
+                "%s: labels go up to %d but %s; clients get no name for the others (class_names[label] fails)",
                 path,
                 top,
-                CLASSES_FILE,
-                len(class_names),
+                named,
             )
 
     def _scan(self, storage: Storage, name: str, class_names: list[str]) -> None:
