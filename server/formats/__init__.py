@@ -10,9 +10,11 @@ and keep the contract of ``server/catalog.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fnmatch
 import logging
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -112,6 +114,30 @@ def _find(storage: Storage, name: str, raw: str) -> Found:
             raise CatalogError(f"data path {raw!r} does not exist") from None
     except StorageError as exc:
         raise CatalogError(f"data path {raw!r}: {exc}") from None
+
+
+def file_shards(
+    storage: Storage,
+    name: str,
+    found: Found,
+    suffixes: tuple[str, ...],
+    make: Callable[[str, list[str], Entry | None], Shard],
+) -> list[Shard] | None:
+    """The shards of a format whose files are shards: the file ``name`` if it ends with one of
+    ``suffixes``, or every such file in the folder ``name``; ``make(name, class_names, entry)``
+    opens one (``classes.txt`` beside the files names the labels). None: no such file."""
+    if found.kind == "file":
+        if not name.lower().endswith(suffixes):
+            return None
+        return [make(name, read_classes(storage, name.rpartition("/")[0]), found.entry)]
+    files = [e for e in found.files if e.name.lower().endswith(suffixes)]
+    if not files:
+        return None
+    names = read_classes(storage, name)
+    # (requests to a store overlap; a local disk is read one file at a time)
+    with concurrent.futures.ThreadPoolExecutor(16 if storage.remote else 1) as pool:
+        opened = [pool.submit(make, e.name, names, e) for e in files]
+        return [f.result() for f in opened]
 
 
 def read_classes(storage: Storage, folder: str) -> list[str]:

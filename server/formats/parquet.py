@@ -36,7 +36,7 @@ import numpy as np
 
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
-from remoteloader.server.formats import FormatOptions, Found, members, read_classes
+from remoteloader.server.formats import FormatOptions, Found, file_shards, members
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.storage import Entry, Storage
 
@@ -258,12 +258,6 @@ def _objects(objects: dict, box_format: str, where: str, row: int) -> dict[str, 
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
     """A Parquet file is a shard, and so is every one in a folder."""
-    if found.kind == "file":
-        if not name.lower().endswith(SUFFIXES):
-            return None
-        return [ParquetShard(storage, name, read_classes(storage, name.rpartition("/")[0]), options, found.entry)]
-    files = [e for e in found.files if e.name.lower().endswith(SUFFIXES)]
-    if not files:
-        return None
-    names = read_classes(storage, name)
-    return [ParquetShard(storage, e.name, names, options, e) for e in files]
+    return file_shards(
+        storage, name, found, SUFFIXES, lambda file, names, entry: ParquetShard(storage, file, names, options, entry)
+    )

@@ -8,7 +8,6 @@ scanned once and its index kept for the next start.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
 import tarfile
@@ -28,7 +27,7 @@ from remoteloader.server.catalog import (
     Shard,
     basename,
 )
-from remoteloader.server.formats import FormatOptions, Found, members, read_classes
+from remoteloader.server.formats import FormatOptions, Found, file_shards, members
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.storage import Entry, Storage
 
@@ -191,16 +190,11 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
 
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
-    """A ``.tar`` file is a shard, and so is every ``.tar`` in a folder (``classes.txt`` beside
-    them names the labels)."""
-    if found.kind == "file" and name.endswith(".tar"):
-        folder = name.rpartition("/")[0]
-        return [TarShard(storage, name, read_classes(storage, folder), options.index_folder, found.entry)]
-    tars = [e for e in found.files if e.name.endswith(".tar")] if found.kind == "folder" else []
-    if not tars:
-        return None
-    names = read_classes(storage, name)
-    with concurrent.futures.ThreadPoolExecutor(16 if storage.remote else 1) as pool:
-        # (requests to a store overlap; a local disk is read one tar at a time)
-        opened = [pool.submit(TarShard, storage, e.name, names, options.index_folder, e) for e in tars]
-        return [f.result() for f in opened]
+    """A ``.tar`` file is a shard, and so is every ``.tar`` in a folder."""
+    return file_shards(
+        storage,
+        name,
+        found,
+        (".tar",),
+        lambda file, names, entry: TarShard(storage, file, names, options.index_folder, entry),
+    )

@@ -34,7 +34,7 @@ import numpy as np
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
 from remoteloader.server.decode import DecodeError, read_size
-from remoteloader.server.formats import FormatOptions, Found, members, protowire, read_classes
+from remoteloader.server.formats import FormatOptions, Found, file_shards, members, protowire
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.storage import Entry, Storage
 
@@ -311,13 +311,7 @@ def _floats(data: memoryview, start: int, end: int) -> list[float]:
 
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
-    """A TFRecord file is a shard, and so is every one in a folder (``classes.txt`` names labels)."""
-    if found.kind == "file":
-        if not name.lower().endswith(SUFFIXES):
-            return None
-        return [TFRecordShard(storage, name, read_classes(storage, name.rpartition("/")[0]), options, found.entry)]
-    files = [e for e in found.files if e.name.lower().endswith(SUFFIXES)]
-    if not files:
-        return None
-    names = read_classes(storage, name)
-    return [TFRecordShard(storage, e.name, names, options, e) for e in files]
+    """A TFRecord file is a shard, and so is every one in a folder."""
+    return file_shards(
+        storage, name, found, SUFFIXES, lambda file, names, entry: TFRecordShard(storage, file, names, options, entry)
+    )
