@@ -14,6 +14,7 @@ import pickle
 import shutil
 import struct
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -267,8 +268,10 @@ def test_a_parquet_files_extract_and_index_are_reused_at_the_next_start(tmp_path
     shutil.copy(FIXTURES / "classification.parquet", source)
     options = FormatOptions(index_folder=str(tmp_path / "cache" / "indexes"))
     caplog.set_level(logging.INFO, logger="remoteloader.server.formats.parquet")
+    began = time.time_ns()  # a server's indexed_ns: files written after it are never region-decoded
     (first,) = open_shards([str(source)], options)
     assert sum("extracted" in r.getMessage() for r in caplog.records) == 1
+    assert pathlib.Path(first.path).stat().st_mtime_ns < began, "its crops would never decode by region"
     caplog.clear()
     (again,) = open_shards([str(source)], options)
     assert not any("extracted" in r.getMessage() for r in caplog.records), "extracted again"

@@ -224,6 +224,9 @@ def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> tu
                     table.add(key, label, written, len(image), record)
                     digest.update(f"{key}\0{len(image)}\0{label}\n".encode())
                     written += len(image)
+        # Its time is the epoch's start, not now: a file written after the server began indexing
+        # is never region-decoded (worker_process), and this one changes only with the index.
+        os.utime(partial, ns=(0, 0))
         os.replace(partial, out)  # whole or not at all: a later start reuses only a whole extract
     except BaseException:
         with contextlib.suppress(OSError):
