@@ -11,7 +11,7 @@ Normalize give it):
   remote  RemoteLoader fed by one local ``remoteloader-server`` (--workers K, 127.0.0.1), reading
           by default the tar shards ``remoteloader pack`` writes once from the same ImageFolder
           (JPEGs rewritten losslessly: the same pixels; --remote-data folder: the files themselves),
-          its batches through the same-host path (the server's memory, README "Same host")
+          its batches through the same-host path (the server's memory, docs/operator-guide.md, "Same host")
   grpc    (only when asked: --loaders remote,grpc,pil,opencv) the same over gRPC, shared_memory=False
   pil     torch DataLoader(num_workers=K): PIL open/convert, torchvision's RandomResizedCrop
           algorithm re-implemented on PIL, flip, pil_to_tensor, default collate

@@ -35,8 +35,8 @@ REMEDY = {
     ),
     LINKS: (
         "The servers' decode workers had time to spare: faster links, servers behind other links, fewer "
-        'bytes per image (RemoteLoader\'s wire option, README "Wire choices"), or more orders in flight '
-        "(max_inflight, for a link with a long round trip) would feed it faster"
+        'bytes per image (RemoteLoader\'s wire option, docs/operator-guide.md, "Wire choices"), or more orders '
+        "in flight (max_inflight, for a link with a long round trip) would feed it faster"
     ),
     READING: (
         "The servers on this host had decode workers to spare and no link between: their reads (a cold "

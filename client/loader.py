@@ -94,7 +94,7 @@ class RemoteLoader:
         image_size: Output size, an int or (height, width) (default 224).
         pipeline: ``"train"`` (random resized crop + flip), ``"eval"`` (resize + center
             crop), ``"detection-train"``, ``"detection-eval"``, ``"segmentation-train"``,
-            ``"segmentation-eval"`` (README, "Targets"), or an albumentations pipeline
+            ``"segmentation-eval"`` (docs/targets.md), or an albumentations pipeline
             (``A.Compose``, or its ``A.to_dict``), which the servers must allow (default "train").
         shuffle: Shuffle the union of all servers' samples every epoch (default True).
         seed: Seeds the shuffle and every sample's augmentation (default 0).
@@ -113,7 +113,7 @@ class RemoteLoader:
         dtype: Floating dtype of normalized images (default torch.float32).
         return_ids: Yield (images, labels, ids) with the global sample ids (default False); with
             dict batches, the dict holds "ids".
-        fields: The target fields to receive (README, "Targets"): e.g. ``["bboxes", "bbox_labels"]``.
+        fields: The target fields to receive (docs/targets.md): e.g. ``["bboxes", "bbox_labels"]``.
             Default None: every field the servers' shards carry. When that is more than the class
             ``label`` (or fields is given), each batch is a dict of "images" and those fields:
             "label" a tensor, "mask" uint8 [B, H, W] (zeros for a sample without one), each other
@@ -128,7 +128,7 @@ class RemoteLoader:
             torchvision's detection models and references take them: ``images`` a list of float
             [3, H, W] tensors on the 0..1 scale (or normalized, with ``normalize``), ``targets``
             a list of dicts with "boxes", "labels", "image_id", "area", "iscrowd", "masks"
-            (with that field) and the other fields asked for (README, "Detection with torchvision").
+            (with that field) and the other fields asked for (docs/targets.md, "Detection with torchvision").
         ordered: Yield batches in plan order (reproducible, default True) or as they complete.
         on_error: What to do with samples a server could not decode: "raise" (default),
             "warn" or "skip" (the batch comes without them), or a callable taking a list of
@@ -152,7 +152,7 @@ class RemoteLoader:
             process (no child; one copy less on the CPU). Default: "process" on CUDA,
             "thread" on the CPU. With "process", (prefetch + 2) batch slots of shared memory
             replace the host buffers above.
-        wire: How the pixels travel (README, "Wire choices"): ``"raw"`` (default), ``"zstd"``
+        wire: How the pixels travel (docs/operator-guide.md, "Wire choices"): ``"raw"`` (default), ``"zstd"``
             (lossless, about 1.2x fewer bytes on photos, masks far fewer) or ``"jpeg95"`` (LOSSY:
             JPEG quality 95, about 4x fewer bytes; masks, labels and targets stay exact). The
             servers encode, this process (or its receiver process) decodes, at some CPU per
@@ -160,7 +160,7 @@ class RemoteLoader:
             'remoteloader[wire]'`` and servers that offer it.
         shared_memory: Servers on this host hand over their chunk memory, and batches are
             copied from where their decode workers wrote them instead of through gRPC
-            (README, "Same host"); found out per server, by its host id and a Unix socket only
+            (docs/operator-guide.md, "Same host"); found out per server, by its host id and a Unix socket only
             local processes can open; servers elsewhere are read over gRPC. Default True;
             False reads every server over gRPC. Only with ``wire="raw"``.
     Security:

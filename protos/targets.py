@@ -1,6 +1,6 @@
 """How a sample's targets travel: the public field names and ``loader_pb2.Targets``, typed arrays.
 
-The field names are public API (README, "Targets"):
+The field names are public API (docs/targets.md):
 
 * ``label``: int64 class, as for classification (travels in ``ChunkHeader.labels``);
 * ``labels``: int64[k], multi-label tags;

@@ -32,7 +32,7 @@ class Metrics:
             "remoteloader_queue_depth", "Decode tasks waiting for or in the workers (read when scraped)", registry=r
         )
         self.active_streams = Gauge("remoteloader_active_streams", "Open order streams", registry=r)
-        # What an autoscaler reads (deploy/README.md, "Autoscaling"); images/s is
+        # What an autoscaler reads (docs/deploy.md, "Autoscaling"); images/s is
         # rate(remoteloader_images_served_total[1m]).
         self.worker_busy_seconds = FunctionCounter(
             "remoteloader_worker_busy",

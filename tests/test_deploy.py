@@ -908,12 +908,12 @@ def test_the_adapter_rule_reads_series_the_server_exports(metrics_text):
     assert samples["remoteloader_queued_orders"] == 0  # the epoch is over
 
 
-def test_deploy_readme_names_every_metric_the_server_exports(metrics_text):
-    readme = (ROOT / "deploy" / "README.md").read_text()
+def test_deploy_guide_names_every_metric_the_server_exports(metrics_text):
+    guide = (ROOT / "docs" / "deploy.md").read_text()
     names = {line.split()[2] for line in metrics_text.splitlines() if line.startswith("# TYPE remoteloader_")}
     names = {n for n in names if not n.endswith("_created")}  # prometheus_client's creation times
-    missing = sorted(n for n in names if n not in readme)
-    assert not missing, f"deploy/README.md does not mention {missing}"
+    missing = sorted(n for n in names if n not in guide)
+    assert not missing, f"docs/deploy.md does not mention {missing}"
 
 
 # ---- CI ------------------------------------------------------------------------------------

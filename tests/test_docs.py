@@ -1,15 +1,24 @@
-"""The README documents what the code does: its commands, every server flag, and CI runs its test command."""
+"""The documentation documents what the code does: the README's commands, which CI runs; every server flag in
+the operator guide; and a site (docs/, mkdocs.yml) that builds with --strict, so links and anchors cannot rot."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
+import yaml
 
 from remoteloader.server.config import ServerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
@@ -22,8 +31,76 @@ def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
     assert tests in (ROOT / ".ci" / "run").read_text()
 
 
-def test_every_server_flag_is_in_the_readme_table():
-    table = README[README.index("| flag | default | meaning |"):]
+def test_every_server_flag_is_in_the_operator_guide_table():
+    guide = (DOCS / "operator-guide.md").read_text()
+    table = guide[guide.index("| flag | default | meaning |") :]
     for field in dataclasses.fields(ServerConfig):
         flag = "--" + field.name.replace("_", "-")
         assert f"`{flag}" in table or f"`{flag}`" in table or f", `{flag}`" in table, f"{flag} is not documented"
+
+
+def _nav_pages(nav) -> list[str]:
+    """The files a mkdocs nav names, however deeply nested."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, dict):
+        return [page for value in nav.values() for page in _nav_pages(value)]
+    return [page for item in nav for page in _nav_pages(item)]
+
+
+def test_every_page_under_docs_is_in_the_site_nav():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert config["docs_dir"] == "docs"
+    nav = _nav_pages(config["nav"])
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    assert sorted(set(nav)) == pages, f"in docs/ but not in nav: {sorted(set(pages) - set(nav))}; " + (
+        f"in nav but not in docs/: {sorted(set(nav) - set(pages))}"
+    )
+    assert len(nav) == len(set(nav)), f"a page is in nav twice: {nav}"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("docs") / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
+        + ["--config-file", str(ROOT / "mkdocs.yml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr}\n{result.stdout}"
+    return out
+
+
+def test_the_site_builds_with_strict(site):
+    # --strict (and mkdocs.yml's validation settings) fail on broken links and anchors and on pages left out of nav.
+    for page in DOCS.rglob("*.md"):
+        name = page.relative_to(DOCS).with_suffix("")
+        built = site / "index.html" if name.as_posix() == "index" else site / name / "index.html"
+        assert built.is_file(), f"{page} was not built"
+
+
+@pytest.mark.parametrize("readme", ["README.md", "deploy/README.md"])
+def test_the_readmes_links_into_the_docs_resolve(site, readme):
+    # The READMEs are outside the site, so mkdocs does not check their links: this does, anchors included.
+    path = ROOT / readme
+    links = [link for link in MARKDOWN_LINK.findall(path.read_text()) if "://" not in link]
+    assert links, f"{readme} links to nothing"
+    for link in links:
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve()
+        assert file.is_file(), f"{readme}: {link} is not a file"
+        if anchor:
+            assert file.suffix == ".md" and file.parent == DOCS, f"{readme}: {link}: anchors only into docs/"
+            name = file.relative_to(DOCS).with_suffix("")
+            built = site / "index.html" if name.as_posix() == "index" else site / name / "index.html"
+            assert f'id="{anchor}"' in built.read_text(), f"{readme}: {link}: no such section"
+
+
+def test_the_docs_say_plainly_that_the_cuda_path_has_not_run_on_a_gpu():
+    # Until it has: the README and the performance page both say so.
+    for page in (ROOT / "README.md", DOCS / "performance.md"):
+        assert "not yet run on a GPU" in page.read_text(), page

@@ -423,12 +423,12 @@ def test_metrics_count_exactly_what_an_epoch_served(servers):
                  "remoteloader_order_duration_seconds_count"):
         assert name in names, f"{name} not in /metrics: {sorted(names)}"
     # The names the deployment notes promise are the names served.
-    notes = (ROOT / "deploy" / "README.md").read_text()
+    notes = (ROOT / "docs" / "deploy.md").read_text()
     promised = set(re.findall(r"`(remoteloader_[a-z_]+)`", notes))
-    assert promised, "deploy/README.md lists no metric names"
+    assert promised, "docs/deploy.md lists no metric names"
     text = servers.metrics_text()
     for name in promised:
-        assert re.search(rf"^{name}(_bucket|_count|_sum)?[ {{]", text, re.M), f"{name} (deploy/README.md) not served"
+        assert re.search(rf"^{name}(_bucket|_count|_sum)?[ {{]", text, re.M), f"{name} (docs/deploy.md) not served"
 
     before = servers.metrics()
     failures = []

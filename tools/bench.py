@@ -254,8 +254,9 @@ def verdict(runs: list[Run], consumed: float | None) -> list[str]:
     if every.limit == bottleneck.LINKS:
         lines.append(
             "Or fewer bytes per image on the same links: --wire zstd (lossless) or --wire jpeg95 (lossy) measures "
-            'them (README, "Wire choices"). "links" means the servers\' workers had time to spare and this host\'s '
-            "receiver was not busy: their links, or anything between (the servers' sending, too little in flight)."
+            'them (docs/operator-guide.md, "Wire choices"). "links" means the servers\' workers had time to spare '
+            "and this host's receiver was not busy: their links, or anything between (the servers' sending, too "
+            "little in flight)."
         )
     return lines
 
