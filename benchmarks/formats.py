@@ -87,7 +87,8 @@ def datum(jpeg: bytes, label: int) -> bytes:
 def write_lmdb(folder: pathlib.Path, samples: list[tuple[bytes, int]]) -> None:
     import lmdb
 
-    size = sum(len(j) for j, _ in samples) * 2 + 256 * len(samples) + (64 << 20)  # (keys, pages: small values)
+    # A map is address space, not disk: room for half-full pages of small values (a million of them).
+    size = sum(len(j) for j, _ in samples) * 4 + 1024 * len(samples) + (64 << 20)
     env = lmdb.open(str(folder), map_size=size)
     txn = env.begin(write=True)
     for i, (jpeg, label) in enumerate(samples):
