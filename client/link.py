@@ -227,21 +227,8 @@ class Link(Generic[OrderT]):
         stub = loader_pb2_grpc.LoaderStub(self._control)
         request, metadata = loader_pb2.DescribeRequest(), self.options.metadata
         try:
-            if refused:  # one try without waiting: refused, or answered, or on to the wait below
-                try:
-                    describe = await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=metadata)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (exc.details() or "").lower():
-                        raise ConnectionError(
-                            f"loader server {self.address} refused the connection: nothing listens there "
-                            f"(is the server running, and on this port?)"
-                        ) from None
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    describe = None
-            else:
-                describe = None
-            if describe is None:
+            describe = await self._describe_now(stub, request, timeout) if refused else None
+            if describe is None:  # wait for the server to come up, until the timeout
                 describe = await stub.Describe(request, timeout=timeout, wait_for_ready=True, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -257,6 +244,23 @@ class Link(Generic[OrderT]):
         self.describe = describe
         self.max_inflight = max(1, min(self.options.max_inflight, describe.max_inflight_orders))
         return describe
+
+    async def _describe_now(
+        self, stub: loader_pb2_grpc.LoaderStub, request: loader_pb2.DescribeRequest, timeout: float
+    ) -> loader_pb2.DescribeResponse | None:
+        """One Describe without waiting for the channel: the answer; ConnectionError when the
+        connection is refused; None when the server is not reachable yet for another reason."""
+        try:
+            return await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=self.options.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            if "refused" in (exc.details() or "").lower():
+                raise ConnectionError(
+                    f"loader server {self.address} refused the connection: nothing listens there "
+                    f"(is the server running, and on this port?)"
+                ) from None
+            return None
 
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
         stub = loader_pb2_grpc.LoaderStub(self._control)
