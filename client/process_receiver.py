@@ -117,15 +117,17 @@ class ProcessReceiver:
         parent, child = socket.socketpair()
         self._socket = parent  # kept to wake the reader with shutdown() before its fd is closed
         self._conn = Connection(os.dup(parent.fileno()))
-        # The parent's import path goes after the child's own, never ahead of the stdlib: the
-        # child finds remoteloader as the parent did (also when it came from PYTHONPATH or a
-        # folder added at run time) and a training script's folder cannot shadow a module.
+        # The child's path is the stdlib, then the parent's path in the parent's order: it
+        # imports remoteloader, grpc and numpy from where the parent did (also from PYTHONPATH
+        # ahead of site-packages, or a folder added at run time), and a training script's
+        # folder cannot shadow a stdlib module.
         paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str)]
         try:
             self.process = subprocess.Popen(
                 [
                     sys.executable,
                     "-I",
+                    "-S",
                     "-c",
                     BOOTSTRAP,
                     json.dumps(paths),
@@ -373,8 +375,9 @@ def rebuild_error(error: tuple[str, str]) -> BaseException:
     return _ERRORS[name](text)
 
 
-# Run with -I (no current folder, no PYTHON* variables on the path), then the parent's path
-# after the child's own; addsitedir also runs .pth files (e.g. an editable install's finder).
+# Run with -I -S (the path is the stdlib alone: no current folder, no PYTHON* variables, no
+# site-packages), then the parent's path appended in its order; addsitedir also runs the
+# .pth files there (e.g. an editable install's finder).
 BOOTSTRAP = (
     "import json, site, sys\n"
     "for p in json.loads(sys.argv[1]):\n"

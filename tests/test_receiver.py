@@ -385,6 +385,37 @@ def test_a_module_in_the_script_folder_cannot_shadow_the_receivers_imports(shard
     assert out.returncode == 0 and out.stdout.strip() == "4", out.stderr
 
 
+def test_the_receiver_imports_what_the_parent_imports_from_pythonpath_ahead_of_site_packages(shards, tmp_path):
+    """A PYTHONPATH folder shadows site-packages in the training process, so it must in the
+    receiver process too: a GPU image with an older grpc in site-packages and a newer one on
+    PYTHONPATH once made the receiver refuse the generated code the parent had accepted.
+    Here PYTHONPATH holds a grpc that notes the (isolated) receiver imported it, then loads
+    the installed one in its place."""
+    cluster, first = shards
+    shim = tmp_path / "pythonpath" / "grpc"
+    shim.mkdir(parents=True)
+    marker = tmp_path / "receiver-imported-the-shim"
+    (shim / "__init__.py").write_text(textwrap.dedent(f"""
+        import importlib.machinery, importlib.util, sys
+        if sys.flags.isolated:  # the receiver runs with -I, the training script without
+            open({str(marker)!r}, "w").close()
+        spec = importlib.machinery.PathFinder.find_spec(
+            "grpc", [p for p in sys.path if not p.startswith({str(shim.parent)!r})])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["grpc"] = module
+        spec.loader.exec_module(module)
+    """))
+    script = textwrap.dedent(f"""
+        from remoteloader.client import RemoteLoader
+        with RemoteLoader({cluster.address(first)!r}, batch_size=4, image_size=16, receiver="process") as loader:
+            print(len(next(iter(loader))[1]), flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(shim.parent))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "4", out.stderr
+    assert marker.exists(), "the receiver process imported grpc from site-packages, not from PYTHONPATH"
+
+
 @pytest.mark.parametrize("receiver", ["thread", "process"])
 def test_a_script_that_never_closes_its_loader_exits_promptly(shards, receiver):
     cluster, first = shards
