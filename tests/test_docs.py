@@ -98,9 +98,3 @@ def test_the_readmes_links_into_the_docs_resolve(site, readme):
             name = file.relative_to(DOCS).with_suffix("")
             built = site / "index.html" if name.as_posix() == "index" else site / name / "index.html"
             assert f'id="{anchor}"' in built.read_text(), f"{readme}: {link}: no such section"
-
-
-def test_the_docs_say_plainly_that_the_cuda_path_has_not_run_on_a_gpu():
-    # Until it has: the README and the performance page both say so.
-    for page in (ROOT / "README.md", DOCS / "performance.md"):
-        assert "not yet run on a GPU" in page.read_text(), page
