@@ -266,7 +266,7 @@ def test_compose_per_shard_loaders_and_shared_profile():
     volumes = set()
     for n in loaders:
         service = services[n]
-        assert "profiles" not in service, f"{n} must run by default"
+        assert service.get("profiles") == ["local"], f"{n}: the server-local set-up is profile local"
         assert service["build"]["target"] == "server"
         data = _flag(service["command"], "--data")
         volume = _mounts(service).get(data)
@@ -291,6 +291,20 @@ def test_compose_per_shard_loaders_and_shared_profile():
     for n in ("trainer", "trainer-shared", "prepare", "prepare-shared"):
         assert services[n]["build"]["target"] == "trainer"
     assert _exec_form(_inherited(stages, "trainer", "ENTRYPOINT")) == ["remoteloader"]
+
+
+def test_every_compose_service_is_in_a_profile_so_no_command_starts_a_stack_by_mistake():
+    """Without a default stack, `up --scale loader=3` missing `--profile shared` starts nothing
+    (compose v1 ignored the --scale and started the server-local stack and its demo)."""
+    services = _compose()["services"]
+    unprofiled = [n for n, s in services.items() if not s.get("profiles")]
+    assert not unprofiled, f"{unprofiled} would start on a plain `docker compose up`"
+    for scaled, profile in (("loader", "shared"), ("loader-s3", "s3")):
+        assert services[scaled]["profiles"] == [profile]
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    for profile in sorted({p for s in services.values() for p in s["profiles"]}):
+        assert f"docker compose --profile {profile} up" in guide, profile
+    assert "docker-compose --profile" in guide, "compose v1's spelling"
 
 
 def test_compose_trainers_connect_to_servers_that_exist():
