@@ -30,10 +30,12 @@ import time
 import weakref
 
 import pytest
+from packing import CLASSES, PER_CLASS, SHARDS, pack_cli, shard_size_for
 
 from remoteloader.tools.local import LocalServer, ServerProcess
+from remoteloader.tools.textures import make_imagefolder
 
-READY_TIMEOUT = 30.0  # seconds a server may take to index its data and bind
+READY_TIMEOUT = 90.0  # seconds a server may take to index its data and bind (the suite runs 3 workers on 2 cores)
 STOP_TIMEOUT = 30.0  # seconds a SIGTERMed server may take to drain and exit
 DEFAULT_ARGS = ("--workers", "1", "--grace", "5", "--log-level", "INFO")
 # How a `python -m` command that caught Ctrl-C, cleaned up and returned 130 may end: with 130,
@@ -344,3 +346,15 @@ def read_only_mounts(folder: pathlib.Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unshare is not available: {exc}"
     return None if result.returncode == 0 else f"cannot make a read-only bind mount: {result.stderr.strip()}"
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """An ImageFolder and its `remoteloader pack`ed shards (the real CLI), once per module:
+    (src, dst, the pack run)."""
+    root = tmp_path_factory.mktemp("tar-data")
+    src = make_imagefolder(root / "src", CLASSES, PER_CLASS, size=(40, 56), seed=4, jitter=0.2)
+    dst = root / "dst"
+    result = pack_cli(src, dst, "--shard-size", shard_size_for(src, SHARDS))
+    assert result.returncode == 0, result.stderr
+    return src, dst, result
