@@ -27,7 +27,7 @@ from remoteloader.client import RemoteLoader, thread_receiver
 from remoteloader.protos import codec, loader_pb2
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 SAMPLES = 3 * 48
 BATCH = 16

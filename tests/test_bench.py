@@ -17,7 +17,7 @@ from remoteloader.tools import bench as remoteloader_bench
 from remoteloader.tools import shaped_links
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

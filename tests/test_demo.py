@@ -13,6 +13,8 @@ import time
 import pytest
 from conftest import CTRL_C_EXITS
 
+pytestmark = pytest.mark.slow
+
 DEMO = [sys.executable, "-m", "remoteloader.tools.cli", "demo"]
 
 

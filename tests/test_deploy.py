@@ -32,7 +32,7 @@ from remoteloader.server import config as config_module
 from remoteloader.tools.local import ServerProcess, ServerStartError
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -23,7 +23,7 @@ from remoteloader.client import LoaderError, RemoteLoader, thread_receiver
 from remoteloader.client import link as link_module
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 SIZE = 32
 BATCH = 8

@@ -23,7 +23,7 @@ from remoteloader.client import RemoteLoader
 from remoteloader.server.catalog import CatalogError
 from remoteloader.server.formats import FormatOptions, open_shards
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "formats"
 CLASSES = "ant\nbee\ncat\n"

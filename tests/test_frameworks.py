@@ -19,7 +19,7 @@ import pytest
 
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 JOBS = pathlib.Path(__file__).parent / "frameworks"
 TOTAL, BATCH = 48, 4

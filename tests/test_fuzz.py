@@ -32,7 +32,7 @@ FUZZ_SEED = int(os.environ.get("FUZZ_SEED", "1234"))
 FUZZ_THREADS = int(os.environ.get("FUZZ_THREADS", "3"))
 CALL_TIMEOUT = 2.0
 
-pytestmark = pytest.mark.timeout(120 + 2 * FUZZ_SECONDS)
+pytestmark = [pytest.mark.timeout(120 + 2 * FUZZ_SECONDS), pytest.mark.slow]
 
 SERVICE = "/remoteloader.v1.Loader/"
 SIZE = 32

@@ -18,7 +18,7 @@ from remoteloader.client import LoaderError, RemoteLoader
 from remoteloader.protos import SERVICE
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -25,7 +25,7 @@ from remoteloader.client import RemoteLoader
 from remoteloader.protos import codec, loader_pb2
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 STREAM = "/remoteloader.v1.Loader/Stream"
 SIZE = 32

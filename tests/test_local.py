@@ -13,7 +13,7 @@ import pytest
 from remoteloader.tools.local import LocalServer
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def group_members(pgid: int) -> list[int]:

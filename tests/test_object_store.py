@@ -29,7 +29,7 @@ from remoteloader.tools.pack import pack
 from remoteloader.tools.shapes import make_coco, make_target_tar
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 DATASETS = ("packed", "plain", "folder", "coco", "tfrecord", "parquet")
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "formats"

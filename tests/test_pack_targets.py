@@ -28,7 +28,7 @@ from remoteloader.server.formats.tar import TarShard
 from remoteloader.server.storage import open_storage
 from remoteloader.tools.shapes import make_coco
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
 COUNT = 30
 COMPARED = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.IMAGE_ID)

@@ -17,7 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CODE = ["client", "protos", "server", "tools"]
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def run(*command: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:

@@ -28,7 +28,7 @@ from conftest import outcome_in_fork, pixels_by_id
 from remoteloader.client import LoaderError, RemoteLoader, process_receiver, thread_receiver
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 SIZE = 32
 BATCH = 8

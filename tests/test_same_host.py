@@ -20,7 +20,7 @@ from remoteloader.client import RemoteLoader
 from remoteloader.tools.shapes import make_coco
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 SIZE, BATCH = 48, 8
 FIELDS = ["bboxes", "bbox_labels", "mask"]

@@ -19,7 +19,7 @@ from conftest import Cluster
 from remoteloader.protos import SERVICE, codec, loader_pb2, loader_pb2_grpc
 from remoteloader.tools import shaped_links
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 STREAM = f"/{SERVICE}/Stream"
 

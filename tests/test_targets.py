@@ -34,7 +34,7 @@ from remoteloader.tools.local import LocalServer, ServerStartError
 from remoteloader.tools.shapes import CATEGORIES, make_coco, make_target_tar
 from remoteloader.tools.textures import encode_jpeg, make_imagefolder
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 SIZE = 96
 COLOURS = {i + 1: np.asarray(colour, np.float32) for i, (_, _, colour) in enumerate(CATEGORIES)}

@@ -28,7 +28,7 @@ from remoteloader.tools.local import LocalServer
 from remoteloader.tools.shapes import make_coco
 from remoteloader.tools.textures import make_imagefolder
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 SIZE = 64
 BATCH = 8
