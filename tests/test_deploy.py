@@ -895,8 +895,15 @@ def metrics_text(module_cluster, tmp_path_factory, free_port, run_bounded):
     with RemoteLoader(module_cluster.address(index), batch_size=4, image_size=32, drop_last=False,
                       connect_timeout=10) as loader:
         run_bounded(loader, 60)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        return reply.read().decode()
+    # The server ends the closed loader's stream on its own time (later on a loaded machine):
+    # read until its orders are gone, for a bound; the test then asserts they are.
+    deadline = time.monotonic() + 20
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        if re.search(r"^remoteloader_queued_orders 0(\.0)?$", text, re.M) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
 
 
 def test_the_adapter_rule_reads_series_the_server_exports(metrics_text):
