@@ -216,7 +216,8 @@ def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
 
     root = pathlib.Path(root).expanduser()
     # Re-made too once the native module is built: without it, pack copies the files as they are.
-    source = {**json.loads((root / MANIFEST).read_text()), "rewritten": _jpeg is not None}
+    # "pack" 2: its indexes mark the rewritten JPEGs verified (region-decoded from the first epoch).
+    source = {**json.loads((root / MANIFEST).read_text()), "rewritten": _jpeg is not None, "pack": 2}
     packed = root.with_name(root.name + "-packed")
     marker = packed / MANIFEST
     if marker.exists() and json.loads(marker.read_text()) == source:

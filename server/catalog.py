@@ -89,6 +89,10 @@ class Shard:
     # Samples known to be bad when indexed (a TFRecord record whose CRC fails), with why: they
     # fail with that reason when served. Few by nature: a dict, not an array per sample.
     failed: dict[int, str] = {}  # (replaced, never changed in place, by the formats that have any)
+    # Samples known to decode whole without error, a bool each (tars whose index `remoteloader
+    # pack` wrote: the JPEGs it rewrote losslessly), or None: crops of these may decode their
+    # region only from the first epoch (render.Renderer), not only once they have decoded whole.
+    verified: np.ndarray | None = None
     remote = False  # its bytes are in an object store (object_cache.py fetches them) ...
     storage: Storage | None = None  # ... this one
 

@@ -9,8 +9,8 @@ Everything returns RGB uint8 HWC.
 in a JPEG with a restart marker after every MCU (as ``remoteloader pack`` writes them) only
 the crop's MCUs. It gives the same pixels as a whole decode, but it does not read what lies
 outside the crop (at least the rows below it), so it cannot refuse damage there: the server
-uses it only for files that have decoded whole without error before (see
-render.Renderer).
+uses it only for files that have decoded whole without error before, or that ``remoteloader
+pack`` rewrote (see render.Renderer and Shard.verified).
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ def region_decoder() -> str:
         return "whole images (simplejpeg; the native region decoder was not built, see setup.py)"
     v = _jpeg.LIBJPEG_TURBO_VERSION_NUMBER
     return (
-        f"crop regions only, once a file has decoded whole without error; only the crop's MCUs in "
+        f"crop regions only, once a file has decoded whole without error (from the start for those "
+        f"`remoteloader pack` rewrote); only the crop's MCUs in "
         f"JPEGs with a restart marker per MCU, as `remoteloader pack` writes them (native, libjpeg-turbo "
         f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000})"
     )

@@ -50,9 +50,11 @@ class Renderer:
         self.pool = pool
         self.cache = cache
         self.objects = objects
-        # Samples that have decoded whole without error, a byte per sample, in pages touched
-        # only as samples are marked.
-        self._decoded = {s.id: np.zeros(len(s), np.bool_) for s in shards}
+        # Samples that have decoded whole without error, a byte per sample: at first those the
+        # shard's index knows (Shard.verified), then as samples decode.
+        self._decoded = {
+            s.id: s.verified.copy() if s.verified is not None else np.zeros(len(s), np.bool_) for s in shards
+        }
 
     def prefetch(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray) -> None:
         """An order arrived: starts fetching its samples' bytes from their object store (if they

@@ -115,8 +115,16 @@ def test_pack_rewrites_what_it_can_losslessly_and_copies_the_rest(tmp_path):
     for name in ("ant/prog.jpg", "bee/bee_00000.jpg"):
         assert packed[name] != originals[name] and dec._frame(packed[name])[0] == 0xC0, name
         assert np.array_equal(dec.decode(packed[name], "jpeg"), dec.decode(originals[name], "jpeg")), name
+    # The index marks exactly the rewritten JPEGs verified: a server may decode only a crop's
+    # region of them from its first epoch (the copied ones decode whole once first).
+    shard = TarShard(*open_storage(str(tmp_path / "dst" / "shard-00000.tar")), [])
+    assert shard.verified is not None
+    verified = {shard.key(i) for i in range(len(shard)) if shard.verified[i]}
+    assert len(verified) == 8 and {"ant/prog.jpg", "bee/bee_00000.jpg", long_name} <= verified
+    assert not verified & {"ant/pic.png", "bee/cut.jpg", "bee/notes.jpg", "bee/motion.jpg"}
     verbatim = pack_cli(src, tmp_path / "verbatim", "--quiet", "--verbatim")
     assert verbatim.returncode == 0 and "rewritten" not in verbatim.stdout and "copied" not in verbatim.stderr
+    assert TarShard(*open_storage(str(tmp_path / "verbatim" / "shard-00000.tar")), []).verified is None
     assert {k: v for k, v in members(tmp_path / "verbatim" / "shard-00000.tar") if not k.endswith(".cls")} == originals
 
 

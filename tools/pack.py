@@ -64,6 +64,7 @@ from remoteloader.server.catalog import CLASSES_FILE, IMAGE_EXTENSIONS, MASK_SUF
 from remoteloader.server.config import default_workers
 from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
 from remoteloader.server.formats import FormatOptions, open_shards
+from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.coco import CocoShard
 from remoteloader.server.formats.imagefolder import ImageFolderShard
 from remoteloader.server.formats.index import INDEX_SUFFIX
@@ -494,6 +495,7 @@ def _write_shards(
         bar = tqdm(total=len(samples), unit="img", desc=f"packing into {dst or out}", file=sys.stderr)
     tar = None
     written = 0
+    rewritten: list[bool] = []  # the current tar's samples, in order: rewritten losslessly
     try:
         for index, ((data, outcome, why, size), mask, mask_error) in zip(samples, preparer.results(map(job, samples))):
             signals.raise_if_stopped()
@@ -531,12 +533,13 @@ def _write_shards(
             if tar is None or written >= shard_size:
                 if tar is not None:
                     tar.close()
-                    _complete(paths[-1], source, report, upload)
+                    _complete(paths[-1], source, report, upload, rewritten)
                 paths.append(out / f"shard-{len(paths):05d}.tar")
                 # PAX: names of any length (ustar stops at 100-255 bytes), read by any tar reader
                 tar = tarfile.open(paths[-1], "w", format=tarfile.PAX_FORMAT)
-                written = 0
+                written, rewritten = 0, []
             _add(tar, name, data)  # the source's key, so both layouts name samples alike
+            rewritten.append(outcome == "rewritten")
             for member, content in members:
                 _add(tar, member, content)
             written += len(data) + 1024 + sum(len(content) + 512 for _, content in members)
@@ -546,7 +549,7 @@ def _write_shards(
         if bar is not None:
             bar.close()
     if paths:
-        _complete(paths[-1], source, report, upload)
+        _complete(paths[-1], source, report, upload, rewritten)
     if upload is not None:
         upload.file(out / CLASSES_FILE)
         shutil.rmtree(upload.staging, ignore_errors=True)
@@ -555,10 +558,20 @@ def _write_shards(
         raise ValueError(f"none of the {len(source)} samples could be packed (see the warnings above)")
 
 
-def _complete(path: pathlib.Path, source: Shard, report: PackReport, upload: _Upload | None) -> None:
+def _complete(
+    path: pathlib.Path, source: Shard, report: PackReport, upload: _Upload | None, rewritten: list[bool]
+) -> None:
     """A tar is written: its sidecar index, so that servers start without scanning it (and both
-    uploaded, where the shards go to an object store)."""
-    TarShard(*open_storage(str(path)), list(source.class_names))
+    uploaded, where the shards go to an object store). The index marks the JPEGs rewritten
+    losslessly as verified: libjpeg read all of them without a warning, so servers may decode
+    only a crop's region of them from the first epoch (Shard.verified)."""
+    storage, name = open_storage(str(path))
+    entry = storage.head(name)
+    shard = TarShard(storage, name, list(source.class_names), entry=entry)
+    if any(rewritten):
+        assert len(rewritten) == len(shard), "a tar's samples are its images, in the order written"
+        shard.verified = np.array(rewritten, np.bool_)
+        shard_index.save(storage, entry, shard, shard.index_digest)
     report.bytes += path.stat().st_size
     if upload is not None:
         upload.file(path)

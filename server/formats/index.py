@@ -30,12 +30,14 @@ _ARRAYS = ("ends", "labels", "offsets", "sizes", "target_ends")
 
 class Index(NamedTuple):
     """A loaded index: the shard's table, the digest of the file's members, its target fields,
-    and the samples known to be bad with why (``Shard.failed``)."""
+    the samples known to be bad with why (``Shard.failed``) and those known to decode whole
+    (``Shard.verified``)."""
 
     table: KeyTable
     digest: str
     fields: tuple[str, ...]
     failed: dict[int, str]
+    verified: np.ndarray | None = None
 
 
 def signature(storage: Storage, entry: Entry) -> np.ndarray:
@@ -94,6 +96,11 @@ def _parse(raw: bytes, storage: Storage, entry: Entry, extent: int) -> Index | N
             failed = (
                 {int(i): str(why) for i, why in zip(data["failed"], data["failures"])} if "failed" in data.files else {}
             )
+            verified = (
+                np.unpackbits(data["verified"], count=len(table.labels)).astype(np.bool_)
+                if "verified" in data.files
+                else None
+            )
     except Exception:  # unreadable, damaged or foreign: index the file itself
         return None
     ends = np.frombuffer(table.ends, dtype=np.int64)
@@ -110,7 +117,7 @@ def _parse(raw: bytes, storage: Storage, entry: Entry, extent: int) -> Index | N
         and bool(np.all(offsets >= 0))
         and bool(np.all(offsets + sizes <= extent))
     )
-    return Index(table, digest, fields, failed) if consistent else None
+    return Index(table, digest, fields, failed, verified) if consistent else None
 
 
 def serialize(shard: Shard, digest: str, signed: np.ndarray, etag: str = "") -> bytes:
@@ -125,6 +132,8 @@ def serialize(shard: Shard, digest: str, signed: np.ndarray, etag: str = "") -> 
         "failures": np.array([shard.failed[i] for i in sorted(shard.failed)], dtype=np.str_),
         **shard.index_arrays(),
     }
+    if shard.verified is not None:
+        arrays["verified"] = np.packbits(shard.verified)
     out = io.BytesIO()
     np.savez(out, **arrays)
     return out.getvalue()

@@ -65,7 +65,7 @@ class LmdbShard(Shard):
         classes = read_classes(storage, name)
         cached = shard_index.load(storage, self.object, options.index_folder)
         if cached is not None:
-            table, index_digest, fields, _ = cached
+            table, index_digest, fields = cached.table, cached.digest, cached.fields
         else:
             started = time.perf_counter()
             table, index_digest, fields, from_db = self._scan(options.lmdb_unpickle, self.object.size)

@@ -92,7 +92,7 @@ class ParquetShard(Shard):
         extracted = os.path.getsize(self.path) if os.path.isfile(self.path) else None
         cached = shard_index.load(storage, self.object, str(folder), beside=False, extent=extracted or 0)
         if cached is not None and extracted:
-            table, digest, fields, _ = cached
+            table, digest, fields = cached.table, cached.digest, cached.fields
         else:
             cached = None
             started = time.perf_counter()

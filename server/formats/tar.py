@@ -55,7 +55,7 @@ class TarShard(Shard):
         cached = shard_index.load(storage, self.object, index_folder)
         path = self.path
         if cached is not None:
-            table, index_digest, fields, _ = cached
+            table, index_digest, fields = cached.table, cached.digest, cached.fields
             super().__init__(
                 basename(name),
                 table,
@@ -64,6 +64,7 @@ class TarShard(Shard):
                 fields,
             )
             self.index_digest = index_digest
+            self.verified = cached.verified
         else:
             started = time.perf_counter()
             self._scan(storage, name, class_names)

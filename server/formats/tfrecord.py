@@ -116,7 +116,7 @@ class TFRecordShard(Shard):
         self.etag = self.object.etag
         cached = shard_index.load(storage, self.object, options.index_folder)
         if cached is not None:
-            table, digest, fields, failed = cached
+            table, digest, fields, failed = cached.table, cached.digest, cached.fields, cached.failed
         else:
             started = time.perf_counter()
             table, digest, fields, failed = _scan(storage, name, self.path, features(options.tfrecord_features))
