@@ -170,7 +170,7 @@ def test_without_normalize_the_uint8_batch_is_handed_over_as_is():
 
 def test_host_buffers_are_writable_and_sized():
     pool = HostPool(keep=2)
-    small, big = pool.take(2, 8, 8), pool.take(64, 224, 224)  # big takes a huge-page mapping
+    small, big = pool.take(2, 8, 8), pool.take(64, 224, 224)  # big takes a mapping of its own
     for buf, n in ((small, 2), (big, 64)):
         assert buf.dtype == torch.uint8 and buf.shape == (n, buf.shape[1], buf.shape[2], 3)
         buf.fill_(7)
