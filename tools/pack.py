@@ -64,7 +64,6 @@ from remoteloader.server.catalog import CLASSES_FILE, IMAGE_EXTENSIONS, MASK_SUF
 from remoteloader.server.config import default_workers
 from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
 from remoteloader.server.formats import FormatOptions, open_shards
-from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.coco import CocoShard
 from remoteloader.server.formats.imagefolder import ImageFolderShard
 from remoteloader.server.formats.index import INDEX_SUFFIX
@@ -565,13 +564,8 @@ def _complete(
     uploaded, where the shards go to an object store). The index marks the JPEGs rewritten
     losslessly as verified: libjpeg read all of them without a warning, so servers may decode
     only a crop's region of them from the first epoch (Shard.verified)."""
-    storage, name = open_storage(str(path))
-    entry = storage.head(name)
-    shard = TarShard(storage, name, list(source.class_names), entry=entry)
-    if any(rewritten):
-        assert len(rewritten) == len(shard), "a tar's samples are its images, in the order written"
-        shard.verified = np.array(rewritten, np.bool_)
-        shard_index.save(storage, entry, shard, shard.index_digest)
+    verified = np.array(rewritten, np.bool_) if any(rewritten) else None
+    TarShard(*open_storage(str(path)), list(source.class_names), verified=verified)
     report.bytes += path.stat().st_size
     if upload is not None:
         upload.file(path)

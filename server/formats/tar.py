@@ -46,8 +46,16 @@ class TarShard(Shard):
     """
 
     def __init__(
-        self, storage: Storage, name: str, class_names: list[str], index_folder: str = "", entry: Entry | None = None
+        self,
+        storage: Storage,
+        name: str,
+        class_names: list[str],
+        index_folder: str = "",
+        entry: Entry | None = None,
+        verified: np.ndarray | None = None,
     ):
+        """``verified``: for a tar without an index, its samples known to decode whole (its
+        writer, `remoteloader pack`, knows them): kept in the index it writes."""
         self.path = storage.location(name)
         self.storage, self.remote = storage, storage.remote
         self.object = entry or storage.head(name)  # its size and version, as indexed
@@ -68,6 +76,9 @@ class TarShard(Shard):
         else:
             started = time.perf_counter()
             self._scan(storage, name, class_names)
+            if verified is not None:
+                assert len(verified) == len(self), "one flag per sample, in the tar's order"
+                self.verified = verified
             log.info(
                 "%s has no index: scanned it (%d samples, %.1f MB) in %.1fs",
                 self.path,
