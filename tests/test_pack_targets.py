@@ -7,14 +7,12 @@ targets are compared with those of the COCO file read as a server reads it (``Co
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import tarfile
 
 import numpy as np
 import pytest
+from packing import pack_cli
 
 from remoteloader.protos import loader_pb2
 from remoteloader.protos.targets import EMPTY
@@ -32,12 +30,6 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
 COUNT = 30
 COMPARED = (tg.BBOXES, tg.BBOX_LABELS, tg.KEYPOINTS, tg.IMAGE_ID)
-
-
-def pack_cli(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REMOTELOADER_")}
-    command = [sys.executable, "-m", "remoteloader.tools.cli", "pack", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
 
 
 def edit_coco(path: pathlib.Path) -> dict[str, str]:
