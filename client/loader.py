@@ -4,34 +4,31 @@ Where things live: options are validated in ``options.py``; the epoch position, 
 the state_dict in ``epoch.py``; the global sample ids in ``sample_space.py`` and each
 epoch's batches in ``plan.py``; the I/O side behind the ``Receiver`` contract
 (``receiver.py``: ``thread_receiver.py``, or ``process_receiver.py`` with its child
-``receiver_service.py``), whose ``engine.py`` schedules, fails over (where a failed
-server's orders go) and reassembles and whose ``link.py`` owns each server's connection
-(its states, when it counts as down, reconnect back-off); delivery to
-the training loop behind the ``Delivery`` contract (``delivery.py``: ``host_delivery.py``,
-``cuda_delivery.py``).
+``receiver_service.py``), whose ``engine.py`` schedules and fails over (where a failed
+server's orders go), ``chunks.py`` checks what arrives, ``assembly.py`` puts batches
+together and ``link.py`` owns each server's connection (its states, when it counts as down,
+reconnect back-off); delivery to the training loop behind the ``Delivery`` contract
+(``delivery.py``: ``host_delivery.py``, ``cuda_delivery.py``); what the loop saw, per epoch,
+in ``throughput.py``; ``on_error`` in ``failures.py``.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import concurrent.futures
 import logging
-import math
 import os
 import queue
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from remoteloader.client import bottleneck
+from remoteloader.client import failures
 from remoteloader.client import plan as plan_module
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.cuda_delivery import CudaDelivery
@@ -47,6 +44,7 @@ from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.security import TLSConfig
 from remoteloader.client.server_set import ServerSet
 from remoteloader.client.thread_receiver import ThreadReceiver
+from remoteloader.client.throughput import Throughput
 from remoteloader.client.torchvision_form import torchvision_form
 from remoteloader.protos import targets as tg
 
@@ -54,26 +52,6 @@ log = logging.getLogger("remoteloader.client")
 
 _OPEN: weakref.WeakSet[RemoteLoader] = weakref.WeakSet()  # closed at exit, while threads still run
 _KEY_BLOCK = 1024
-# Above this share of an epoch spent waiting for data, the loader logs a warning (once), for a
-# pass that trains: one of at least WARN_AFTER_S, not an eval pipeline's, whose loop spent at
-# least LOOP_WORK_S per batch on its own work (a loop that only reads batches waits by design).
-WAIT_WARNING = 0.2
-WARN_AFTER_S = 10.0
-LOOP_WORK_S = 0.002
-_EPOCHS_KEPT = 100  # epochs stats() reports
-
-
-@dataclass
-class _Throughput:
-    """What stats() reports of the training loop's side."""
-
-    batches: int = 0
-    images: int = 0
-    bytes: int = 0
-    wait_s: float = 0.0
-    start: float | None = None  # when the first batch was asked for
-    epochs: collections.deque[dict] = field(default_factory=lambda: collections.deque(maxlen=_EPOCHS_KEPT))
-    warned: bool = False  # of waiting for data
 
 
 class RemoteLoader:
@@ -256,7 +234,7 @@ class RemoteLoader:
         self._counted: Partition | None = None  # the partition len() last counted batches for
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
         self._final_receiver_cpu = 0.0  # and the receiver's CPU seconds
-        self._throughput = _Throughput()
+        self._throughput = Throughput(self.options.batch_size, self.options.setup.pipeline)
         self._keys: dict[tuple[str, int], list[str]] = {}
         self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
         _OPEN.add(self)
@@ -486,26 +464,12 @@ class RemoteLoader:
         to its end (the last 100): its images, seconds, images/s, the share of it the loop
         waited for data, its likely limit (``client/bottleneck.py``), each server's workers'
         busy share over it and the receiver's (the log has the same line, and a warning once
-        when that share passes ``WAIT_WARNING``, 0.2); ``receiver_cpu_s`` is the receiver's CPU
-        time so far; the servers' counters (``workers_busy`` as each last said) are those at
-        close() once it is closed."""
-        s = self._throughput
-        elapsed = (time.perf_counter() - s.start) if s.start else 0.0
+        when that share passes ``throughput.WAIT_WARNING``, 0.2); ``receiver_cpu_s`` is the
+        receiver's CPU time so far; the servers' counters (``workers_busy`` as each last said)
+        are those at close() once it is closed."""
         per_server = self._final_servers if self._closed else self._io.server_stats()
         receiver_cpu = self._final_receiver_cpu if self._closed else self._io.cpu_seconds()
-        return {
-            "batches": s.batches,
-            "images": s.images,
-            "bytes": s.bytes,
-            "elapsed_s": elapsed,
-            "images_per_s": s.images / elapsed if elapsed else 0.0,
-            "bytes_per_s": s.bytes / elapsed if elapsed else 0.0,
-            "wait_s": s.wait_s,
-            "wait_fraction": s.wait_s / elapsed if elapsed else 0.0,
-            "epochs": list(s.epochs),
-            "receiver_cpu_s": receiver_cpu,
-            "servers": per_server,
-        }
+        return self._throughput.stats(per_server, receiver_cpu)
 
     # ---- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator:
@@ -522,24 +486,15 @@ class RemoteLoader:
         played, token, source = self._start_pass()
         out = self._delivery.start(source)
         ended = False  # the receiver said the pass is over
-        s = self._throughput
-        begun, waited_before, images_before = time.perf_counter(), s.wait_s, s.images
-        servers_before, receiver_before = self._io.server_stats(), self._io.cpu_seconds()
+        meter = self._throughput
+        span = meter.span(played.epoch, self._io.server_stats(), self._io.cpu_seconds())
 
         def epoch_done() -> None:
-            seconds = time.perf_counter() - begun
-            servers = bottleneck.spans(servers_before, self._io.server_stats())
-            receiver_busy = (self._io.cpu_seconds() - receiver_before) / seconds if seconds else 0.0
-            waited, images = s.wait_s - waited_before, s.images - images_before
-            self._epoch_done(played.epoch, seconds, waited, images, servers, receiver_busy)
+            meter.epoch_done(span, self._io.server_stats(), self._io.cpu_seconds())
 
         try:
             while True:
-                waited = time.perf_counter()
-                if self._throughput.start is None:
-                    self._throughput.start = waited
-                item = self._get(out, token)
-                self._throughput.wait_s += time.perf_counter() - waited
+                item = meter.wait_for(lambda: self._get(out, token))
                 if item is END:
                     ended = True
                     if self._position.ended(token):  # an epoch with no batches for this rank
@@ -580,64 +535,6 @@ class RemoteLoader:
         self._position.begin(played, token)
         return played, token, out
 
-    def _epoch_done(
-        self,
-        epoch: int,
-        seconds: float,
-        waited: float,
-        images: int,
-        servers: dict[str, bottleneck.ServerSpan],
-        receiver_busy: float,
-    ) -> None:
-        """One line per epoch played to its end (stats()["epochs"] and the log), with its likely
-        limit (``bottleneck``); a warning, once, when a training loop waited for data more than
-        WAIT_WARNING of the epoch, saying what would help."""
-        s = self._throughput
-        share = waited / seconds if seconds else 0.0
-        rate = images / seconds if seconds else 0.0
-        limit = bottleneck.likely_limit(servers, receiver_busy, share, seconds)
-        busy = {a: round(span.workers_busy, 3) for a, span in servers.items()}
-        s.epochs.append(
-            {
-                "epoch": epoch,
-                "images": images,
-                "seconds": seconds,
-                "images_per_s": rate,
-                "wait_fraction": share,
-                "limit": limit,
-                "workers_busy": busy,
-                "receiver_busy": receiver_busy,
-            }
-        )
-        log.info(
-            "epoch %d: %d images in %.1fs (%.0f images/s); the loop waited for data %.0f%% of it; likely limit: %s",
-            epoch,
-            images,
-            seconds,
-            rate,
-            100 * share,
-            limit,
-        )
-        batches = max(1, math.ceil(images / self.batch_size))
-        trains = (
-            seconds >= WARN_AFTER_S
-            and not self.options.setup.pipeline.endswith("eval")
-            and (seconds - waited) / batches >= LOOP_WORK_S
-        )
-        if share > WAIT_WARNING and trains and not s.warned:
-            s.warned = True
-            log.warning(
-                "epoch %d: the training loop waited for data %.0f%% of the time (%.0f images/s): its input is "
-                "the limit; likely: %s. %s; stats()['epochs'] and ['servers'] show each epoch and each server, "
-                "and `remoteloader bench` measures what more servers would give",
-                epoch,
-                100 * share,
-                rate,
-                limit,
-                bottleneck.REMEDY[limit],
-                extra={"remoteloader_waited": share},  # (for a filter: `remoteloader bench` waits by design)
-            )
-
     def _get(self, out: Readable[Output], token: int) -> Output:
         while True:
             try:
@@ -668,30 +565,12 @@ class RemoteLoader:
             io.buffer_freed()
 
     def _deliver(self, item: Batch | Delivered) -> tuple | dict[str, Any] | None:
-        delivered = self._delivery.finish(item)
-        images, labels, ids = delivered.images, delivered.labels, delivered.ids
-        targets = delivered.targets
-        if delivered.failures:
-            keep = self._handle_failures(delivered)
-            if keep is not None:
-                keep_on = keep.to(images.device)
-                images, labels, ids = images[keep_on], labels[keep_on], ids[keep]
-                rows = keep.tolist()
-                targets = {
-                    name: [v for v, k in zip(value, rows) if k] if isinstance(value, list) else value[keep_on]
-                    for name, value in targets.items()
-                }
-                if len(ids) == 0:
-                    warnings.warn(
-                        f"batch {delivered.seq}: none of its {len(keep)} samples could be served, so it "
-                        f"is left out and this rank yields fewer batches than len(loader); under DDP the "
-                        f"ranks then disagree (on_error='raise' or a callable keeps every batch)",
-                        stacklevel=4,
-                    )
-                    return None
-        self._throughput.batches += 1
-        self._throughput.images += len(ids)
-        self._throughput.bytes += delivered.nbytes
+        """The batch as the training loop gets it (None: on_error left none of its rows)."""
+        delivered = failures.apply(self.on_error, self._delivery.finish(item))
+        if delivered is None:
+            return None
+        images, labels, ids, targets = delivered.images, delivered.labels, delivered.ids, delivered.targets
+        self._throughput.delivered(len(ids), delivered.nbytes)
         if self.batch_format == "torchvision":
             return torchvision_form(images, targets, ids, self.options)
         if self._batch_fields is not None:
@@ -702,25 +581,6 @@ class RemoteLoader:
                 batch["ids"] = ids
             return batch
         return (images, labels, ids) if self.return_ids else (images, labels)
-
-    def _handle_failures(self, batch: Delivered) -> torch.Tensor | None:
-        """Applies on_error; returns the rows to keep (None: keep the batch as is)."""
-        failures = batch.failures
-        on_error = self.on_error
-        if callable(on_error):
-            on_error(list(failures))
-            return None
-        text = "; ".join(f"id {f.sample_id} {f.key!r} on {f.server}: {f.reason}" for f in failures[:10])
-        more = f" (and {len(failures) - 10} more)" if len(failures) > 10 else ""
-        if on_error == "raise":
-            raise LoaderError(
-                f"{len(failures)} sample(s) of batch {batch.seq} could not be served: {text}{more}. "
-                f"Pass on_error='skip' or 'warn' to train without them."
-            )
-        if on_error == "warn":
-            warnings.warn(f"skipping {len(failures)} sample(s) that could not be served: {text}{more}", stacklevel=4)
-        bad = {f.sample_id for f in failures}
-        return torch.tensor([i not in bad for i in batch.ids.tolist()], dtype=torch.bool)
 
     # ---- closing --------------------------------------------------------------------------
     def close(self) -> None:

@@ -18,9 +18,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from remoteloader.client import cpu
+from remoteloader.client.assembly import BatchBuffers, Order
 from remoteloader.client.batches import Item, LoaderError
 from remoteloader.client.discovery import discover
-from remoteloader.client.engine import BatchBuffers, Engine, EngineOptions, _Order
+from remoteloader.client.engine import Engine, EngineOptions
 from remoteloader.client.link import Link, LinkOptions, LinkState
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import loader_pb2, malloc
@@ -78,7 +79,7 @@ class ThreadReceiver:
         malloc.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._address = address
         self._link_options = link_options
-        self.links: dict[str, Link[_Order]] = {}
+        self.links: dict[str, Link[Order]] = {}
         self._loop, self._thread = io_loop()
         self._pid = os.getpid()
         self._closed = False
@@ -88,11 +89,11 @@ class ThreadReceiver:
     def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
         new = [a for a in discover(self._address) if a not in self.links]
         if new:
-            links = [Link[_Order](a, self.engine, self._link_options) for a in new]
+            links = [Link[Order](a, self.engine, self._link_options) for a in new]
             self._call(self._describe_all(links), timeout=self._link_options.connect_timeout + 5)
         return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
 
-    async def _describe_all(self, links: list[Link[_Order]]) -> None:
+    async def _describe_all(self, links: list[Link[Order]]) -> None:
         results = await asyncio.gather(*(link.fetch_describe(refused=True) for link in links), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

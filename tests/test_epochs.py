@@ -23,7 +23,7 @@ import torch
 from conftest import pixels_by_id
 
 from remoteloader.client import RemoteLoader
-from remoteloader.client import loader as loader_module
+from remoteloader.client import throughput as throughput_module
 from remoteloader.tools.textures import make_imagefolder
 
 pytestmark = pytest.mark.timeout(120)
@@ -348,7 +348,7 @@ def test_each_epoch_is_one_line_of_stats_and_waiting_for_data_is_warned_of_once(
     # Epochs of a few seconds (SYNTHETIC images at SLOW_RATE): under WARN_AFTER_S, never warned of.
     with RemoteLoader(servers.fast, batch_size=8, image_size=SIZE, drop_last=False) as loader:
         assert play(loader, 1, 0.005) == []
-    monkeypatch.setattr(loader_module, "WARN_AFTER_S", 0.0)
+    monkeypatch.setattr(throughput_module, "WARN_AFTER_S", 0.0)
     # A loop that only reads batches, and an eval pass, wait by design: not warned of either.
     with RemoteLoader(servers.fast, batch_size=8, image_size=SIZE, drop_last=False) as loader:
         assert play(loader, 1, 0.0) == []

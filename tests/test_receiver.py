@@ -338,7 +338,7 @@ def test_a_server_that_cannot_serve_and_joins_later_is_left_out_with_a_warning(s
             joined = [tuple(b) for b in loader]
             assert loader.num_samples == 37 and len(joined) == 37 // BATCH
             assert sorted(loader.servers) == sorted([cluster.address(first), cluster.address(first + 1)])
-            assert loader._io.engine.space is loader.catalog  # the epoch ran on the loader's catalog
+            assert loader._io.engine.assembler.space is loader.catalog  # the epoch ran on the loader's catalog
     finally:
         cluster.stop(small)
 

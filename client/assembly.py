@@ -1,0 +1,277 @@
+"""Reassembly: batches put together from the chunks of their orders, and handed out in turn.
+
+A plan batch gets its buffer from the consumer's side (``BatchBuffers``) when it is dispatched
+and is split by shard into ``Order``s, each what a server is asked for in one message. Every
+checked chunk (``chunks.py``) is placed straight into its rows (``Assembler.place``): pixels and
+masks copied once (or decoded, on an encoded wire), labels and targets remapped onto the
+loader's classes (``sample_space.py``). An order's samples count into its batch only when the
+order completes (``EpochRun.credit``): a server that failed half-way leaves nothing behind, and
+its order is sent again whole. ``EpochRun`` hands the complete batches out in plan order
+(or as they complete) on the epoch's queue, then END.
+
+Scheduling (which server gets an order, when, and what happens on failure) is the engine's.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from remoteloader.client.batches import END, Batch, Item, SampleFailure
+from remoteloader.client.chunks import Checked, StreamShape
+from remoteloader.client.sample_space import SampleSpace, ShardInfo
+from remoteloader.protos import limits, loader_pb2, wire
+from remoteloader.protos import targets as tg
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BatchBuffers(Protocol):
+    """Where batches are received: memory the consumer's side lends, one buffer per batch."""
+
+    def allocate(self, n: int, h: int, w: int) -> torch.Tensor | np.ndarray | None:
+        """A uint8 (n, h, w, 3) buffer, or None when none is free (``Engine.buffer_freed`` follows)."""
+
+    def masks_for(self, images: Any, n: int, h: int, w: int) -> np.ndarray:
+        """A uint8 (n, h, w) array for the masks of the batch received into ``images`` (in the
+        same lent memory where the buffers have room for masks)."""
+
+    def release(self, images: Any) -> None:
+        """Takes back the buffer of a batch dropped before it was handed out."""
+
+
+@dataclass
+class Order:
+    """A part of one batch for one shard: what a server is asked for in one message."""
+
+    order_id: int
+    batch: Batch
+    shard: ShardInfo
+    positions: np.ndarray  # rows of the batch
+    local: np.ndarray  # shard-local indices
+    epoch: int
+    received: int = 0
+    cancelled: bool = False
+    failures: list[SampleFailure] = field(default_factory=list)  # merged into the batch when the order completes
+    nbytes: int = 0
+    twin: Order | None = None  # its rest sent to another server too (engine's hedging); the first to complete wins
+    credited: int = 0  # its first samples already counted into the batch (when it was hedged)
+    sent_to: str = ""  # the server it was last sent to
+
+    @property
+    def samples(self) -> int:
+        return len(self.positions)
+
+    def sent(self, server: str) -> None:
+        """It goes (again) to ``server``: what an earlier sending received counts for nothing."""
+        self.sent_to = server
+        self.received = 0
+        self.failures = []
+        self.nbytes = 0
+
+    def split(self, count: int, order_id: int) -> Order:
+        """Takes the first ``count`` samples out as an order of their own (this one keeps the rest)."""
+        head = Order(order_id, self.batch, self.shard, self.positions[:count], self.local[:count], self.epoch)
+        self.positions, self.local = self.positions[count:], self.local[count:]
+        return head
+
+    def rest(self, order_id: int) -> Order:
+        """An order for the samples of this one not received yet (its twin, when hedged)."""
+        done = self.received
+        return Order(order_id, self.batch, self.shard, self.positions[done:], self.local[done:], self.epoch)
+
+
+class Assembler:
+    """Allocates batches and places checked chunks into their rows; on the I/O loop thread.
+
+    Args:
+        setup: The stream's Setup (output size, the fields asked for, the wire).
+        buffers: The consumer's lent memory: the only owner of batch buffers.
+    """
+
+    def __init__(self, setup: loader_pb2.Setup, buffers: BatchBuffers):
+        self.shape = StreamShape.of(setup)
+        self.buffers = buffers
+        self.fields = tuple(f for f in setup.fields if f != tg.MASK)  # the targets kept per row
+        self.space: SampleSpace | None = None  # the running epoch's
+
+    def new_batch(self, seq: int, ids: np.ndarray) -> Batch | None:
+        """Batch ``seq`` in a lent buffer, or None when every buffer is in use."""
+        h, w = self.shape.height, self.shape.width
+        images = self.buffers.allocate(len(ids), h, w)
+        if images is None:
+            return None
+        pixels = images if isinstance(images, np.ndarray) else images.numpy()
+        batch = Batch(seq, ids, images, pixels, np.full(len(ids), -1, np.int64), len(ids))
+        if self.shape.masks:
+            batch.masks = self.buffers.masks_for(images, len(ids), h, w)
+        batch.targets = {name: [None] * len(ids) for name in self.fields}
+        return batch
+
+    def release(self, batch: Batch) -> None:
+        """Gives a batch's buffer back (a batch dropped before the consumer took it)."""
+        self.buffers.release(batch.images)
+
+    def place(
+        self, order: Order, header: loader_pb2.ChunkHeader, payload: memoryview, checked: Checked, server: str
+    ) -> None:
+        """Puts a checked chunk's samples into their rows of ``order``'s batch, with their labels,
+        targets and failures (those count into the batch when the order completes); ValueError
+        for an encoded part that does not decode to exactly its row."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        batch = order.batch
+        rows = order.positions[header.start : header.start + header.count]
+        first = int(rows[0])
+        # where the rows are in the batch's arrays: a slice when they are consecutive (the usual case)
+        where = slice(first, first + len(rows)) if rows[-1] - first == len(rows) - 1 else rows
+        if checked.parts is None:
+            self._copy(batch, order.shard, where, payload)
+        else:
+            self._decode(batch, order.shard, rows, payload, checked.parts)
+        labels = np.fromiter(header.labels, np.int64, header.count)  # (asarray of a repeated field: 2-3x slower)
+        batch.labels[where] = self.space.global_labels(order.shard, labels)
+        if checked.targets is not None:
+            self._keep_targets(batch, order.shard, rows, checked.targets)
+        order.nbytes += len(payload)
+        for e in header.errors:
+            if header.start <= e.position < header.start + header.count:
+                row = order.positions[e.position]
+                order.failures.append(SampleFailure(int(batch.ids[row]), e.key, e.reason, server))
+
+    def _copy(self, batch: Batch, shard: ShardInfo, where: slice | np.ndarray, payload: memoryview) -> None:
+        """A raw chunk's pixels (and masks) into its rows (``where``: a slice of consecutive
+        rows, one copy; or their indices)."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        h, w = self.shape.height, self.shape.width
+        count = where.stop - where.start if isinstance(where, slice) else len(where)
+        images = count * limits.sample_bytes(h, w)
+        batch.pixels[where] = np.frombuffer(payload[:images], dtype=np.uint8).reshape(count, h, w, limits.CHANNELS)
+        if batch.masks is not None:
+            masks = np.frombuffer(payload[images:], dtype=np.uint8).reshape(count, h, w)
+            if isinstance(where, slice):
+                place = batch.masks[where]
+                place[...] = masks
+                self.space.global_masks(shard, place)
+            else:
+                masks = masks.copy()
+                self.space.global_masks(shard, masks)
+                batch.masks[where] = masks
+
+    def _decode(
+        self, batch: Batch, shard: ShardInfo, rows: np.ndarray, payload: memoryview, parts: list[tuple[int, int]]
+    ) -> None:
+        """An encoded chunk's parts (protos.wire), each decoded straight into its row."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        count = len(rows)
+        for i, row in enumerate(rows.tolist()):
+            offset, size = parts[i]
+            wire.decode_part(self.shape.wire, payload[offset : offset + size], batch.pixels[row], mask=False)
+            if batch.masks is not None:
+                offset, size = parts[count + i]
+                wire.decode_part(self.shape.wire, payload[offset : offset + size], batch.masks[row], mask=True)
+                self.space.global_masks(shard, batch.masks[row : row + 1])
+
+    def _keep_targets(
+        self, batch: Batch, shard: ShardInfo, rows: np.ndarray, targets: list[dict[str, np.ndarray]]
+    ) -> None:
+        """Keeps each row's targets, class labels remapped onto the loader's class list."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        for row, arrays in zip(rows.tolist(), targets):
+            for name, column in batch.targets.items():
+                value = arrays.get(name)
+                if value is not None and name in tg.LABELLED:
+                    value = self.space.global_labels(shard, value.astype(np.int64, copy=False))
+                column[row] = value
+
+
+class EpochRun:
+    """One epoch's batches from ``first_seq`` on, less ``skip`` (already delivered before a resume):
+    what is dispatched, what is ready, and the order batches go out in (``ordered``: the plan's).
+
+    Its ``token`` names the epoch to the consumer's side (which passes it back with each
+    ``consumed``, so that a late call about an abandoned epoch changes nothing)."""
+
+    def __init__(
+        self,
+        token: int,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        out: queue.Queue[Item],
+        skip: frozenset[int] = frozenset(),
+        ordered: bool = True,
+    ):
+        self.token = token
+        self.epoch = epoch
+        self.batches = batches
+        self.ordered = ordered
+        self.skip = frozenset(s for s in skip if first_seq <= s < len(batches))
+        self.expected = len(batches) - first_seq - len(self.skip)
+        sizes = np.asarray([0 if i in self.skip else len(b) for i, b in enumerate(batches)], np.int64)
+        self._after = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])  # samples in batches[i:]
+        self.next_dispatch = first_seq
+        self.next_deliver = first_seq
+        self.dispatched = 0
+        self.consumed = 0
+        self.delivered = 0
+        self.ready: dict[int, Batch] = {}
+        self.open: dict[int, Batch] = {}  # dispatched, not yet handed out
+        self.out = out
+        self.cancelled = False
+        if self.expected == 0:
+            out.put(END)
+
+    def samples_after(self, seq: int) -> int:
+        """Samples of the batches from ``seq`` on (less those skipped)."""
+        return int(self._after[min(seq, len(self._after) - 1)])
+
+    def next_batch(self, in_flight: int) -> int | None:
+        """The seq of the next batch to dispatch, with ``in_flight`` batches allowed ahead of the
+        consumer; None when the plan is done or that many are out."""
+        while self.next_dispatch in self.skip:
+            self.next_dispatch += 1
+        if self.next_dispatch >= len(self.batches) or self.dispatched - self.consumed >= in_flight:
+            return None
+        return self.next_dispatch
+
+    def dispatched_batch(self, batch: Batch) -> None:
+        """``batch`` (the one ``next_batch`` named) got its buffer and is split into orders."""
+        self.next_dispatch += 1
+        self.dispatched += 1
+        self.open[batch.seq] = batch
+
+    def credit(self, order: Order, count: int) -> None:
+        """``count`` more of ``order``'s samples are in their batch, with its reports so far."""
+        batch = order.batch
+        batch.failures.extend(order.failures)
+        batch.nbytes += order.nbytes
+        order.failures, order.nbytes = [], 0
+        batch.remaining -= count
+        if batch.remaining == 0:
+            self._complete(batch)
+
+    def _complete(self, batch: Batch) -> None:
+        if self.cancelled:
+            return
+        if not self.ordered:
+            self._emit(batch)
+            return
+        self.ready[batch.seq] = batch
+        while True:
+            while self.next_deliver in self.skip:
+                self.next_deliver += 1
+            if self.next_deliver not in self.ready:
+                return
+            self._emit(self.ready.pop(self.next_deliver))
+            self.next_deliver += 1
+
+    def _emit(self, batch: Batch) -> None:
+        self.open.pop(batch.seq, None)
+        self.out.put(batch)
+        self.delivered += 1
+        if self.delivered == self.expected:
+            self.out.put(END)
