@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
+import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -402,6 +405,88 @@ def test_the_trainer_has_no_server_healthcheck_and_takes_its_torch_build_from_co
         if build.get("target") == "trainer":
             assert set(build.get("args", {})) <= arguments, f"{name}: build args the Dockerfile does not take"
             assert "TORCH" in build["args"], f"{name}: the torch build cannot be chosen through compose"
+
+
+# ---- the image's size: deploy/prune_site_packages.py --------------------------------------------
+PRUNE = ROOT / "deploy" / "prune_site_packages.py"
+
+
+def _prune_module():
+    spec = importlib.util.spec_from_file_location("prune_site_packages", PRUNE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_prunes_after_the_install_while_binutils_are_there_and_keeps_pip():
+    stages = _dockerfile()
+    server = stages["server"]
+    copies = [shlex.split(value) for value in server.all("COPY")]
+    assert any(str(PRUNE.relative_to(ROOT)) in args[:-1] for args in copies), "the prune script is not copied"
+    (run,) = [value for value in server.all("RUN") if "pip install" in value]
+    steps = [step.strip() for step in run.split("&&")]
+
+    def index(pattern: str) -> int:
+        found = [i for i, step in enumerate(steps) if re.search(pattern, step)]
+        assert found, f"no step matches {pattern!r} in {steps}"
+        return found[0]
+
+    # In the same RUN (what it deletes never reaches a layer), after the install, before the
+    # compiler (and binutils' strip with it) is purged.
+    install = index(r"pip install [\"']?\.\[server\]")
+    prune = index(r"^python3? deploy/prune_site_packages\.py$")
+    purge = index(r"apt-get purge .*\bgcc\b")
+    assert index(r"apt-get install .*\bgcc\b") < install < prune < purge, steps
+    # The trainer stage installs torch with the pip the server stage keeps.
+    assert "pip install" in " ".join(stages["trainer"].all("RUN"))
+    assert "pip" in _prune_module().BASE_IMAGE
+
+
+def _loaded_by(code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1"),
+    )
+
+
+def test_the_prune_keeps_every_module_the_server_imports_and_its_check_fails_without_one(tmp_path, monkeypatch):
+    # What the server imports, read in a fresh interpreter of the test environment.
+    server = _loaded_by(
+        "import json, os, sys\n"
+        "import remoteloader.server.cli, remoteloader.server.app, remoteloader.server.worker_process\n"
+        "import remoteloader.server.pipelines\n"
+        "print(json.dumps(sorted({os.path.realpath(m.__file__) for m in list(sys.modules.values())\n"
+        "                         if isinstance(getattr(m, '__file__', None), str)})))\n"
+    )
+    # The script's own check, run where scipy.special (all the server uses of scipy) is missing.
+    blocked = _loaded_by(
+        "import runpy, sys\n"
+        "sys.modules['scipy.special'] = None\n"
+        f"sys.argv = [{str(PRUNE)!r}, '--probe', {str(tmp_path / 'loaded.json')!r}]\n"
+        f"runpy.run_path({str(PRUNE)!r}, run_name='__main__')\n"
+    )
+    out, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+    loaded = json.loads(out)
+    prune = _prune_module()
+    # As in the image, where albumentations is the one distribution that requires scipy (this
+    # environment has more, whose imports would keep more of scipy, and take seconds to read).
+    monkeypatch.setattr(prune, "_dependents", lambda top: [importlib.metadata.distribution("albumentations")])
+    removals = prune.plan(loaded, sites=[])  # scipy's subpackages and libraries (tests folders: below)
+    names = {pathlib.Path(p).name for p in removals}
+    assert {"stats", "optimize", "sparse", "linalg"} <= names, names  # it does prune
+    assert not {"special", "_lib"} & names, names
+    kept_away = [f for f in map(pathlib.Path, loaded) if any(r == f or r in f.parents for r in removals)]
+    assert not kept_away, f"the prune would remove what the server imports: {kept_away[:5]}"
+    in_tests = [f for f in loaded if prune.TESTS_DIR in pathlib.Path(f).parts and "site-packages" in f]
+    assert not in_tests, in_tests
+    top_level = {m.split(".")[0] for m in prune.server_requirement_modules()}
+    assert {"cv2", "albumentations", "grpc", "numpy", "zstandard", "simplejpeg"} <= top_level, top_level
+    _, err = blocked.communicate(timeout=60)
+    assert blocked.returncode != 0 and "scipy.special" in err, err[-2000:]
 
 
 def _catches(pid: int, signum: int) -> bool:
