@@ -15,6 +15,7 @@ Scheduling (which server gets an order, when, and what happens on failure) is th
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,7 +35,7 @@ class BatchBuffers(Protocol):
     """Where batches are received: memory the consumer's side lends, one buffer per batch."""
 
     def allocate(self, n: int, h: int, w: int) -> torch.Tensor | np.ndarray | None:
-        """A uint8 (n, h, w, 3) buffer, or None when none is free (``Engine.buffer_freed`` follows)."""
+        """A uint8 (n, h, w, 3) buffer, or None when none is free (the listener hears when one is)."""
 
     def masks_for(self, images: Any, n: int, h: int, w: int) -> np.ndarray:
         """A uint8 (n, h, w) array for the masks of the batch received into ``images`` (in the
@@ -42,6 +43,10 @@ class BatchBuffers(Protocol):
 
     def release(self, images: Any) -> None:
         """Takes back the buffer of a batch dropped before it was handed out."""
+
+    def listen(self, freed: Callable[[], None]) -> None:
+        """Calls ``freed`` (from any thread; it must not block) whenever a buffer comes back, so
+        that dispatch goes on where ``allocate`` found none (the receiver listens)."""
 
 
 @dataclass

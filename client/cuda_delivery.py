@@ -59,7 +59,6 @@ class CudaDelivery:
         batch_bytes: Largest batch in bytes (uint8 NHWC).
         buffers: Pinned buffers in the pool, one per batch received, waiting or being copied
             (``LoaderOptions.batch_buffers``).
-        on_free: Called (from the transfer thread) when a pinned buffer is back in the pool.
         receiver: A receiver process's slots (``SlotReceiver``): batches arrive there, which
             are pinned here (cudaHostRegister) in place of the pool, and go back after the copy.
     """
@@ -71,7 +70,6 @@ class CudaDelivery:
         dtype: torch.dtype,
         batch_bytes: int,
         buffers: int,
-        on_free: Callable[[], None],
         receiver: SlotReceiver | None = None,
     ):
         self.device = device
@@ -80,7 +78,7 @@ class CudaDelivery:
         self.receiver = receiver
         self.pool = PinnedPool(buffers, batch_bytes) if receiver is None else None
         self._registered = register_pinned(receiver.slot_memory, device) if receiver is not None else None
-        self.on_free = on_free
+        self._freed: Callable[[], None] = lambda: None
         self._stream = torch.cuda.Stream(device)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -90,7 +88,7 @@ class CudaDelivery:
         assert self.pool is not None, "with a receiver process, batches are received into its slots"
         base = self.pool.take()
         if base is None:
-            return None  # the engine waits for on_free
+            return None  # the engine waits to hear of a freed one (listen)
         images = base[: n * limits.sample_bytes(h, w)].view(n, h, w, limits.CHANNELS)
         self._owner[images.data_ptr()] = base
         return images
@@ -110,7 +108,11 @@ class CudaDelivery:
         base = self._owner.pop(images.data_ptr(), None)
         if base is not None and self.pool is not None:
             self.pool.give(base)
-            self.on_free()
+            self._freed()
+
+    def listen(self, freed: Callable[[], None]) -> None:
+        """``freed`` is called (from the transfer thread) when a pinned buffer is back in the pool."""
+        self._freed = freed
 
     def start(self, source: queue.Queue[Item]) -> Readable[Output]:
         """Starts a transfer thread for one epoch's batches (stopping the previous one)."""

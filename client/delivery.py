@@ -12,6 +12,7 @@ in its shared slots instead, and a delivery gives each slot back through the rec
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -94,6 +95,9 @@ class Delivery(Protocol):
 
     def release(self, images: Any) -> None:
         """Takes back a buffer from ``allocate`` (a batch dropped, or copied out)."""
+
+    def listen(self, freed: Callable[[], None]) -> None:
+        """Calls ``freed`` whenever a buffer comes back after ``allocate`` found none."""
 
     def start(self, source: queue.Queue[Item]) -> Readable[Output]:
         """The queue the consumer reads one epoch from: ``source`` itself, or a transfer

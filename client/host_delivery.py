@@ -14,6 +14,7 @@ import mmap
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -180,6 +181,9 @@ class HostDelivery:
 
     def release(self, images: Any) -> None:
         pass  # once the last reference to it is gone, the pool takes the memory back
+
+    def listen(self, freed: Callable[[], None]) -> None:
+        pass  # allocate always has a buffer (a new one when none is free): nobody waits for one
 
     def start(self, source: queue.Queue[Item]) -> Readable[Output]:
         return source  # no transfer thread: the consumer converts each batch in finish()

@@ -297,7 +297,6 @@ class RemoteLoader:
                     o.dtype,
                     o.batch_bytes,
                     o.batch_buffers,
-                    on_free=self._buffer_freed,
                     receiver=process,
                 )
             else:
@@ -558,11 +557,6 @@ class RemoteLoader:
             # closed meanwhile, or the receiver is gone or stuck
             return
         self._delivery.close()
-
-    def _buffer_freed(self) -> None:
-        io = getattr(self, "_io", None)  # (None: a buffer freed while the loader is still being made)
-        if not self._closed and io is not None:
-            io.buffer_freed()
 
     def _deliver(self, item: Batch | Delivered) -> tuple | dict[str, Any] | None:
         """The batch as the training loop gets it (None: on_error left none of its rows)."""

@@ -209,9 +209,6 @@ class ProcessReceiver:
         address = images.data_ptr() if hasattr(images, "data_ptr") else images.ctypes.data
         self._post(("free", self.slots.slot_of(address)))
 
-    def buffer_freed(self) -> None:
-        pass  # the deliveries give slots back through free(), never a buffer of their own pool
-
     def cpu_seconds(self) -> float:
         return cpu.process_cpu(self.process.pid)
 

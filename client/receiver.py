@@ -57,9 +57,6 @@ class Receiver(Protocol):
     def consumed(self, token: int) -> None:
         """The consumer took one batch of epoch ``token`` (one more may be requested); never blocks."""
 
-    def buffer_freed(self) -> None:
-        """A buffer of the delivery's pool came back (dispatch may go on); never blocks."""
-
     def cpu_seconds(self) -> float:
         """CPU seconds spent receiving so far: the I/O thread's, or the receiver process's."""
 

@@ -14,6 +14,7 @@ import queue
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -37,6 +38,7 @@ class SlotBuffers:
         self.slots = slots
         self._free = list(range(slots.count))[::-1]
         self._lock = threading.Lock()
+        self._freed: Callable[[], None] = lambda: None
 
     def allocate(self, n: int, h: int, w: int) -> np.ndarray | None:
         with self._lock:
@@ -57,6 +59,10 @@ class SlotBuffers:
                 log.error("batch slot %d was given back twice; ignoring the second time", slot)
                 return
             self._free.append(slot)
+        self._freed()
+
+    def listen(self, freed: Callable[[], None]) -> None:
+        self._freed = freed
 
 
 class ReceiverService:
@@ -98,7 +104,6 @@ class ReceiverService:
                     receiver.consumed(message[1])
                 elif kind == "free":
                     buffers.give(message[1])
-                    receiver.buffer_freed()
                 elif kind == "call":
                     calls.put(message)
         finally:

@@ -84,6 +84,7 @@ class ThreadReceiver:
         self._pid = os.getpid()
         self._closed = False
         self.engine = Engine(self.links, setup, engine_options, buffers)
+        buffers.listen(self._buffer_freed)  # (told by the buffers themselves: nothing relays it)
 
     # ---- servers ------------------------------------------------------------------------
     def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
@@ -149,7 +150,8 @@ class ThreadReceiver:
     def consumed(self, token: int) -> None:
         self._soon(self.engine.consumed, token)
 
-    def buffer_freed(self) -> None:
+    def _buffer_freed(self) -> None:
+        """A buffer came back (any thread): dispatch goes on, on the I/O loop."""
         self._soon(self.engine.buffer_freed)
 
     def cpu_seconds(self) -> float:

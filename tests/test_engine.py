@@ -144,6 +144,9 @@ class Buffers:
     def release(self, images: np.ndarray) -> None:
         self.lent -= 1
 
+    def listen(self, freed) -> None:
+        pass
+
 
 def space(shards: dict[str, tuple[int, list[str]]]) -> SampleSpace:
     """A sample space: shard id -> (samples, the addresses that hold it)."""
