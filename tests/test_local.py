@@ -37,6 +37,11 @@ def test_stop_drains_and_leaves_no_process_of_its_group(tmp_path, monkeypatch):
     server = LocalServer(root, args=["--workers", "2"], log_path=log).start()
     pgid = server.process.pid
     assert len(group_members(pgid)) >= 3, "the server and its two workers"
+    # torch is installed here, and no server process loads it (albumentations would: 1.2 s and
+    # its memory per process, for helpers a server never uses; server/pipelines.py).
+    for pid in group_members(pgid):
+        with open(f"/proc/{pid}/maps") as maps:
+            assert "libtorch" not in maps.read(), f"server process {pid} loaded torch"
     assert server.stop() == 0  # SIGTERM: drained, exit 0
     deadline = time.monotonic() + 5  # SIGKILLed workers take a moment to go
     while group_members(pgid) and time.monotonic() < deadline:
