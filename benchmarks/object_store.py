@@ -6,7 +6,9 @@ delay where the kernel has netem), as a store in another rack would be; the load
 the training loop share this namespace. The ImageNet-like dataset of ``benchmarks/_common.py``
 is packed once (``remoteloader pack``) and uploaded to the store; then:
 
-* the server on the local shards, ``--epochs`` epochs (page cache warm after the first);
+* the server on the local shards, ``--epochs`` epochs: the first with the shards evicted from
+  the page cache (``posix_fadvise(DONTNEED)``), so that it reads the disk as the bucket's first
+  epoch reads the store, later ones from the page cache;
 * a server on ``s3://bench/shards``: the first epoch cold (an empty ``--cache-dir``), the
   rest warm (the shards fit ``--disk-cache-bytes``).
 
@@ -16,7 +18,10 @@ and the bytes its cache holds; then the ratios the issue asks for: the median wa
 the bucket over the median local one (target 0.95), the cold epoch over it and over the local
 first epoch (target 0.8; every first epoch decodes whole images, later ones only a crop's
 region), and the cold epoch's bytes fetched over the shards' size (ideally 1; with drop_last an
-epoch leaves out a remainder, fetched by a later epoch).
+epoch leaves out a remainder, fetched by a later epoch). It also prints the link's ceiling: the
+images/s that ``--rate`` can carry at the shards' bytes per image; a cold epoch cannot beat it,
+whatever the server does (at 1 Gbit/s, about 1,060 ImageNet-sized images/s: fewer than two
+cores decode).
 
     python benchmarks/object_store.py                     # 2000 images, 10 epochs each
     python benchmarks/object_store.py --images 600 --epochs 3     # quick
@@ -62,6 +67,17 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def evict(files: list[pathlib.Path]) -> None:
+    """Drops ``files`` from the page cache (a first epoch from local disk then reads the disk)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def epochs(server: LocalServer, args: argparse.Namespace, metrics_port: int, remote: bool, store: int) -> list[dict]:
@@ -127,6 +143,8 @@ def run(args: argparse.Namespace) -> dict:
                         "else None\n", str(packed)], check=True, env={**os.environ, **env})
         results = {}
         for name, path, remote in (("local", str(packed), False), ("bucket", "s3://bench/shards", True)):
+            if not remote:
+                evict(sorted(packed.iterdir()))
             port = shaped_links_free_port()
             cache = pathlib.Path(args.cache_dir or work) / f"cache-{name}-{os.getpid()}"
             server = LocalServer(path, args=["--workers", str(args.workers), "--metrics-port", str(port),
@@ -141,13 +159,18 @@ def run(args: argparse.Namespace) -> dict:
     local = statistics.median(r["images_per_s"] for r in results["local"][1:] or results["local"])
     warm = statistics.median(r["images_per_s"] for r in results["bucket"][1:] or results["bucket"])
     cold = results["bucket"][0]
+    images_per_byte = args.images / shard_bytes
     summary = {
         "link": link,
+        # What the link can carry: the cold epoch's ceiling, whatever the server does.
+        "link_ceiling_images_per_s": None if args.no_link else args.rate * 1e6 / 8 * images_per_byte,
+        "cold_images_per_s": cold["images_per_s"],
         "images": args.images,
         "shards_mb": shard_bytes / 1e6,
         "warm_over_local": warm / local,
         "cold_over_local": cold["images_per_s"] / local,
-        # Both first epochs decode every image whole (a crop's region only once it has decoded cleanly).
+        # Both first epochs read bytes not in memory (the local one from disk) and decode every
+        # image whole (a crop's region only once it has decoded cleanly).
         "cold_over_local_first": cold["images_per_s"] / results["local"][0]["images_per_s"],
         "cold_fetched_over_shards": cold["fetched_mb"] * 1e6 / shard_bytes,
         "warm_fetched_mb": sum(r["fetched_mb"] for r in results["bucket"][1:]),
