@@ -28,15 +28,14 @@ import math
 import os
 import random
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # never phone home from a server
 
 
-def _albumentations_without_torch() -> types.ModuleType:
-    """albumentations, imported without its PyTorch helpers (ToTensorV2), which it loads whenever
+def _import_albumentations_without_torch() -> None:
+    """Imports albumentations without its PyTorch helpers (ToTensorV2), which it loads whenever
     torch imports: a server never uses them, and torch would cost each server process (its
     main one and the decode workers' forkserver) about 1.2 s of CPU and its memory at start,
     wherever torch is installed. torch is held back only during this import (``None`` in
@@ -44,18 +43,16 @@ def _albumentations_without_torch() -> types.ModuleType:
     for torch later (a ``--source`` plugin) imports it as usual. Where torch is loaded already
     (a training process that uses the server's modules), albumentations is imported as is."""
     if "torch" in sys.modules or "albumentations" in sys.modules:
-        import albumentations
-
-        return albumentations
+        return
     sys.modules["torch"] = None  # type: ignore[assignment]
     try:
-        import albumentations
+        import albumentations  # noqa: F401
     finally:
         del sys.modules["torch"]
-    return albumentations
 
 
-A = _albumentations_without_torch()
+_import_albumentations_without_torch()
+import albumentations as A  # noqa: E402
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
