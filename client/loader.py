@@ -33,8 +33,10 @@ from remoteloader.client import plan as plan_module
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.cuda_delivery import CudaDelivery
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
+from remoteloader.client.engine import EngineOptions
 from remoteloader.client.epoch import IDENTITY, EpochPosition, Pass
 from remoteloader.client.host_delivery import HostDelivery
+from remoteloader.client.link import LinkOptions
 from remoteloader.client.options import UINT64, LoaderOptions, Option, check_int
 from remoteloader.client.plan import EpochPlan
 from remoteloader.client.process_receiver import ProcessReceiver
@@ -43,10 +45,11 @@ from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.security import TLSConfig
 from remoteloader.client.server_set import ServerSet
-from remoteloader.client.thread_receiver import ThreadReceiver
+from remoteloader.client.thread_receiver import ThreadReceiver, describe_servers
 from remoteloader.client.throughput import Throughput
 from remoteloader.client.torchvision_form import torchvision_form
 from remoteloader.protos import targets as tg
+from remoteloader.protos.wire import RAW
 
 log = logging.getLogger("remoteloader.client")
 
@@ -98,10 +101,11 @@ class RemoteLoader:
             field a list of per-sample tensors (empty, or None for an extra array, where a sample
             has none), all on ``device``; otherwise batches are (images, labels) tuples as for
             classification.
-            (With None, a loader whose servers carry targets connects twice at start, once to
-            learn the fields; naming them saves that.) A field that no server's shards carry
-            is an error naming what carries it (e.g. COCO servers' ``--coco-masks``), except
-            ``orig_size`` and ``to_orig``, which every server computes.
+            (With None, the loader asks the servers what they carry before it opens its
+            streams: one more Describe per server at start; naming the fields saves that.) A
+            field that no server's shards carry is an error naming what carries it (e.g. COCO
+            servers' ``--coco-masks``), except ``orig_size`` and ``to_orig``, which every
+            server computes.
         batch_format: None (default): batches as above; ``"torchvision"``: (images, targets) as
             torchvision's detection models and references take them: ``images`` a list of float
             [3, H, W] tensors on the 0..1 scale (or normalized, with ``normalize``), ``targets``
@@ -198,37 +202,10 @@ class RemoteLoader:
         wire: str = "raw",
         shared_memory: bool = True,
     ):
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "address")}  # (options.py checks them)
         self._close_lock = threading.Lock()
         self._closed = False
-        self.options = LoaderOptions.from_arguments(
-            batch_size=batch_size,
-            image_size=image_size,
-            pipeline=pipeline,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            sampler=sampler,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-            normalize=normalize,
-            dtype=dtype,
-            return_ids=return_ids,
-            fields=fields,
-            batch_format=batch_format,
-            ordered=ordered,
-            on_error=on_error,
-            prefetch=prefetch,
-            max_inflight=max_inflight,
-            connect_timeout=connect_timeout,
-            reconnect_timeout=reconnect_timeout,
-            progress_timeout=progress_timeout,
-            tls=tls,
-            token=token,
-            receiver=receiver,
-            wire=wire,
-            shared_memory=shared_memory,
-        )
+        self.options = LoaderOptions.from_arguments(arguments)
         self._ranks = Ranks(self.options.rank, self.options.world_size)
         self._position = EpochPosition(self._plan, replayable=sampler is None)
         self._counted: Partition | None = None  # the partition len() last counted batches for
@@ -238,17 +215,18 @@ class RemoteLoader:
         self._keys: dict[tuple[str, int], list[str]] = {}
         self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
         _OPEN.add(self)
-        self._io, self._delivery = self._open_io(address)
         try:
-            self._servers = ServerSet(self._io, self.options.setup)
-            wanted = self._wanted_fields()
-            if tuple(f for f in wanted if f != tg.LABEL) != tuple(self.options.setup.fields):
-                # The servers carry targets: the streams ask for them, and batch memory has room
-                # for masks. Open the I/O side again with that (once, at start).
-                self._close_io()
+            if self.fields is None:
+                # The fields the servers' shards carry, asked before the I/O side opens: the
+                # streams ask for them, and batch memory has room for masks when they carry some.
+                # (A server that joins between this and the open with other fields does not
+                # add them.)
+                wanted = self._wanted_fields(SampleSpace(describe_servers(address, self._link_options())))
                 self.options = self.options.with_fields(wanted)
-                self._io, self._delivery = self._open_io(address)
-                self._servers = ServerSet(self._io, self.options.setup)
+            self._io, self._delivery = self._open_io(address)
+            self._servers = ServerSet(self._io, self.options.setup)
+            if self.fields is not None:
+                wanted = self._wanted_fields(self._servers.space)
         except BaseException:
             self.close()
             raise
@@ -258,10 +236,9 @@ class RemoteLoader:
         )
         self._warn_if_epochs_are_empty(self._ranks.current())
 
-    def _wanted_fields(self) -> tuple[str, ...]:
+    def _wanted_fields(self, space: SampleSpace) -> tuple[str, ...]:
         """The fields asked for, or (fields=None) those the servers' shards carry; ValueError for
         fields asked for that no shard carries (a model trained on empty targets is silently wrong)."""
-        space = self._servers.space
         wanted = space.fields if self.fields is None else self.fields
         missing = [f for f in wanted if f not in space.fields and f not in tg.RENDERED]
         if missing:
@@ -280,7 +257,10 @@ class RemoteLoader:
     def _open_io(self, address: str | Iterable[str]) -> tuple[Receiver, Delivery]:
         """The receiver and the delivery the options ask for (closed again if either fails)."""
         o = self.options
-        engine_options, link_options = o.engine_options(), o.link_options()
+        engine_options = EngineOptions(
+            seed=o.seed, prefetch=o.prefetch, ordered=o.ordered, progress_timeout=o.progress_timeout
+        )
+        link_options = self._link_options()
         process: ProcessReceiver | None = None
         delivery: Delivery | None = None
         try:
@@ -310,6 +290,18 @@ class RemoteLoader:
             if process is not None:
                 process.close()
             raise
+
+    def _link_options(self) -> LinkOptions:
+        o = self.options
+        return LinkOptions(
+            connect_timeout=o.connect_timeout,
+            max_inflight=o.max_inflight,
+            reconnect_timeout=o.reconnect_timeout,
+            tls=o.tls,
+            metadata=o.metadata,
+            token=o.token,
+            shared_memory=o.shared_memory and o.wire == RAW,
+        )
 
     def _warn_if_epochs_are_empty(self, partition: Partition) -> None:
         n = self._epoch_samples()

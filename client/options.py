@@ -1,9 +1,13 @@
 """RemoteLoader's options as data: validated once, into one frozen ``LoaderOptions``.
 
 ``LoaderOptions.from_arguments`` takes RemoteLoader's keyword arguments as the user wrote
-them (defaults live on RemoteLoader's signature), checks each in the order they are
-listed, and returns the normalized values; its ValueErrors name the argument, the value
-and what was expected. Everything after it reads the options and checks nothing again.
+them, all of them in one mapping (the names and defaults live on RemoteLoader's signature
+only), checks each, and returns the normalized values; its ValueErrors name the argument,
+the value and what was expected. Everything after it reads the options and checks nothing
+again. Adding an option: a parameter (and its doc) on RemoteLoader, its check here, and its
+field below; ``from_arguments`` refuses a mapping with a name it does not take or without
+one it does, so a forgotten place fails at once (``tests/test_options.py`` makes a loader's
+arguments reach it).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
@@ -20,13 +24,11 @@ import numpy as np
 import torch
 
 from remoteloader.client.batches import SampleFailure
-from remoteloader.client.engine import EngineOptions
-from remoteloader.client.link import LinkOptions
 from remoteloader.client.normalize import Normalize
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2
 from remoteloader.protos import targets as tg
-from remoteloader.protos.wire import RAW, WIRES, missing
+from remoteloader.protos.wire import WIRES, missing
 
 ON_ERROR = ("raise", "warn", "skip")
 BATCH_FORMATS = ("torchvision",)  # besides None: (images, labels) tuples or dicts
@@ -70,67 +72,44 @@ class LoaderOptions:
     metadata: tuple[tuple[str, str], ...]
 
     @classmethod
-    def from_arguments(
-        cls,
-        *,
-        batch_size: Any,
-        image_size: Any,
-        pipeline: Any,
-        shuffle: Any,
-        seed: Any,
-        drop_last: Any,
-        sampler: Any,
-        rank: Any,
-        world_size: Any,
-        device: Any,
-        normalize: Any,
-        dtype: Any,
-        return_ids: Any,
-        fields: Any,
-        ordered: Any,
-        on_error: Any,
-        prefetch: Any,
-        max_inflight: Any,
-        connect_timeout: Any,
-        reconnect_timeout: Any,
-        progress_timeout: Any,
-        tls: Any,
-        token: Any,
-        receiver: Any,
-        wire: Any = RAW,
-        shared_memory: Any = True,
-        batch_format: Any = None,
-    ) -> LoaderOptions:
-        """Validates RemoteLoader's arguments (ValueError naming the first bad one)."""
-        batch_size = check_int("batch_size", batch_size, 1)
-        size = _size(image_size)
-        setup = _setup(pipeline, size)
-        setup.wire = _wire(wire)
-        fields = _fields(fields)
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> LoaderOptions:
+        """Validates RemoteLoader's arguments, by name (ValueError naming the first bad one;
+        TypeError for a name it does not take, or one missing)."""
+        a = _Arguments(arguments)
+        batch_size = check_int("batch_size", a.take("batch_size"), 1)
+        size = _size(a.take("image_size"))
+        setup = _setup(a.take("pipeline"), size)
+        setup.wire = _wire(a.take("wire"))
+        fields = _fields(a.take("fields"))
         if fields is not None:  # what the streams ask for; "label" always travels
             setup.fields.extend(f for f in fields if f != tg.LABEL)
-        shuffle = bool(shuffle)
-        seed = check_int("seed", seed, 0, UINT64)
-        drop_last = bool(drop_last)
-        rank, world_size = _rank_world(rank, world_size)
-        device = _device(device)
-        normal = _normalize(normalize)
+        shuffle = bool(a.take("shuffle"))
+        seed = check_int("seed", a.take("seed"), 0, UINT64)
+        drop_last = bool(a.take("drop_last"))
+        sampler = a.take("sampler")
+        rank, world_size = _rank_world(a.take("rank"), a.take("world_size"))
+        device = _device(a.take("device"))
+        normal = _normalize(a.take("normalize"))
+        dtype = a.take("dtype")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype}: expected torch.float32, bfloat16, float16 or float64")
+        batch_format = a.take("batch_format")
         if batch_format is not None and batch_format not in BATCH_FORMATS:
             raise ValueError(f"batch_format={batch_format!r}: expected None or one of {', '.join(BATCH_FORMATS)}")
+        on_error = a.take("on_error")
         if not callable(on_error) and on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {', '.join(ON_ERROR)} or a callable")
-        prefetch, max_inflight = check_int("prefetch", prefetch, 1), check_int("max_inflight", max_inflight, 1)
-        for name, value in (
-            ("connect_timeout", connect_timeout),
-            ("reconnect_timeout", reconnect_timeout),
-            ("progress_timeout", progress_timeout),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name}={value!r}: expected seconds >= 0")
+        prefetch = check_int("prefetch", a.take("prefetch"), 1)
+        max_inflight = check_int("max_inflight", a.take("max_inflight"), 1)
+        connect_timeout = _seconds("connect_timeout", a.take("connect_timeout"))
+        reconnect_timeout = _seconds("reconnect_timeout", a.take("reconnect_timeout"))
+        progress_timeout = _seconds("progress_timeout", a.take("progress_timeout"))
         if progress_timeout == 0:
             raise ValueError("progress_timeout=0: expected seconds > 0")
+        return_ids, ordered = bool(a.take("return_ids")), bool(a.take("ordered"))
+        receiver, shared_memory = _receiver(a.take("receiver"), device), bool(a.take("shared_memory"))
+        tls, token = tls_config(a.take("tls")), a.take("token")
+        a.done()
         return cls(
             batch_size=batch_size,
             image_size=size,
@@ -145,19 +124,19 @@ class LoaderOptions:
             device=device,
             normalize=normal,
             dtype=dtype,
-            return_ids=bool(return_ids),
+            return_ids=return_ids,
             batch_format=batch_format,
-            ordered=bool(ordered),
+            ordered=ordered,
             on_error=on_error,
             prefetch=prefetch,
             max_inflight=max_inflight,
             connect_timeout=connect_timeout,
             reconnect_timeout=reconnect_timeout,
             progress_timeout=progress_timeout,
-            receiver=_receiver(receiver, device),
+            receiver=receiver,
             wire=setup.wire,
-            shared_memory=bool(shared_memory),
-            tls=tls_config(tls),
+            shared_memory=shared_memory,
+            tls=tls,
             token=token.strip() if isinstance(token, str) else None,
             metadata=token_metadata(token),
         )
@@ -188,22 +167,6 @@ class LoaderOptions:
         pool and the host delivery's pool of free batches each hold this many."""
         return self.prefetch + 2
 
-    def engine_options(self) -> EngineOptions:
-        return EngineOptions(
-            seed=self.seed, prefetch=self.prefetch, ordered=self.ordered, progress_timeout=self.progress_timeout
-        )
-
-    def link_options(self) -> LinkOptions:
-        return LinkOptions(
-            connect_timeout=self.connect_timeout,
-            max_inflight=self.max_inflight,
-            reconnect_timeout=self.reconnect_timeout,
-            tls=self.tls,
-            metadata=self.metadata,
-            token=self.token,
-            shared_memory=self.shared_memory and self.wire == RAW,
-        )
-
 
 class _HasOptions(Protocol):
     options: LoaderOptions
@@ -227,6 +190,29 @@ class Option(Generic[T]):
 
     def __set__(self, loader: _HasOptions, value: T) -> None:
         raise AttributeError(f"RemoteLoader.{self.name} is fixed when it is made: make another loader")
+
+
+class _Arguments:
+    """RemoteLoader's arguments, each taken once by name; ``done`` refuses what is left."""
+
+    def __init__(self, arguments: Mapping[str, Any]):
+        self._left = dict(arguments)
+
+    def take(self, name: str) -> Any:
+        try:
+            return self._left.pop(name)
+        except KeyError:
+            raise TypeError(f"LoaderOptions.from_arguments: RemoteLoader passed no {name!r}") from None
+
+    def done(self) -> None:
+        if self._left:
+            raise TypeError(f"LoaderOptions.from_arguments: no check for {', '.join(sorted(self._left))}")
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name}={value!r}: expected seconds >= 0")
+    return value
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:

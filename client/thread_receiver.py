@@ -53,6 +53,51 @@ def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
         return _shared[1], _shared[2]
 
 
+def describe_servers(address: str | Iterable[str], options: LinkOptions) -> dict[str, loader_pb2.DescribeResponse]:
+    """What the servers at ``address`` hold and offer, asked once on the process's I/O loop
+    (their connections closed again): what a loader learns before it opens its receiver,
+    whose batch memory depends on the fields the servers carry. Raises as ``discover()``."""
+    links = [Link[Order](a, _NOT_STREAMING, options) for a in discover(address)]
+
+    async def describe_and_close() -> None:
+        try:
+            await _describe(links)
+        finally:
+            await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+
+    loop, _ = io_loop()
+    asyncio.run_coroutine_threadsafe(describe_and_close(), loop).result(timeout=options.connect_timeout + 5)
+    return {link.address: link.describe for link in links if link.describe is not None}
+
+
+async def _describe(links: list[Link[Order]]) -> None:
+    """Describes every link (a refused connection fails at once); the first error closes them all."""
+    results = await asyncio.gather(*(link.fetch_describe(refused=True) for link in links), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+        raise errors[0]
+
+
+class _NotStreaming:
+    """The events of links that only describe their servers: they never open a stream."""
+
+    def on_chunk(self, link: Link[Any], chunk: Any) -> None:
+        raise AssertionError("a describing link received a chunk")
+
+    def on_link_down(self, link: Link[Any], orders: list[Any], exc: BaseException) -> None:
+        pass
+
+    def on_link_up(self, link: Link[Any]) -> None:
+        pass
+
+    def on_link_lost(self, link: Link[Any]) -> None:
+        pass
+
+
+_NOT_STREAMING = _NotStreaming()
+
+
 class ThreadReceiver:
     """Links, engine and the asyncio thread they run on, in this process (a ``Receiver``).
 
@@ -95,11 +140,7 @@ class ThreadReceiver:
         return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
 
     async def _describe_all(self, links: list[Link[Order]]) -> None:
-        results = await asyncio.gather(*(link.fetch_describe(refused=True) for link in links), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
-            raise errors[0]
+        await _describe(links)
         self.links.update((link.address, link) for link in links)  # on the loop thread, which reads it
 
     def forget(self, addresses: list[str]) -> None:

@@ -170,7 +170,7 @@ def test_the_letterbox_eval_presets_move_boxes_exactly_as_albumentations_says(se
             assert batch["bbox_labels"][row].tolist() == arrays["bbox_labels"].tolist()
 
 
-def test_a_dataset_of_class_labels_still_yields_tuples_and_fields_name_what_comes(servers, data, tmp_path):
+def test_a_dataset_of_class_labels_still_yields_tuples_and_fields_name_what_comes(servers, data, tmp_path, monkeypatch):
     folder = make_imagefolder(tmp_path / "folder", ["a", "b"], 4, size=(40, 40))
     with Cluster(tmp_path / "logs") as cluster:
         cluster.add(folder)
@@ -185,6 +185,15 @@ def test_a_dataset_of_class_labels_still_yields_tuples_and_fields_name_what_come
             RemoteLoader(cluster.address(0), fields=["bboxes", "mask", "masks"])
     batch, *_ = one_epoch(servers.address(1), fields=["bboxes", "labels"])
     assert set(batch) == {"images", "bboxes", "labels"}  # no mask asked for: none sent
+    # fields=None: what the shards carry (masks included), learned before the loader opens its
+    # receiver, which it opens once (its batch memory is sized for the masks from the start).
+    opened = []
+    open_io = RemoteLoader._open_io
+    with monkeypatch.context() as patch:
+        patch.setattr(RemoteLoader, "_open_io", lambda self, address: opened.append(1) or open_io(self, address))
+        batch, *_ = one_epoch(servers.address(0), batch_size=4)
+    assert len(opened) == 1
+    assert {"images", "bboxes", "bbox_labels", "mask"} <= set(batch) and batch["mask"].shape == (4, SIZE, SIZE)
     with pytest.raises(ValueError, match="cannot name a target"):
         RemoteLoader(servers.address(1), fields=["Boxes"])
 
