@@ -27,6 +27,7 @@ from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
 from remoteloader.server.targets import MASK
+from remoteloader.server.worker_messages import TaskSample
 from remoteloader.server.worker_pool import Rendered, Task, WorkerPool
 
 TASK_SAMPLES = 8  # fewest samples per worker task
@@ -126,28 +127,36 @@ class Renderer:
         """Starts the worker tasks of a chunk whose samples are at ``located`` (those with a
         ``failures`` reason fail with it)."""
         cache = self.cache
-        locations, fills = [], []
+        samples, fills = [], []
         decoded = self._decoded[shard.id]
         for pos, index in enumerate(indices.tolist()):
             path, offset, length, _ = located[pos]
-            failure = failures[pos]
             mode, cache_offset = cache.plan(shard.id, index, length) if cache is not None else (PLAIN_READ, 0)
             if mode == CACHE_FILL:
                 fills.append((pos, index, cache_offset))
             stored = shard.targets(index) if spec.fields else b""
-            locations.append(
-                (path, offset, length, mode, cache_offset, bool(decoded[index]), stored, shard.source, failure)
+            samples.append(
+                TaskSample(
+                    path=path,
+                    offset=offset,
+                    length=length,
+                    cache_mode=mode,
+                    cache_offset=cache_offset,
+                    verified=bool(decoded[index]),
+                    targets=stored,
+                    source=shard.source,
+                    failure=failures[pos],
+                )
             )
         # Split the chunk so that all workers share it (a task each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
-        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(locations) // self.pool.size)))
-        spec_tuple = (spec.name, spec.height, spec.width, spec.albumentations_json, spec.fields, spec.wire)
-        firsts = _cut(locations, size)
+        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(samples) // self.pool.size)))
+        firsts = _cut(samples, size)
         parts = [
-            self.pool.submit(Task(slot, first, spec_tuple, locations[first:end], seeds[first:end], len(locations)))
-            for first, end in zip(firsts, [*firsts[1:], len(locations)])
+            self.pool.submit(Task(slot, first, spec, samples[first:end], seeds[first:end], len(samples)))
+            for first, end in zip(firsts, [*firsts[1:], len(samples)])
         ]
-        future = _merge(parts, firsts, len(locations), bool(spec.fields))
+        future = _merge(parts, firsts, len(samples), bool(spec.fields))
 
         def done(f: asyncio.Future[Rendered]) -> None:
             # What decoded cleanly may be region-decoded next time, and its cache fill stands.
@@ -201,19 +210,19 @@ class Renderer:
         return pieces, sizes
 
 
-def _cut(locations: list[tuple], size: int) -> list[int]:
+def _cut(samples: list[TaskSample], size: int) -> list[int]:
     """The first sample of each task: every ``size`` samples, and sooner where the samples' stored
     targets would pass TASK_TARGET_BYTES."""
     firsts = [0]
     count = held = 0
-    for i, location in enumerate(locations):
-        stored = len(location[6])
+    for i, sample in enumerate(samples):
+        stored = len(sample.targets)
         if count and (count == size or held + stored > TASK_TARGET_BYTES):
             firsts.append(i)
             count = held = 0
         count += 1
         held += stored
-    return firsts if locations else []
+    return firsts if samples else []
 
 
 def _merge(

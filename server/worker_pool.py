@@ -2,7 +2,8 @@
 
 The arena (shared_memory.Arena) is one shared memory file cut into fixed-size slots; a task names a slot and
 the samples to render into it, a worker writes each sample's pixels straight into its
-place and answers with the per-sample errors only. Pixels never pass through pickling.
+place and answers with the per-sample errors only (the messages: worker_messages). Pixels
+never pass through pickling.
 Tasks go to the worker with the fewest outstanding ones over its own pipe, so when a
 worker dies the pool knows exactly which tasks to fail, and starts a new worker. A worker
 that holds work without answering for ``worker_timeout`` (stopped, or wedged) is killed and
@@ -25,35 +26,46 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from remoteloader.protos import limits
 from remoteloader.server.shared_memory import Arena, SampleCache
+from remoteloader.server.worker_messages import (
+    DefinePipeline,
+    ForgetPipelines,
+    RenderTask,
+    Stop,
+    TaskDone,
+    TaskSample,
+    WorkerSettings,
+)
+
+if TYPE_CHECKING:
+    from remoteloader.server.pipelines import PipelineSpec
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Task:
-    """Render ``len(locations)`` samples into ``slot``, from sample ``first`` of the slot on."""
+    """Render ``samples`` with ``pipeline`` (sample ``i`` with ``seeds[i]``) into ``slot``, from
+    sample ``first`` of the slot on; the slot's chunk has ``chunk`` samples (its masks follow
+    all of its pixels). The pool sends it to a worker as a RenderTask."""
 
     slot: int
     first: int
-    pipeline: tuple  # (name, height, width, albumentations_json)
-    # [(path, offset, length, cache_mode, cache_offset, verified, targets, source, failure)]; failure: why the
-    # sample's bytes could not be fetched ("" when they were)
-    locations: list
-    seeds: list  # [int], one per sample
-    chunk: int  # samples in the slot's chunk (its masks follow all of its pixels)
+    pipeline: PipelineSpec
+    samples: list[TaskSample]
+    seeds: list[int]
+    chunk: int
 
 
 class _Queued(NamedTuple):
-    """A task waiting for, or held by, a worker: the message it is sent as and its future."""
+    """A task waiting for, or held by, a worker, and its future."""
 
     task_id: int
-    message: tuple
+    task: Task
     future: asyncio.Future
-    samples: int
     tries: int = 0  # workers that stalled on it before
 
 
@@ -185,15 +197,15 @@ class WorkerPool:
         self.stalls = 0  # workers replaced for holding work without answering
         self._arena = arena
         self._cache = cache
-        self._settings = (
-            arena.count,
-            arena.slot_bytes,
-            allow_custom,
-            max_pixels,
-            cache.size if cache else 0,
-            region_decode,
-            indexed_ns,
-            sources,
+        self._settings = WorkerSettings(
+            slots=arena.count,
+            slot_bytes=arena.slot_bytes,
+            allow_custom=allow_custom,
+            max_pixels=max_pixels,
+            cache_bytes=cache.size if cache else 0,
+            region_decode=region_decode,
+            indexed_ns=indexed_ns,
+            sources=sources,
         )
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["remoteloader.server.worker_process"])
@@ -241,7 +253,7 @@ class WorkerPool:
         fds = (self._arena.for_child(), self._cache.for_child() if self._cache else None)
         process = self._ctx.Process(
             target=worker_process.main,
-            args=(task_read, result_write, *fds, *self._settings),
+            args=(task_read, result_write, *fds, self._settings),
             name="remoteloader-worker",
             daemon=True,
         )
@@ -289,8 +301,7 @@ class WorkerPool:
             raise RuntimeError("worker pool is closed")
         self._next_id += 1
         future = self._started_loop.create_future()
-        message = (self._next_id, task.slot, task.first, task.pipeline, task.locations, task.seeds, task.chunk)
-        self._queue.append(_Queued(self._next_id, message, future, len(task.locations)))
+        self._queue.append(_Queued(self._next_id, task, future))
         self._feed()
         return future
 
@@ -300,34 +311,45 @@ class WorkerPool:
             if len(worker.pending) >= self.AHEAD:
                 break
             queued = self._queue.popleft()
-            message = queued.message
+            task = queued.task
             if not worker.pending:  # its silence is counted from now
                 worker.answered = time.monotonic()
             worker.pending[queued.task_id] = queued
             try:
                 # The pipeline spec (under 64 KiB of JSON) goes to each worker once; tasks name it.
-                spec = message[3]
-                if spec not in worker.specs and len(worker.specs) >= _MAX_SPECS:
-                    worker.tasks.send(("forget",))
-                    worker.specs.clear()
-                if spec not in worker.specs:
-                    worker.tasks.send(("spec", len(worker.specs), spec))
-                    worker.specs[spec] = len(worker.specs)
-                worker.tasks.send((*message[:3], worker.specs[spec], *message[4:]))
+                spec_id = worker.specs.get(task.pipeline)
+                if spec_id is None:
+                    if len(worker.specs) >= _MAX_SPECS:
+                        worker.tasks.send(ForgetPipelines())
+                        worker.specs.clear()
+                    spec_id = len(worker.specs)
+                    worker.tasks.send(DefinePipeline(spec_id, task.pipeline))
+                    worker.specs[task.pipeline] = spec_id
+                worker.tasks.send(
+                    RenderTask(
+                        task_id=queued.task_id,
+                        slot=task.slot,
+                        first=task.first,
+                        spec_id=spec_id,
+                        samples=task.samples,
+                        seeds=task.seeds,
+                        chunk=task.chunk,
+                    )
+                )
             except OSError:  # died before the loop saw it: fail its tasks, start another, go on
                 self._on_death(worker)
         self._measure()
 
     def _on_readable(self, worker: _Worker) -> None:
         try:
-            task_id, errors, targets = worker.results.recv()
+            done: TaskDone = worker.results.recv()
         except (EOFError, OSError):
             self._on_death(worker)
             return
         worker.answered = time.monotonic()
-        entry = worker.pending.pop(task_id, None)
+        entry = worker.pending.pop(done.task_id, None)
         if entry is not None and not entry.future.done():
-            entry.future.set_result(Rendered(errors, targets))
+            entry.future.set_result(Rendered(done.errors, done.targets))
         self._feed()
 
     def _on_death(self, worker: _Worker) -> None:
@@ -380,7 +402,9 @@ class WorkerPool:
                 while self._queue:
                     queued = self._queue.popleft()
                     if not queued.future.done():
-                        queued.future.set_result(Rendered.failed(queued.samples, "no decode worker could be started"))
+                        queued.future.set_result(
+                            Rendered.failed(len(queued.task.samples), "no decode worker could be started")
+                        )
                 self._measure()
                 return
         self._feed()
@@ -395,7 +419,7 @@ class WorkerPool:
         for worker in self._workers:
             try:
                 self._started_loop.remove_reader(worker.results.fileno())
-                worker.tasks.send(None)
+                worker.tasks.send(Stop())
             except (OSError, ValueError):
                 pass
         for worker in self._workers:
@@ -410,7 +434,7 @@ class WorkerPool:
         while self._queue:
             queued = self._queue.popleft()
             if not queued.future.done():
-                queued.future.set_result(Rendered.failed(queued.samples, "server shutting down"))
+                queued.future.set_result(Rendered.failed(len(queued.task.samples), "server shutting down"))
 
 
 class _Worker:
@@ -421,11 +445,11 @@ class _Worker:
         self.tasks = tasks  # write end of the task pipe
         self.results = results  # read end of the result pipe
         self.pending: dict[int, _Queued] = {}
-        self.specs: dict[tuple, int] = {}  # pipeline specs this worker has been sent, by id
+        self.specs: dict[PipelineSpec, int] = {}  # the pipeline specs this worker was sent (DefinePipeline), their ids
         self.answered = time.monotonic()  # its last answer, or when it was given work while idle
 
     def fail(self, reason: str) -> None:
         for queued in self.pending.values():
             if not queued.future.done():
-                queued.future.set_result(Rendered.failed(queued.samples, reason))
+                queued.future.set_result(Rendered.failed(len(queued.task.samples), reason))
         self.pending.clear()

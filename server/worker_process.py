@@ -1,12 +1,13 @@
 """The body of one decode/augment worker process (started and fed by worker_pool.WorkerPool).
 
 A worker maps the arena (and the sample cache) by descriptor, then renders tasks until its
-task pipe closes or says stop: for each sample it reads the bytes (from the file, the
-cache or the server's ``--source`` object), decodes and augments them with the sample's
-seed, together with its targets when the stream asked for any, and writes the pixels (and
-the mask) straight into the task's place in a slot. It answers each task with its
-per-sample errors and the samples' transformed targets, after every sample of the task is
-written. A sample that fails is zeros plus an error; no sample, however broken, ends the worker.
+task pipe closes or says stop (the messages: worker_messages): for each sample it reads the
+bytes (from the file, the cache or the server's ``--source`` object), decodes and augments
+them with the sample's seed, together with its targets when the stream asked for any, and
+writes the pixels (and the mask) straight into the task's place in a slot. It answers each
+task with its per-sample errors and the samples' transformed targets, after every sample of
+the task is written. A sample that fails is zeros plus an error; no sample, however broken,
+ends the worker.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from remoteloader.server.decode import DecodeError
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, CACHE_READ
 from remoteloader.server.sources import load_source, source_sample
+from remoteloader.server.worker_messages import (
+    DefinePipeline,
+    ForgetPipelines,
+    RenderTask,
+    Stop,
+    TaskDone,
+    TaskSample,
+    WorkerSettings,
+)
 
 _MAX_PIPELINES = 16
 _MAX_FILE_BYTES = 256 << 20
@@ -56,76 +66,80 @@ def read_sample(path: str, offset: int, length: int) -> tuple[bytes, int]:
     return data, mtime_ns
 
 
-def main(
-    tasks: Connection,
-    results: Connection,
-    arena_fd: int,
-    cache_fd: int | None,
-    slots: int,
-    slot_bytes: int,
-    allow_custom: bool,
-    max_pixels: int,
-    cache_bytes: int,
-    region_decode: bool,
-    indexed_ns: int,
-    sources: tuple[tuple[str, str], ...],
-) -> None:
-    """Runs the worker until its task pipe closes or sends None (arguments: see WorkerPool._spawn)."""
+def main(tasks: Connection, results: Connection, arena_fd: int, cache_fd: int | None, settings: WorkerSettings) -> None:
+    """Runs the worker until its task pipe closes or sends Stop (the arena's and the cache's
+    descriptors, and the settings: see WorkerPool._spawn)."""
     # The parent owns shutdown: Ctrl-C and SIGTERM go to it, and it tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    arena = mmap.mmap(arena_fd, slots * slot_bytes)
+    arena = mmap.mmap(arena_fd, settings.slots * settings.slot_bytes)
     os.close(arena_fd)
     cache = None
     if cache_fd is not None:
-        cache = mmap.mmap(cache_fd, cache_bytes)
+        cache = mmap.mmap(cache_fd, settings.cache_bytes)
         os.close(cache_fd)
-    pipelines = _Pipelines(allow_custom, max_pixels, region_decode)
-    encoders = _Encoders()
-    objects = [_load(spec, args) for spec, args in sources]
-    specs: dict[int, tuple] = {}
+    renderer = _Tasks(arena, settings, cache)
+    specs: dict[int, PipelineSpec] = {}  # the pipelines defined so far, by the id tasks name them by
     while True:
         try:
             message = tasks.recv()
         except (EOFError, OSError):
             return
-        if message is None:
-            return
-        if message[0] == "spec":  # a pipeline spec, sent once, named by its id in tasks
-            specs[message[1]] = message[2]
-            continue
-        if message[0] == "forget":
-            specs.clear()
-            continue
-        task_id, slot, first, spec_id, locations, seeds, chunk = message
-        spec = specs[spec_id]
-        _, height, width, _, fields, wire_name = spec
-        base = slot * slot_bytes
+        match message:
+            case RenderTask():
+                results.send(renderer.render(message, specs[message.spec_id]))
+            case DefinePipeline():
+                specs[message.spec_id] = message.spec
+            case ForgetPipelines():
+                specs.clear()
+            case Stop():
+                return
+            case _:
+                raise TypeError(f"decode worker: unexpected message {type(message).__name__} ({message!r:.200})")
+
+
+class _Tasks:
+    """Renders RenderTasks into the arena: the worker's pipelines, encoders and --source objects."""
+
+    def __init__(self, arena: mmap.mmap, settings: WorkerSettings, cache: mmap.mmap | None):
+        self.arena = arena
+        self.slot_bytes = settings.slot_bytes
+        self.cache = cache
+        self.indexed_ns = settings.indexed_ns
+        self.pipelines = _Pipelines(settings.allow_custom, settings.max_pixels, settings.region_decode)
+        self.encoders = _Encoders()
+        self.objects = [_load(spec, args) for spec, args in settings.sources]
+
+    def render(self, task: RenderTask, spec: PipelineSpec) -> TaskDone:
+        """Writes the task's samples (pixels, then masks after the whole chunk's pixels, then with a
+        wire encoding their encoded sizes into the slot's size table); returns the answer."""
+        arena, height, width, first, count = self.arena, spec.height, spec.width, task.first, len(task.samples)
+        base = task.slot * self.slot_bytes
         out = np.ndarray(
-            (len(locations), height, width, limits.CHANNELS),
+            (count, height, width, limits.CHANNELS),
             np.uint8,
             buffer=arena,
             offset=base + first * limits.sample_bytes(height, width),
         )
         masks = None
-        if tg.MASK in fields:  # after the pixels of the whole chunk
+        if tg.MASK in spec.fields:  # after the pixels of the whole chunk
             masks = np.ndarray(
-                (len(locations), height, width),
+                (count, height, width),
                 np.uint8,
                 buffer=arena,
-                offset=base + chunk * limits.sample_bytes(height, width) + first * height * width,
+                offset=base + task.chunk * limits.sample_bytes(height, width) + first * height * width,
             )
-        renderer = _Samples(pipelines.get(spec), cache, indexed_ns, objects)
-        errors, targets = renderer.render(out, masks, locations, seeds, bool(fields))
-        if wire_name != wire.RAW:
+        samples = _Samples(self.pipelines.get(spec), self.cache, self.indexed_ns, self.objects)
+        errors, targets = samples.render(out, masks, task.samples, task.seeds, bool(spec.fields))
+        if spec.wire != wire.RAW:
             sizes = np.ndarray(
-                (2, limits.MAX_CHUNK_SAMPLES), "<u4", buffer=arena, offset=base + limits.pixel_bytes(slot_bytes)
+                (2, limits.MAX_CHUNK_SAMPLES), "<u4", buffer=arena, offset=base + limits.pixel_bytes(self.slot_bytes)
             )
-            encoders.get(wire_name).encode(out, masks, {i for i, _ in errors}, sizes[0, first:], sizes[1, first:])
+            self.encoders.get(spec.wire).encode(out, masks, {i for i, _ in errors}, sizes[0, first:], sizes[1, first:])
             del sizes
         del out, masks
-        results.send((task_id, errors, targets))
+        return TaskDone(task.task_id, errors, targets)
 
 
 class _Encoders:
@@ -190,15 +204,15 @@ class _Pipelines:
         self.allow_custom = allow_custom
         self.max_pixels = max_pixels
         self.region_decode = region_decode
-        self._built: OrderedDict[tuple, Pipeline | str] = OrderedDict()
+        self._built: OrderedDict[PipelineSpec, Pipeline | str] = OrderedDict()
 
-    def get(self, spec: tuple) -> Pipeline | str:
+    def get(self, spec: PipelineSpec) -> Pipeline | str:
         pipeline = self._built.get(spec)
         if pipeline is not None:
             self._built.move_to_end(spec)
             return pipeline
         try:
-            pipeline = Pipeline(PipelineSpec(*spec), self.allow_custom, self.max_pixels, self.region_decode)
+            pipeline = Pipeline(spec, self.allow_custom, self.max_pixels, self.region_decode)
         except PipelineError as exc:
             pipeline = f"pipeline error: {exc}"
         self._built[spec] = pipeline
@@ -217,23 +231,28 @@ class _Samples:
         self.sources = sources
 
     def render(
-        self, out: np.ndarray, masks: np.ndarray | None, locations: list, seeds: list[int], with_targets: bool
+        self,
+        out: np.ndarray,
+        masks: np.ndarray | None,
+        samples: list[TaskSample],
+        seeds: list[int],
+        with_targets: bool,
     ) -> tuple[list[tuple[int, str]], list[bytes]]:
-        """Renders each located sample into ``out[i]`` (and ``masks[i]``); returns [(i, reason)] for
+        """Renders each sample into ``out[i]`` (and ``masks[i]``); returns [(i, reason)] for
         those that failed (zeros) and, ``with_targets``, each sample's transformed targets."""
         errors = []
         targets: list[bytes] = []
-        for i, (location, seed) in enumerate(zip(locations, seeds)):
+        for i, (sample, seed) in enumerate(zip(samples, seeds)):
             record = b""
             try:
                 if isinstance(self.pipeline, str):
                     raise DecodeError(self.pipeline)
-                if location[8]:  # its bytes could not be fetched (an object store): why
-                    raise DecodeError(location[8])
-                if with_targets or location[7] >= 0:  # (a --source's sample comes with its targets)
-                    record = self._with_targets(out, masks, i, location, seed)
+                if sample.failure:  # its bytes could not be fetched (an object store): why
+                    raise DecodeError(sample.failure)
+                if with_targets or sample.source >= 0:  # (a --source's sample comes with its targets)
+                    record = self._with_targets(out, masks, i, sample, seed)
                 else:
-                    data, verified = self._read(location)
+                    data, verified = self._read(sample)
                     out[i] = self.pipeline(data, seed, verified=verified)
             except (DecodeError, OSError, tg.TargetError) as exc:
                 errors.append((i, str(exc)))
@@ -248,37 +267,36 @@ class _Samples:
                 targets.append(record)
         return errors, targets
 
-    def _read(self, location: tuple) -> tuple[bytes, bool]:
+    def _read(self, sample: TaskSample) -> tuple[bytes, bool]:
         """The sample's encoded bytes (from the cache or its file), and whether it has decoded
         whole without error before and is unchanged since (a crop may then decode its region only)."""
-        path, offset, length, cache_mode, cache_offset, verified = location[:6]
-        cache = self.cache
-        if cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
+        cache, start, length = self.cache, sample.cache_offset, sample.length
+        if sample.cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
             assert cache is not None, "cache modes come only from a server with a cache"
-            return cache[cache_offset : cache_offset + length], verified
-        data, mtime_ns = read_sample(path, offset, length)
+            return cache[start : start + length], sample.verified
+        data, mtime_ns = read_sample(sample.path, sample.offset, length)
         # A file written since the server indexed it may differ from the bytes that
         # decoded whole before (same length, new content): decode it whole again.
-        verified = verified and mtime_ns < self.indexed_ns
-        if cache_mode == CACHE_FILL:
+        verified = sample.verified and mtime_ns < self.indexed_ns
+        if sample.cache_mode == CACHE_FILL:
             assert cache is not None, "cache modes come only from a server with a cache"
-            cache[cache_offset : cache_offset + length] = data
+            cache[start : start + length] = data
         return data, verified
 
-    def _with_targets(self, out: np.ndarray, masks: np.ndarray | None, i: int, location: tuple, seed: int) -> bytes:
+    def _with_targets(self, out: np.ndarray, masks: np.ndarray | None, i: int, sample: TaskSample, seed: int) -> bytes:
         """Renders sample ``i`` with its targets; returns them transformed, serialized."""
         assert isinstance(self.pipeline, Pipeline)
-        path, offset, _, _, _, _, record, source = location[:8]
+        path, source = sample.path, sample.source
         image: bytes | np.ndarray
         verified = False
         if source >= 0:
             if isinstance(self.sources[source], str):
                 raise tg.TargetError(self.sources[source])
-            image, arrays = source_sample(self.sources[source], offset)
+            image, arrays = source_sample(self.sources[source], sample.offset)
             stored = loader_pb2.Targets()
         else:
-            image, verified = self._read(location)
-            stored = loader_pb2.Targets.FromString(record)
+            image, verified = self._read(sample)
+            stored = loader_pb2.Targets.FromString(sample.targets)
             if stored.error:
                 raise tg.TargetError(stored.error)
             arrays = tg.arrays_of(stored)
