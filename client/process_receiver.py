@@ -11,21 +11,8 @@ twice before we see it), which in the training process would be ~0.1 core-s per 
 images and would contend for its GIL; in the receiver process it costs the training process
 nothing.
 
-The two processes talk over a socketpair with ``multiprocessing.connection`` (pickled tuples
-of plain values, numpy arrays and the sample space; errors as (type name, message)), which
-is safe here because both ends are this library in processes it started; nothing from the
-network is ever unpickled. The child exits when its parent is gone (it watches its parent
-pid, and EOF on the socket). The messages::
-
-    parent -> child   ("init", address, setup bytes, slots, slot_bytes, engine_options, link_options)
-                      ("call", request id, method name, *args)      a Receiver method (start_epoch's
-                                                                    args: epoch, batches, first_seq, space, skip)
-                      ("consumed", token)  ("free", slot)            never answered
-    child -> parent   ("reply", request id, ok, value or error)
-                      ("started", request id, token)                 start_epoch's reply; its batches follow
-                      ("batch", token, seq, slot, ids, labels, failures, nbytes, targets)
-                      ("end" | "error", token, None | error)
-                      ("log", level, logger name, text)
+The two processes talk over a socketpair; what both ends share (the slots, the messages,
+how errors cross) is ``receiver_channel.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import mmap
 import os
 import queue
 import socket
@@ -51,46 +37,11 @@ from remoteloader.client import cpu
 from remoteloader.client.batches import END, Batch, Item, LoaderError
 from remoteloader.client.engine import EngineOptions
 from remoteloader.client.link import LinkOptions
+from remoteloader.client.receiver_channel import SharedSlots, rebuild_error
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import limits, loader_pb2
+from remoteloader.protos import loader_pb2
 
 log = logging.getLogger("remoteloader.client")
-
-
-class SharedSlots:
-    """Batch slots in one shared memory file (memfd) that both processes map."""
-
-    def __init__(self, count: int, slot_bytes: int, fd: int | None = None):
-        self.count = count
-        self.slot_bytes = slot_bytes
-        if fd is None:
-            fd = os.memfd_create("remoteloader-batches", getattr(os, "MFD_CLOEXEC", 1))
-            try:
-                os.posix_fallocate(fd, 0, count * slot_bytes)  # fail here, not with SIGBUS later
-            except OSError as exc:
-                os.close(fd)
-                raise OSError(
-                    f"cannot reserve {count * slot_bytes / 2**20:.0f} MiB of shared memory for {count} batches: {exc}"
-                ) from None
-        self.fd = fd
-        self.memory = mmap.mmap(fd, count * slot_bytes)
-        try:
-            self.memory.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):
-            pass
-        self.array = np.frombuffer(self.memory, dtype=np.uint8)
-
-    def view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
-        start = slot * self.slot_bytes
-        return self.array[start : start + n * limits.sample_bytes(h, w)].reshape(n, h, w, limits.CHANNELS)
-
-    def mask_view(self, slot: int, n: int, h: int, w: int) -> np.ndarray:
-        """The masks of the batch in ``slot``: after its images."""
-        start = slot * self.slot_bytes + n * limits.sample_bytes(h, w)
-        return self.array[start : start + n * h * w].reshape(n, h, w)
-
-    def slot_of(self, address: int) -> int:
-        return (address - self.array.ctypes.data) // self.slot_bytes
 
 
 class ProcessReceiver:
@@ -352,26 +303,6 @@ class ProcessReceiver:
 
 # Errors that cross from the child keep their type when it is one the loader's callers
 # handle (the message is kept either way); no exception object itself is sent.
-_ERRORS = {
-    c.__name__: c
-    for c in (LoaderError, ConnectionError, PermissionError, TimeoutError, ValueError, RuntimeError, OSError)
-}
-
-
-def portable_error(exc: BaseException) -> tuple[str, str]:
-    """(type name, message) of an error to send to the parent; see rebuild_error."""
-    for cls in type(exc).__mro__:
-        if cls.__name__ in _ERRORS and _ERRORS[cls.__name__] is cls:
-            return cls.__name__, str(exc)
-    return "LoaderError", f"{type(exc).__name__}: {exc}"
-
-
-def rebuild_error(error: tuple[str, str]) -> BaseException:
-    """The parent's copy of an error the child sent with portable_error."""
-    name, text = error
-    return _ERRORS[name](text)
-
-
 # Run with -I -S (the path is the stdlib alone: no current folder, no PYTHON* variables, no
 # site-packages), then the parent's path appended in its order; addsitedir also runs the
 # .pth files there (e.g. an editable install's finder).

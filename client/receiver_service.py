@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from remoteloader.client.batches import Batch, Item
-from remoteloader.client.process_receiver import SharedSlots, portable_error
+from remoteloader.client.receiver_channel import SharedSlots, portable_error
 from remoteloader.client.thread_receiver import ThreadReceiver
 from remoteloader.protos import loader_pb2
 

@@ -66,6 +66,8 @@ def test_import_contracts_are_kept(tmp_path):
      "remoteloader.client.assembly -> remoteloader.client.engine"),
     ("client/chunks.py", "from remoteloader.client.assembly import Order", "remoteloader.client.chunks -> "
                                                                            "remoteloader.client.assembly"),
+    ("client/receiver_service.py", "from remoteloader.client import process_receiver",
+     "remoteloader.client.receiver_service -> remoteloader.client.process_receiver"),
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
     """The check can fail: one import across a layer, even inside a function, is reported."""
