@@ -201,6 +201,27 @@ def decode(
     return image
 
 
+def can_transcode() -> bool:
+    """Whether the native module was built, so that ``transcode_jpeg`` works (and decode_crop decodes
+    regions natively)."""
+    return _jpeg is not None
+
+
+def transcode_jpeg(data: bytes, max_pixels: int) -> bytes | None:
+    """``remoteloader pack``'s lossless rewrite of a JPEG: the same DCT coefficients (so the same
+    pixels) as baseline, with optimized Huffman tables and a restart marker after every MCU, so
+    that decode_crop decodes only a crop's MCUs (as ``jpegtran -copy all -optimize -restart 1B``).
+
+    Returns None for a JPEG followed by data the rewrite would drop (an MPF part, a motion
+    photo...). Raises ValueError where libjpeg will not rewrite it (damaged, over ``max_pixels``
+    or MAX_SCANS, not a JPEG), and RuntimeError when the native module was not built
+    (``can_transcode``).
+    """
+    if _jpeg is None:
+        raise RuntimeError("the native JPEG module was not built (see setup.py): no JPEG can be rewritten")
+    return _jpeg.transcode(data, max_pixels, MAX_SCANS)
+
+
 def region_decoder() -> str:
     """How decode_crop decodes JPEGs, for the server's start-up log."""
     if _jpeg is None:

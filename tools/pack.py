@@ -23,12 +23,14 @@ faster than opening many small files on real disks.
 
 JPEGs are rewritten losslessly unless ``--verbatim``: the same DCT coefficients, so the same
 pixels, as baseline with optimized Huffman tables and a restart marker after every MCU
-(``_jpeg.transcode``, as ``jpegtran -copy all -optimize -restart 1B`` would). The server then
-decodes only the MCUs a random crop covers (``_jpeg.decode_region``): for ImageNet-sized
+(``decode.transcode_jpeg``, as ``jpegtran -copy all -optimize -restart 1B`` would). The server then
+decodes only the MCUs a random crop covers (``decode.decode_crop``): for ImageNet-sized
 photos and RandomResizedCrop, a quarter less decoding per image than the region decoder on
 the original files. Whole decodes of rewritten files cost about 8% more. Progressive JPEGs
 become baseline. What cannot or need not be rewritten (PNGs, CMYK, damaged JPEGs) is copied
 as it is.
+
+Everything pack uses of the server comes from ``remoteloader.server.packing``.
 """
 
 from __future__ import annotations
@@ -59,17 +61,32 @@ import numpy as np
 import simplejpeg
 
 from remoteloader.protos import loader_pb2
-from remoteloader.server import targets as tg
-from remoteloader.server.catalog import CLASSES_FILE, IMAGE_EXTENSIONS, MASK_SUFFIX, MAX_JSON_BYTES, Shard
-from remoteloader.server.config import default_workers
-from remoteloader.server.decode import MAX_SCANS, DecodeError, _jpeg, read_size
-from remoteloader.server.formats import FormatOptions, open_shards
-from remoteloader.server.formats.coco import CocoShard
-from remoteloader.server.formats.imagefolder import ImageFolderShard
-from remoteloader.server.formats.index import INDEX_SUFFIX
-from remoteloader.server.formats.tar import TarShard
-from remoteloader.server.storage import Storage, is_remote, open_storage
-from remoteloader.server.worker_process import read_sample
+from remoteloader.server.packing import (
+    CLASSES_FILE,
+    IMAGE_EXTENSIONS,
+    INDEX_SUFFIX,
+    MASK_SUFFIX,
+    MAX_JSON_BYTES,
+    CocoShard,
+    DecodeError,
+    FormatOptions,
+    ImageFolderShard,
+    Shard,
+    Storage,
+    TargetError,
+    arrays_of,
+    can_transcode,
+    default_workers,
+    draw_regions,
+    from_source,
+    index_tar,
+    is_remote,
+    open_shards,
+    open_storage,
+    read_sample,
+    read_size,
+    transcode_jpeg,
+)
 from remoteloader.tools import signals
 
 # Rewriting holds all of a JPEG's coefficients in memory (up to 6 bytes a pixel): larger ones are copied.
@@ -174,7 +191,7 @@ def prepare(where: str | tuple[str, int, int], transcode: bool = True) -> Prepar
         fmt, height, width = read_size(data, max_pixels=1 << 62)
     except DecodeError as exc:
         return data, "unreadable", str(exc), len(data)
-    if not transcode or _jpeg is None:
+    if not transcode or not can_transcode():
         return data, "copied", "not asked" if not transcode else "the native JPEG module was not built", len(data)
     if fmt != "jpeg":
         return data, "copied", "PNG" if fmt == "png" else "lossless or unusual JPEG", len(data)
@@ -188,7 +205,7 @@ def prepare(where: str | tuple[str, int, int], transcode: bool = True) -> Prepar
             len(data),
         )
     try:
-        rewritten = _jpeg.transcode(data, TRANSCODE_MAX_PIXELS, MAX_SCANS)
+        rewritten = transcode_jpeg(data, TRANSCODE_MAX_PIXELS)
     except ValueError as exc:
         return data, "not rewritten", f"libjpeg: {exc}", len(data)
     if rewritten is None:
@@ -214,8 +231,8 @@ def prepare_sample(where: tuple[str, int, int], regions: bytes | None, transcode
         return prepared, None, ""
     _, height, width = read_size(data, max_pixels=1 << 62)
     try:
-        mask = tg.draw_regions(loader_pb2.Targets.FromString(regions).regions, height, width)
-    except tg.TargetError as exc:
+        mask = draw_regions(loader_pb2.Targets.FromString(regions).regions, height, width)
+    except TargetError as exc:
         return prepared, None, f"its mask: {exc}"
     ok, png = cv2.imencode(".png", mask)
     if not ok:
@@ -243,7 +260,7 @@ class _Preparer:
     def __init__(self, transcode: bool, workers: int, masks: bool = False):
         self.transcode = transcode
         self.pool = None
-        if (transcode and _jpeg is not None or masks) and workers > 1:
+        if (transcode and can_transcode() or masks) and workers > 1:
             with signals.signals_ignored():
                 self.pool = concurrent.futures.ProcessPoolExecutor(
                     workers,
@@ -565,7 +582,7 @@ def _complete(
     losslessly as verified: libjpeg read all of them without a warning, so servers may decode
     only a crop's region of them from the first epoch (Shard.verified)."""
     verified = np.array(rewritten, np.bool_) if any(rewritten) else None
-    TarShard(*open_storage(str(path)), list(source.class_names), verified=verified)
+    index_tar(str(path), list(source.class_names), verified)
     report.bytes += path.stat().st_size
     if upload is not None:
         upload.file(path)
@@ -595,7 +612,7 @@ def _image_name(key: str, data: bytes | None) -> str:
 def _targets_json(message: loader_pb2.Targets) -> tuple[bytes, str]:
     """A sample's ``<stem>.json``: its arrays as lists (float32 values as the shortest decimals
     that read back to them), and why a tar reader could not use it ("": it can)."""
-    arrays = {name: array for name, array in tg.arrays_of(message).items() if not name.startswith("_")}
+    arrays = {name: array for name, array in arrays_of(message).items() if not name.startswith("_")}
     # Internal arrays (_keypoint_box: the box each keypoint belongs to) cannot be named in a tar.
     try:
         text = json.dumps({name: _json_values(a) for name, a in arrays.items()}, separators=(",", ":"), allow_nan=False)
@@ -605,8 +622,8 @@ def _targets_json(message: loader_pb2.Targets) -> tuple[bytes, str]:
     if len(data) > MAX_JSON_BYTES:
         return b"", f"its targets take {len(data)} bytes as JSON, over a tar's limit of {MAX_JSON_BYTES}"
     try:
-        tg.from_source(json.loads(data))  # what a server on the tars reads
-    except tg.TargetError as exc:
+        from_source(json.loads(data))  # what a server on the tars reads
+    except TargetError as exc:
         return b"", str(exc)
     return data, ""
 
@@ -651,7 +668,7 @@ def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) 
             f"{listed('not rewritten')}",
             file=sys.stderr,
         )
-    if transcode and _jpeg is None:
+    if transcode and not can_transcode():
         print(
             "remoteloader pack: warning: files copied as they are: the native JPEG module was not built "
             "(see setup.py), so servers will decode each JPEG's rows down to the crop",
