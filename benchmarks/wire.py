@@ -110,15 +110,19 @@ def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
     try:
         if receiver == "grpcio":
             source = BareGrpc([s.address for s in started], args)
-            read_epoch, child = source.epoch, None
+            read_epoch, receiver_cpu = source.epoch, lambda: 0.0
         else:  # thread, process: over gRPC; local-thread, local-process: the same-host path
             local = receiver.startswith("local-")
             receiver = receiver.removeprefix("local-")
             source = RemoteLoader([s.address for s in started], batch_size=args.batch_size,
                                   image_size=args.image_size, shuffle=False, prefetch=args.prefetch,
                                   receiver=receiver, shared_memory=local)
-            child = source._io.process.pid if receiver == "process" else None
+            in_process = receiver == "thread"  # its CPU time is the trainer's (self_cpu)
             receiver = f"local-{receiver}" if local else receiver
+
+            def receiver_cpu() -> float:
+                """The receiver process's CPU seconds so far (the loader's documented stats())."""
+                return 0.0 if in_process else source.stats()["receiver_cpu_s"]
 
             def read_epoch(_epoch: int) -> int:
                 images = sum(len(labels) for _, labels in source)
@@ -129,14 +133,14 @@ def measure(servers: int, chunk_bytes: int, receiver: str, args) -> dict:
             rows = []
             for epoch in range(args.epochs + 1):
                 server_cpu = [process_cpu(s.process.pid) for s in started]
-                receiver_cpu = process_cpu(child) if child else 0.0
+                received_before = receiver_cpu()
                 client_cpu, start = self_cpu(), time.perf_counter()
                 images = read_epoch(epoch)
                 elapsed = time.perf_counter() - start
                 gb = images * args.image_size ** 2 * 3 / 1e9
                 if epoch:  # the first epoch warms up connections and caches
                     trainer = (self_cpu() - client_cpu) / gb
-                    received = (process_cpu(child) - receiver_cpu) / gb if child else 0.0
+                    received = (receiver_cpu() - received_before) / gb
                     rows.append({"gb_per_s": gb / elapsed,
                                  "client_cpu_s_per_gb": trainer + received,
                                  "trainer_cpu_s_per_gb": trainer,
