@@ -212,12 +212,12 @@ def served_data(root: pathlib.Path, remote_data: str, workers: int) -> pathlib.P
 def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
     """``remoteloader pack`` of the ImageFolder ``root`` (made by ensure_dataset), cached beside
     it as ``<root>-packed`` and re-made when the ImageFolder changed. Packing is not timed."""
-    from remoteloader.server.decode import _jpeg
+    from remoteloader.server.packing import can_transcode
 
     root = pathlib.Path(root).expanduser()
     # Re-made too once the native module is built: without it, pack copies the files as they are.
     # "pack" 2: its indexes mark the rewritten JPEGs verified (region-decoded from the first epoch).
-    source = {**json.loads((root / MANIFEST).read_text()), "rewritten": _jpeg is not None, "pack": 2}
+    source = {**json.loads((root / MANIFEST).read_text()), "rewritten": can_transcode(), "pack": 2}
     packed = root.with_name(root.name + "-packed")
     marker = packed / MANIFEST
     if marker.exists() and json.loads(marker.read_text()) == source:
