@@ -280,7 +280,9 @@ class RemoteLoader:
                     receiver=process,
                 )
             else:
-                delivery = HostDelivery(o.normalize, o.dtype, o.batch_buffers, receiver=process)
+                delivery = HostDelivery(
+                    o.normalize, o.dtype, o.batch_buffers, receiver=process, batch=(o.batch_size, *o.image_size)
+                )
             if process is not None:
                 return process, delivery
             return ThreadReceiver(address, o.setup, delivery, engine_options, link_options), delivery

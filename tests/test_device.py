@@ -204,3 +204,29 @@ def test_a_dropped_batch_is_received_into_again_and_the_free_list_is_bounded():
     del again, batches
     assert pool.free_batches() == 2
     assert pool.take(32, 224, 224).shape[0] == 32  # another size gets its own mapping
+
+
+def _resident_kib(address: int, nbytes: int) -> int:
+    """KiB of [address, address + nbytes) resident in memory (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            if "-" in line.split()[0] and ":" not in line.split()[0]:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_host_delivery_reserves_its_first_epochs_buffers_faulted_in_and_bounded():
+    delivery = HostDelivery(None, torch.float32, buffers=3, batch=(64, 224, 224))
+    assert delivery.pool.free_batches() == 3
+    batches = [delivery.allocate(64, 224, 224) for _ in range(4)]
+    assert delivery.pool.reused == 3  # the reserved mappings, before any fresh one
+    first = batches[0]
+    # Already resident when handed out: the kernel faulted the pages in when it was reserved.
+    assert _resident_kib(first.data_ptr(), first.numel()) * 1024 >= first.numel()
+    assert HostDelivery(None, torch.float32, buffers=3).pool.free_batches() == 0  # (no shape: nothing)
+    small = HostDelivery(None, torch.float32, buffers=3, batch=(2, 32, 32))
+    assert small.pool.free_batches() == 0  # under 4 MiB: torch's allocator serves them
