@@ -29,11 +29,14 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import pytest
 from packing import CLASSES, PER_CLASS, SHARDS, pack_cli, shard_size_for
+from photos import NOT_BUILT, smooth_photo
 
+from remoteloader.server import decode as dec
 from remoteloader.tools.local import LocalServer, ServerProcess
-from remoteloader.tools.textures import make_imagefolder
+from remoteloader.tools.textures import encode_jpeg, make_image, make_imagefolder
 
 READY_TIMEOUT = 90.0  # seconds a server may take to index its data and bind (the suite runs 3 workers on 2 cores)
 STOP_TIMEOUT = 30.0  # seconds a SIGTERMed server may take to drain and exit
@@ -358,3 +361,32 @@ def packed(tmp_path_factory):
     result = pack_cli(src, dst, "--shard-size", shard_size_for(src, SHARDS))
     assert result.returncode == 0, result.stderr
     return src, dst, result
+
+
+# ---- JPEGs for the decoding and pipeline tests (helpers: tests/photos.py) ---------------------
+@pytest.fixture(scope="module")
+def imagenet_like() -> list[bytes]:
+    """ImageNet-sized JPEGs, landscape and portrait (with odd sides)."""
+    rng = np.random.default_rng(11)
+    shapes = [(375, 500), (500, 375), (333, 500), (375, 499)]
+    return [encode_jpeg(make_image(i, 5, rng, h, w), 90) for i, (h, w) in enumerate(shapes)]
+
+
+@pytest.fixture(scope="module")
+def large_photos() -> list[tuple[bytes, int, int]]:
+    rng = np.random.default_rng(3)
+    photos = []
+    for h, w in ((1500, 2000), (2000, 1500), (1501, 2003)):
+        photos.append((encode_jpeg(smooth_photo(rng, h, w), 90), h, w))
+    return photos
+
+
+@pytest.fixture(params=["region", "whole"])
+def decoder(request, monkeypatch) -> str:
+    """Runs a test with the native region decoder (when built) and with whole-image decoding."""
+    if request.param == "region":
+        if dec._jpeg is None:
+            pytest.skip(NOT_BUILT)
+    else:
+        monkeypatch.setattr(dec, "_jpeg", None)
+    return request.param
