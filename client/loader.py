@@ -30,6 +30,7 @@ import torch
 
 from remoteloader.client import failures
 from remoteloader.client import plan as plan_module
+from remoteloader.client.batch_forms import user_batch
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.cuda_delivery import CudaDelivery
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
@@ -47,7 +48,6 @@ from remoteloader.client.security import TLSConfig
 from remoteloader.client.server_set import ServerSet
 from remoteloader.client.thread_receiver import ThreadReceiver, describe_servers
 from remoteloader.client.throughput import Throughput
-from remoteloader.client.torchvision_form import torchvision_form
 from remoteloader.protos import targets as tg
 from remoteloader.protos.wire import RAW
 
@@ -557,18 +557,8 @@ class RemoteLoader:
         delivered = failures.apply(self.on_error, self._delivery.finish(item))
         if delivered is None:
             return None
-        images, labels, ids, targets = delivered.images, delivered.labels, delivered.ids, delivered.targets
-        self._throughput.delivered(len(ids), delivered.nbytes)
-        if self.batch_format == "torchvision":
-            return torchvision_form(images, targets, ids, self.options)
-        if self._batch_fields is not None:
-            batch: dict[str, Any] = {"images": images}
-            for name in self._batch_fields:
-                batch[name] = labels if name == tg.LABEL else targets[name]
-            if self.return_ids:
-                batch["ids"] = ids
-            return batch
-        return (images, labels, ids) if self.return_ids else (images, labels)
+        self._throughput.delivered(len(delivered.ids), delivered.nbytes)
+        return user_batch(delivered, self.options, self._batch_fields)
 
     # ---- closing --------------------------------------------------------------------------
     def close(self) -> None:

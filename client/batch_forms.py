@@ -1,0 +1,33 @@
+"""The forms a delivered batch takes for the training loop.
+
+* ``(images, labels)``, or ``(images, labels, ids)`` with ``return_ids``: classification, when
+  the loader's batches hold no targets (``fields`` None and the servers carry only labels);
+* a dict of ``"images"`` and each field (``"label"`` a tensor, ``"mask"`` a uint8 [B, H, W]
+  tensor, the other fields lists of per-sample tensors), and ``"ids"`` with ``return_ids``;
+* ``batch_format="torchvision"``: torchvision's detection form (``torchvision_form.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remoteloader.client.delivery import Delivered
+from remoteloader.client.options import LoaderOptions
+from remoteloader.client.torchvision_form import torchvision_form
+from remoteloader.protos import targets as tg
+
+
+def user_batch(delivered: Delivered, options: LoaderOptions, fields: tuple[str, ...] | None) -> tuple | dict[str, Any]:
+    """``delivered`` in the loader's form; ``fields``: what a dict batch holds besides the images
+    (None: tuples)."""
+    images, labels, ids, targets = delivered.images, delivered.labels, delivered.ids, delivered.targets
+    if options.batch_format == "torchvision":
+        return torchvision_form(images, targets, ids, options)
+    if fields is not None:
+        batch: dict[str, Any] = {"images": images}
+        for name in fields:
+            batch[name] = labels if name == tg.LABEL else targets[name]
+        if options.return_ids:
+            batch["ids"] = ids
+        return batch
+    return (images, labels, ids) if options.return_ids else (images, labels)
