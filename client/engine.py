@@ -78,14 +78,20 @@ class Engine:
         self._order_ids = itertools.count(1)
         self._pending: list[Order] = []  # FIFO: failed orders go back to its front
         self._run: EpochRun | None = None
-        self._tokens = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
 
     # ---- epochs ---------------------------------------------------------------------
     async def start_epoch(
-        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
-    ) -> int:
-        """Starts an epoch at batch ``first_seq`` (leaving out the batches in ``skip``); returns its token."""
+        self,
+        *,
+        token: int,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        space: SampleSpace,
+        skip: frozenset[int],
+    ) -> None:
+        """Starts the pass ``token`` at batch ``first_seq`` (leaving out the batches in ``skip``)."""
         self.cancel_epoch()
         self.assembler.space = space
         self.order_size = min(link.describe.max_order_samples for link in self.links.values() if link.describe)
@@ -97,10 +103,9 @@ class Engine:
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_progress())
         self.out = queue.Queue()
-        self._run = run = EpochRun(next(self._tokens), epoch, batches, first_seq, self.out, skip, self.options.ordered)
+        self._run = run = EpochRun(token, epoch, batches, first_seq, self.out, skip, self.options.ordered)
         if run.expected:
             self._dispatch(run)
-        return run.token
 
     @property
     def token(self) -> int | None:

@@ -31,9 +31,11 @@ each playing its own part of the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,12 +59,15 @@ class NextPass(enum.Enum):
 
 @dataclass(frozen=True)
 class Pass:
-    """What one pass plays: ``plan`` from ``start``, less ``done``."""
+    """What one pass plays: ``plan`` from ``start``, less ``done``; ``token`` names the pass
+    (``next_pass`` gives each its own: the receiver runs its epoch under it, and only the pass
+    that began last advances the position)."""
 
     epoch: int
     plan: EpochPlan
     start: int
     done: frozenset[int]
+    token: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class EpochPosition:
     _next: NextPass = field(default=NextPass.FROM_START, init=False)
     _loaded: _Loaded | None = field(default=None, init=False)  # set when _next is RESUME
     _playing: EpochPlan | None = field(default=None, init=False)  # the plan played (or loaded) last
+    _tokens: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch the next pass plays, from its first batch; a loaded position of
@@ -118,8 +124,11 @@ class EpochPosition:
         return self._loaded.space if self._loaded is not None else None
 
     def next_pass(self, partition: Partition) -> Pass:
-        """What the pass starting now plays, for ``partition`` (ValueError: a loaded position
-        that is not valid for it, e.g. another world size)."""
+        """What the pass starting now plays, for ``partition``, with a token of its own
+        (ValueError: a loaded position that is not valid for it, e.g. another world size)."""
+        return dataclasses.replace(self._next_pass(partition), token=next(self._tokens))
+
+    def _next_pass(self, partition: Partition) -> Pass:
         if self._next is NextPass.RESUME:
             assert self._loaded is not None
             loaded, self._loaded = self._loaded, None
@@ -130,12 +139,12 @@ class EpochPosition:
         check_int("epoch", epoch, 0, UINT64)
         return Pass(epoch, self.plan(epoch, partition), 0, frozenset())
 
-    def begin(self, played: Pass, token: int) -> None:
-        """The pass ``token`` plays ``played``; if it is left before the end, the next pass
-        plays the following epoch."""
+    def begin(self, played: Pass) -> None:
+        """The pass ``played`` started (its receiver runs it); if it is left before the end,
+        the next pass plays the following epoch."""
         self.epoch, self.position, self.done = played.epoch, played.start, set(played.done)
         self._playing = played.plan  # its digest is computed when state_dict() asks
-        self.token = token
+        self.token = played.token
         self._next, self._loaded = NextPass.FOLLOWING, None
 
     def owns(self, token: int) -> bool:

@@ -522,11 +522,16 @@ class RemoteLoader:
                 stacklevel=3,
             )
         played = self._position.next_pass(partition)
-        token, out = self._io.start_epoch(
-            epoch=played.epoch, batches=played.plan.batches, first_seq=played.start, space=space, skip=played.done
+        out = self._io.start_epoch(
+            token=played.token,
+            epoch=played.epoch,
+            batches=played.plan.batches,
+            first_seq=played.start,
+            space=space,
+            skip=played.done,
         )
-        self._position.begin(played, token)
-        return played, token, out
+        self._position.begin(played)
+        return played, played.token, out
 
     def _get(self, out: Readable[Output], token: int) -> Output:
         while True:

@@ -118,10 +118,17 @@ class ProcessReceiver:
         return self._request("server_stats", timeout=timeout)
 
     def start_epoch(
-        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
-    ) -> tuple[int, queue.Queue[Item]]:
-        token = self._request("start_epoch", epoch, batches, first_seq, space, skip)
-        return token, self._queues[token]  # made by the reader before any of the epoch's batches
+        self,
+        *,
+        token: int,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        space: SampleSpace,
+        skip: frozenset[int],
+    ) -> queue.Queue[Item]:
+        self._request("start_epoch", token, epoch, batches, first_seq, space, skip)
+        return self._queues[token]  # made by the reader before any of the epoch's batches
 
     @property
     def token(self) -> int | None:

@@ -42,10 +42,18 @@ class Receiver(Protocol):
         another process (TimeoutError), where the receiver has to ask one."""
 
     def start_epoch(
-        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
-    ) -> tuple[int, queue.Queue[Item]]:
-        """Starts an epoch over ``space`` (the one its plan was made from), at ``first_seq`` less
-        ``skip``; returns its token and the queue its Batches, then END (or an error), arrive on."""
+        self,
+        *,
+        token: int,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        space: SampleSpace,
+        skip: frozenset[int],
+    ) -> queue.Queue[Item]:
+        """Starts the pass ``token`` (``epoch.Pass``: the loader's position names its passes) over
+        ``space`` (the one its plan was made from), at ``first_seq`` less ``skip``; returns the
+        queue its Batches, then END (or an error), arrive on."""
 
     @property
     def token(self) -> int | None:

@@ -14,7 +14,7 @@
 
     parent -> child   ("init", address, setup bytes, slots, slot_bytes, engine_options, link_options)
                       ("call", request id, method name, *args)      a Receiver method (start_epoch's
-                                                                    args: epoch, batches, first_seq, space, skip)
+                                                                    args: token, epoch, batches, first_seq, space, skip)
                       ("consumed", token)  ("free", slot)            never answered
     child -> parent   ("reply", request id, ok, value or error)
                       ("started", request id, token)                 start_epoch's reply; its batches follow

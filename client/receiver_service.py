@@ -121,7 +121,7 @@ class ReceiverService:
                 self.send(("reply", request_id, False, portable_error(exc)))
                 continue
             if name == "start_epoch":
-                token, out = value
+                token, out = args[0], value
                 self.send(("started", request_id, token))
                 self._forward(buffers, token, out)  # its batches follow the "started" message
             else:
@@ -139,8 +139,10 @@ class ReceiverService:
             self._stop.set()  # the previous epoch's forwarder
             if self._forwarder is not None:
                 self._forwarder.join()
-            epoch, batches, first_seq, space, skip = args  # as ProcessReceiver.start_epoch sends them
-            return receiver.start_epoch(epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip)
+            token, epoch, batches, first_seq, space, skip = args  # as ProcessReceiver.start_epoch sends them
+            return receiver.start_epoch(
+                token=token, epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip
+            )
         if name == "close":
             self._stop.set()
             receiver.close()

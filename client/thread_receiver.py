@@ -170,13 +170,20 @@ class ThreadReceiver:
 
     # ---- epochs -------------------------------------------------------------------------
     def start_epoch(
-        self, *, epoch: int, batches: list[np.ndarray], first_seq: int, space: SampleSpace, skip: frozenset[int]
-    ) -> tuple[int, queue.Queue[Item]]:
-        token = self._call(
-            self.engine.start_epoch(epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip),
-            timeout=None,
+        self,
+        *,
+        token: int,
+        epoch: int,
+        batches: list[np.ndarray],
+        first_seq: int,
+        space: SampleSpace,
+        skip: frozenset[int],
+    ) -> queue.Queue[Item]:
+        start = self.engine.start_epoch(
+            token=token, epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip
         )
-        return token, self.engine.out
+        self._call(start, timeout=None)
+        return self.engine.out
 
     @property
     def token(self) -> int | None:

@@ -170,8 +170,8 @@ def engine_of(links: list[FakeLink], *, prefetch: int = 8, ordered: bool = True,
 
 
 async def start(engine: Engine, sample_space: SampleSpace, batches: list[np.ndarray], **kw) -> queue.Queue:
-    await engine.start_epoch(epoch=0, batches=batches, first_seq=kw.pop("first_seq", 0), space=sample_space,
-                             skip=kw.pop("skip", frozenset()))
+    await engine.start_epoch(token=7, epoch=0, batches=batches, first_seq=kw.pop("first_seq", 0),
+                             space=sample_space, skip=kw.pop("skip", frozenset()))
     return engine.out
 
 

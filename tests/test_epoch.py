@@ -36,8 +36,9 @@ class Trainer:
 
     def start(self):
         played = self.position.next_pass(self.partition)
-        self.token += 1
-        self.position.begin(played, self.token)
+        assert played.token > self.token, "each pass gets a token of its own"
+        self.token = played.token
+        self.position.begin(played)
         return played
 
     def play(self, batches: int | None = None) -> tuple[int, list[list[int]]]:

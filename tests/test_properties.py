@@ -207,9 +207,10 @@ def test_a_state_dict_resumes_exactly_the_batches_not_yet_delivered(case):
     identity, partition, plan_of, epoch, batches, delivered = case
     playing = EpochPosition(plan_of, replayable=True)
     playing.set_epoch(epoch)
-    playing.begin(playing.next_pass(partition), token=1)
+    played = playing.next_pass(partition)
+    playing.begin(played)
     for seq in delivered:
-        playing.delivered(1, seq)
+        playing.delivered(played.token, seq)
     state = playing.state_dict(identity, partition)
     assert json.loads(json.dumps(state)) == state  # what a checkpoint holds
 
