@@ -32,13 +32,13 @@ from remoteloader.server.health import Health
 from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipeline_checks import PipelineChecks
+from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import LoaderService
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sources import open_source
 from remoteloader.server.storage import ObjectStorage
 from remoteloader.server.worker_pool import WorkerPool
-from remoteloader.server.worker_process import read_sample
 
 log = logging.getLogger("remoteloader.server")
 

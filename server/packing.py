@@ -32,9 +32,9 @@ from remoteloader.server.formats.coco import CocoShard
 from remoteloader.server.formats.imagefolder import ImageFolderShard
 from remoteloader.server.formats.index import INDEX_SUFFIX
 from remoteloader.server.formats.tar import TarShard
+from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.storage import Storage, is_remote, open_storage
 from remoteloader.server.targets import TargetError, arrays_of, draw_regions, from_source
-from remoteloader.server.worker_process import read_sample
 
 __all__ = [
     "CLASSES_FILE",

@@ -25,6 +25,7 @@ from remoteloader.protos import limits, loader_pb2, wire
 from remoteloader.server import targets as tg
 from remoteloader.server.decode import DecodeError
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
+from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.shared_memory import CACHE_FILL, CACHE_READ
 from remoteloader.server.sources import load_source, source_sample
 from remoteloader.server.worker_messages import (
@@ -38,32 +39,6 @@ from remoteloader.server.worker_messages import (
 )
 
 _MAX_PIPELINES = 16
-_MAX_FILE_BYTES = 256 << 20
-
-
-def read_sample(path: str, offset: int, length: int) -> tuple[bytes, int]:
-    """Reads ``length`` bytes at ``offset`` (a whole file when offset is 0 and it has that size).
-
-    Returns them with the file's modification time (ns). (os.pread on a bare descriptor:
-    a Python file object costs more than reading a sample from the page cache.)
-    """
-    if length > _MAX_FILE_BYTES:
-        raise DecodeError(f"sample is {length} bytes, over the limit of {_MAX_FILE_BYTES}")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        mtime_ns = os.fstat(fd).st_mtime_ns
-        want = length + 1 if offset == 0 else length
-        data = os.pread(fd, want, offset)
-        while 0 < len(data) < length:  # a short read (some network file systems): read on
-            more = os.pread(fd, want - len(data), offset + len(data))
-            if not more:
-                break
-            data += more
-    finally:
-        os.close(fd)
-    if len(data) != length:
-        raise DecodeError(f"file changed since the server indexed it: read {len(data)} bytes, expected {length}")
-    return data, mtime_ns
 
 
 def main(tasks: Connection, results: Connection, arena_fd: int, cache_fd: int | None, settings: WorkerSettings) -> None:

@@ -36,7 +36,7 @@ def test_a_failed_cache_fill_keeps_its_space_for_the_next_try(tmp_path):
 
 def test_a_sample_file_that_changed_since_indexing_is_an_error_not_other_bytes(tmp_path):
     from remoteloader.server.decode import DecodeError
-    from remoteloader.server.worker_process import read_sample
+    from remoteloader.server.sample_reads import read_sample
 
     path = tmp_path / "a.jpg"
     path.write_bytes(b"0123456789")
