@@ -60,7 +60,7 @@ class HostPool:
         """An (n, h, w, 3) tensor of ``dtype``: recycled memory when a batch of its size is free."""
         size = torch.empty((), dtype=dtype).element_size()
         nbytes = n * limits.sample_bytes(h, w) * size
-        if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if not _pooled(nbytes):
             return torch.empty((n, h, w, limits.CHANNELS), dtype=dtype)
         with self._lock:
             self._collect()
@@ -85,7 +85,7 @@ class HostPool:
         ``benchmarks/throughput.py --warmup 0``). A loader reserves what its first epoch maps
         anyway (its ``prefetch`` + 2 buffers), when it is made and the servers are idle."""
         nbytes = n * limits.sample_bytes(h, w)
-        if nbytes < (4 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if not _pooled(nbytes):
             return  # (take() gives such batches from torch's allocator)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         with self._lock:
@@ -117,6 +117,12 @@ class HostPool:
         with self._lock:
             self._collect()
             self._free.clear()
+
+
+def _pooled(nbytes: int) -> bool:
+    """Whether a batch of ``nbytes`` gets a mapping of its own from the pool (4 MiB or more, where
+    huge pages can back it); smaller ones come from torch's allocator."""
+    return nbytes >= (4 << 20) and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def _huge_pages_later(region: mmap.mmap) -> None:
