@@ -321,7 +321,7 @@ class Engine:
             link.fail(ConnectionError(str(exc)))
             return
         assert order is not None, "check refuses a chunk of no order"
-        link.received(len(payload), header.count, header.workers_busy)
+        link.received(len(payload), header.count, header.workers_busy, header.joined)
         if not order.cancelled:
             try:
                 self.assembler.place(order, header, payload, checked, link.address)

@@ -147,6 +147,7 @@ class Link(Generic[OrderT]):
         self.state = LinkState.NEW
         self.orders_sent = 0
         self.samples_received = 0
+        self.samples_shared = 0  # of those, samples the server decoded once for another stream too
         self.bytes_received = 0
         self.failures = 0
         self.reconnects = 0
@@ -197,6 +198,7 @@ class Link(Generic[OrderT]):
         return {
             "orders": self.orders_sent,
             "samples": self.samples_received,
+            "shared_samples": self.samples_shared,
             "bytes": self.bytes_received,
             "failures": self.failures,
             "reconnects": self.reconnects,
@@ -342,10 +344,13 @@ class Link(Generic[OrderT]):
         self.orders_sent += 1
         self._outbox.put_nowait(loader_pb2.StreamRequest(order=request))
 
-    def received(self, nbytes: int, samples: int, workers_busy: float) -> None:
-        """Counts a well-formed chunk and updates the rate from its arrival (the gap since the
-        previous one, while busy) and the share of the server's workers it says are busy."""
+    def received(self, nbytes: int, samples: int, workers_busy: float, joined: bool = False) -> None:
+        """Counts a well-formed chunk (``joined``: its decode shared with another stream) and
+        updates the rate from its arrival (the gap since the previous one, while busy) and the
+        share of the server's workers it says are busy."""
         self.bytes_received += nbytes
+        if joined:
+            self.samples_shared += samples
         self.workers_busy = min(1.0, max(0.0, workers_busy))  # (a float from the wire: NaN reads as 0)
         self.busy_samples += self.workers_busy * samples
         now = time.monotonic()

@@ -145,6 +145,17 @@ class RemoteLoader:
             (docs/operator-guide.md, "Same host"); found out per server, by its host id and a Unix socket only
             local processes can open; servers elsewhere are read over gRPC. Default True;
             False reads every server over gRPC. Only with ``wire="raw"``.
+    Jobs sharing a fleet (docs/user-guide.md, "Several jobs on one fleet"):
+        job: The training job this loader feeds, as the servers' operator names it in their
+            ``--job-weights`` (its share of their decode workers) and as their metrics count
+            it: letters, digits, ``.``, ``_``, ``-``, at most 64. Default None: each stream
+            is a job of its own, weighing 1. Give every rank of a job the same name.
+        share: Default True: where another loader asks a server for the very same chunk (same
+            pipeline, size, fields, wire, seed, epoch and samples: the jobs of a sweep that
+            differ only in the model), the server decodes it once for both; the batches are
+            the same bit for bit, each loader still gets every sample once, and
+            ``stats()["images_shared"]`` counts those that came from a shared decode. False:
+            this loader's samples are decoded for it alone.
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.
@@ -169,6 +180,8 @@ class RemoteLoader:
     receiver: Option[str] = Option()
     wire: Option[str] = Option()
     shared_memory: Option[bool] = Option()
+    job: Option[str | None] = Option()
+    share: Option[bool] = Option()
 
     def __init__(
         self,
@@ -201,6 +214,8 @@ class RemoteLoader:
         receiver: str | None = None,
         wire: str = "raw",
         shared_memory: bool = True,
+        job: str | None = None,
+        share: bool = True,
     ):
         arguments = {k: v for k, v in locals().items() if k not in ("self", "address")}  # (options.py checks them)
         self._close_lock = threading.Lock()

@@ -28,6 +28,7 @@ from remoteloader.client.normalize import Normalize
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2
 from remoteloader.protos import targets as tg
+from remoteloader.protos.jobs import job_name_error
 from remoteloader.protos.wire import WIRES, missing
 
 ON_ERROR = ("raise", "warn", "skip")
@@ -67,6 +68,8 @@ class LoaderOptions:
     receiver: Literal["thread", "process"]
     wire: str  # protos.wire: how the pixels travel (also in setup.wire)
     shared_memory: bool  # same-host servers' chunks read from their memory (client/same_host.py)
+    job: str | None  # the job the streams name (also in setup.job)
+    share: bool  # whether servers may share a chunk's decode with another loader (setup.exclusive: not)
     tls: TLSConfig | None
     token: str | None
     metadata: tuple[tuple[str, str], ...]
@@ -109,6 +112,14 @@ class LoaderOptions:
         return_ids, ordered = bool(a.take("return_ids")), bool(a.take("ordered"))
         receiver, shared_memory = _receiver(a.take("receiver"), device), bool(a.take("shared_memory"))
         tls, token = tls_config(a.take("tls")), a.take("token")
+        job = a.take("job")
+        if job is not None:
+            error = job_name_error(job) if isinstance(job, str) and job else f"job={job!r}: expected a name or None"
+            if error:
+                raise ValueError(error)
+            setup.job = job
+        share = bool(a.take("share"))
+        setup.exclusive = not share
         a.done()
         return cls(
             batch_size=batch_size,
@@ -136,6 +147,8 @@ class LoaderOptions:
             receiver=receiver,
             wire=setup.wire,
             shared_memory=shared_memory,
+            job=job,
+            share=share,
             tls=tls,
             token=token.strip() if isinstance(token, str) else None,
             metadata=token_metadata(token),

@@ -147,5 +147,7 @@ class Throughput:
             "wait_fraction": self.wait_s / elapsed if elapsed else 0.0,
             "epochs": list(self.epochs),
             "receiver_cpu_s": receiver_cpu,
+            # Samples received whose decode a server shared with another loader (RemoteLoader's share).
+            "images_shared": sum(server.get("shared_samples", 0) for server in servers.values()),
             "servers": servers,
         }

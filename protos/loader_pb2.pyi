@@ -73,7 +73,7 @@ class GetKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Setup(_message.Message):
-    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire", "shared_memory")
+    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire", "shared_memory", "job", "exclusive")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,8 @@ class Setup(_message.Message):
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     height: int
     width: int
@@ -88,7 +90,9 @@ class Setup(_message.Message):
     fields: _containers.RepeatedScalarFieldContainer[str]
     wire: str
     shared_memory: bool
-    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    job: str
+    exclusive: bool
+    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., job: _Optional[str] = ..., exclusive: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
     __slots__ = ("order_id", "shard_id", "indices", "seed", "epoch")
@@ -155,7 +159,7 @@ class SampleError(_message.Message):
     def __init__(self, position: _Optional[int] = ..., index: _Optional[int] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets", "workers_busy", "encoded_sizes", "shared")
+    __slots__ = ("order_id", "start", "count", "order_size", "height", "width", "channels", "labels", "errors", "targets", "workers_busy", "encoded_sizes", "shared", "joined")
     ORDER_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +173,7 @@ class ChunkHeader(_message.Message):
     WORKERS_BUSY_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SIZES_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     order_id: int
     start: int
     count: int
@@ -182,7 +187,8 @@ class ChunkHeader(_message.Message):
     workers_busy: float
     encoded_sizes: _containers.RepeatedScalarFieldContainer[int]
     shared: SharedPayload
-    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ..., workers_busy: _Optional[float] = ..., encoded_sizes: _Optional[_Iterable[int]] = ..., shared: _Optional[_Union[SharedPayload, _Mapping]] = ...) -> None: ...
+    joined: bool
+    def __init__(self, order_id: _Optional[int] = ..., start: _Optional[int] = ..., count: _Optional[int] = ..., order_size: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., channels: _Optional[int] = ..., labels: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[SampleError, _Mapping]]] = ..., targets: _Optional[_Iterable[_Union[Targets, _Mapping]]] = ..., workers_busy: _Optional[float] = ..., encoded_sizes: _Optional[_Iterable[int]] = ..., shared: _Optional[_Union[SharedPayload, _Mapping]] = ..., joined: _Optional[bool] = ...) -> None: ...
 
 class TargetArray(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")

@@ -3,8 +3,8 @@ per client host.
 
 A stream counts from the moment it is admitted until its handler returns, whatever it does
 in between (waiting for its Setup included), so the counts are exactly the streams holding
-a place. The counts are the one record of open streams: the slots' fair share divides by
-``active``, and the ``remoteloader_active_streams`` gauge reads it.
+a place; the ``remoteloader_active_streams`` gauge reads ``active``. (The slots' fair shares
+count the streams past their Setup, by job: server.slots.)
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remoteloader.protos import limits
+from remoteloader.protos.jobs import parse_weights
 from remoteloader.server.storage import is_remote, scratch_folder
 
 ENV_PREFIX = "REMOTELOADER_"
@@ -150,6 +151,11 @@ class ServerConfig:
     # Rebuilt from albumentations' registry only (A.from_dict): no client code runs.
     allow_custom_pipelines: bool = _setting(False, "accept albumentations pipelines serialized by clients")
     cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
+    # Concurrent jobs: their shares of the decode (server.fair_queue); a client names its job with
+    # RemoteLoader(job=...). Jobs not listed, and streams that name none, weigh 1 each.
+    job_weights: str = _setting(
+        "", "shares of the decode workers by job, as NAME=WEIGHT,... (e.g. sweep=3,probe=1); others weigh 1"
+    )
     # For sharing a machine, and for tests of uneven servers.
     max_rate: float = _setting(0.0, "most images per second this server renders (0: unlimited)")
     # A decode stuck for good (a stopped or wedged process) must not hold its samples forever.
@@ -248,6 +254,7 @@ class ServerConfig:
         for name in ("cache_bytes", "max_rate", "synthetic"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected >= 0 (0 turns it off)")
+        parse_weights(self.job_weights)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
         if self.tls_client_ca and not self.tls_cert:

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+MAX_JOB_LABELS = 64  # job names with series of their own
+
 
 class Metrics:
     """The server's counters; a private registry so tests can run several servers in one process."""
@@ -51,6 +53,27 @@ class Metrics:
             "Orders received and not finished, over all streams: waiting for a slot, rendering or being sent",
             registry=r,
         )
+        # Concurrent jobs (server/sharing.py, server/fair_queue.py): what sharing saved, what each job got.
+        self.images_rendered = Counter(
+            "remoteloader_images_rendered",
+            "Samples the decode workers rendered (a rendering several streams share counts once)",
+            registry=r,
+        )
+        self.images_joined = Counter(
+            "remoteloader_images_joined",
+            "Samples sent from a rendering another stream started: decodes saved by sharing",
+            registry=r,
+        )
+        self.job_images = Counter(
+            "remoteloader_job_images_served", "Samples sent, by job (RemoteLoader(job=...))", ["job"], registry=r
+        )
+        self.job_rendered = Counter(
+            "remoteloader_job_images_rendered",
+            "Samples rendered, by the job whose stream started the rendering: its share of the decode",
+            ["job"],
+            registry=r,
+        )
+        self._jobs: set[str] = set()
         self.refused = Counter("remoteloader_refused_streams", "Streams refused over a limit", registry=r)
         # Object stores (server/object_cache.py), read when scraped.
         self.store_bytes = FunctionCounter(
@@ -67,6 +90,16 @@ class Metrics:
         self.disk_cache_bytes = Gauge(
             "remoteloader_disk_cache_bytes", "Bytes fetched from object stores kept in --cache-dir", registry=r
         )
+
+    def job_label(self, name: str) -> str:
+        """The ``job`` label of a job's samples: its name, "(none)" for streams that name none, and
+        "(other)" once MAX_JOB_LABELS names are in use (clients choose names: the series stay few)."""
+        if not name:
+            return "(none)"
+        if name not in self._jobs and len(self._jobs) >= MAX_JOB_LABELS:
+            return "(other)"
+        self._jobs.add(name)
+        return name
 
     def serve(self, port: int, host: str) -> int:
         """Exposes /metrics over HTTP; returns the bound port."""

@@ -20,6 +20,9 @@ rendering is done. Invariants:
   stream ends; a cancelled order's chunks already sent are no exception. A Release of a
   ticket the stream has not lent ends it (INVALID_ARGUMENT); a client that keeps a slot
   unreleased is ended as one that does not read is.
+* A chunk that another stream renders too (the same key: server.sharing) is rendered once
+  and written from that one slot to each of them; it costs this stream its place in the
+  slots' fair share, and no decode and no ``--max-rate``.
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, limits, loader_pb2
-from remoteloader.server.catalog import Shard
+from remoteloader.server.catalog import Shard, SyntheticShard
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.fair_queue import Job
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.rate_limit import RateLimiter
 from remoteloader.server.render import Renderer
 from remoteloader.server.seeds import sample_seeds, shard_key
-from remoteloader.server.slots import Slots, Stalled, StreamSlots
+from remoteloader.server.sharing import ChunkKey, SharedRenders
+from remoteloader.server.slots import Slots, Stalled
 from remoteloader.server.targets import MASK
 from remoteloader.server.worker_pool import Rendered
 
@@ -74,6 +79,7 @@ class _Pending(NamedTuple):
     slot: int
     future: asyncio.Future[Rendered]
     received: float  # time.monotonic() when its order was received
+    joined: bool  # rendered for another stream too, which started it
 
 
 class _End(NamedTuple):
@@ -101,6 +107,10 @@ class OrderStream:
         shards: The server's shards by id.
         renderer: Starts rendering chunks.
         slots: The shared slots.
+        renders: The renderings streams share, by chunk.
+        job: Whom the stream's decode is for, and its weight.
+        job_label: The job as the metrics name it (Metrics.job_label).
+        exclusive: Never share a rendering (Setup.exclusive).
         limiter: The server-wide rate limit, if any.
         metrics: The server's counters.
         draining: Set when the server drains: the stream takes no more orders.
@@ -117,6 +127,10 @@ class OrderStream:
         shards: dict[str, Shard],
         renderer: Renderer,
         slots: Slots,
+        renders: SharedRenders,
+        job: Job,
+        job_label: str,
+        exclusive: bool,
         limiter: RateLimiter | None,
         metrics: Metrics,
         draining: asyncio.Event,
@@ -129,6 +143,10 @@ class OrderStream:
         self._shards = shards
         self._renderer = renderer
         self._slots = slots
+        self._renders = renders
+        self._job = job
+        self._exclusive = exclusive
+        self._job_label = job_label
         self._limiter = limiter
         self._metrics = metrics
         self._draining = draining
@@ -138,7 +156,7 @@ class OrderStream:
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, np.ndarray, float] | _End | None] = asyncio.Queue()
-        self._slot_counts = StreamSlots()
+        self._slot_counts = slots.open(job)
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
@@ -175,6 +193,7 @@ class OrderStream:
                 if isinstance(item, _Pending):
                     self._slots.give_when_done(self._slot_counts, item.slot, item.future)
             self._slots.give_all_lent(self._slot_counts)  # (their generations change: a copy under way fails)
+            self._slots.close(self._slot_counts)
 
     async def _next_shared(self) -> _Pending | _Cut | _End | None:
         """The next item to write; raises Stalled once the client has kept a lent slot too long,
@@ -346,17 +365,20 @@ class OrderStream:
                 self._queue.put_nowait(_Cut(order, received))
                 return
             count = min(per_chunk, len(indices) - start)
-            if self._limiter is not None:
+            part = indices[start : start + count]
+            shareable = not (self._exclusive or isinstance(shard, SyntheticShard))
+            key = ChunkKey.of(self._spec, shard.id, order.seed, order.epoch, part) if shareable else None
+            if self._limiter is not None and not self._renders.has(key):
                 await self._limiter.take(count)
-            slot = await self._slots.take(self._slot_counts)
-            try:
-                future = self._renderer.render(
-                    self._spec, shard, indices[start : start + count], seeds[start : start + count], slot
-                )
-            except BaseException:
-                self._slots.give(self._slot_counts, slot)
-                raise
-            self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received))
+
+            def render(slot: int, part: np.ndarray = part, chunk_seeds: list[int] = seeds[start : start + count]):
+                return self._renderer.render(self._spec, shard, part, chunk_seeds, slot, self._job)
+
+            slot, future, joined = await self._renders.start(self._slot_counts, key, render)
+            if not joined:
+                self._metrics.images_rendered.inc(count)
+                self._metrics.job_rendered.labels(self._job_label).inc(count)
+            self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received, joined))
 
     async def _write_chunk(self, item: _Pending) -> None:
         lent = False
@@ -408,6 +430,7 @@ class OrderStream:
                 for pos, reason in errors
             ],
             workers_busy=self._renderer.pool.busy_share(),
+            joined=item.joined,
         )
         for record in targets:
             header.targets.add().MergeFromString(record)
@@ -427,6 +450,9 @@ class OrderStream:
         await self._slots.send(self._context.write(chunk), self._slot_counts)
         m = self._metrics
         m.images.inc(item.size)
+        m.job_images.labels(self._job_label).inc(item.size)
+        if item.joined:
+            m.images_joined.inc(item.size)
         m.bytes.inc(nbytes)
         if errors:
             m.decode_errors.inc(len(errors))

@@ -23,6 +23,7 @@ import numpy as np
 from remoteloader.protos import limits, loader_pb2
 from remoteloader.protos.wire import RAW
 from remoteloader.server.catalog import Location, Shard, SyntheticShard
+from remoteloader.server.fair_queue import ALONE, Job
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
@@ -64,9 +65,10 @@ class Renderer:
             self.objects.prefetch(_ranges(spec, shard, indices)[0])
 
     def render(
-        self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int
+        self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int, job: Job = ALONE
     ) -> asyncio.Future[Rendered]:
-        """Starts rendering samples into a slot; the future gives their Rendered once all are done."""
+        """Starts rendering samples into a slot, as ``job``'s work; the future gives their Rendered
+        once all are done."""
         if isinstance(shard, SyntheticShard):  # transport benchmark: the slot already holds pixels
             future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
             future.set_result(Rendered([], [b""] * len(indices) if spec.fields else []))
@@ -74,14 +76,14 @@ class Renderer:
         if self.objects is None or not shard.remote:
             positions = indices.tolist()
             located = [shard.locate(i) for i in positions]
-            return self._render(spec, shard, indices, seeds, slot, located, [shard.failure(i) for i in positions])
+            return self._render(spec, shard, indices, seeds, slot, job, located, [shard.failure(i) for i in positions])
         ranges, owners = _ranges(spec, shard, indices)
         held = self.objects.held_locally(ranges)
         if held is None:  # some bytes are still to come: the chunk starts when they are here
-            return asyncio.ensure_future(self._render_fetched(spec, shard, indices, seeds, slot, ranges, owners))
+            return asyncio.ensure_future(self._render_fetched(spec, shard, indices, seeds, slot, job, ranges, owners))
         # All here already (a later epoch): the tasks start now, not a few loop turns from now.
         known = [shard.failure(i) for i in indices.tolist()]
-        future = self._render(spec, shard, indices, seeds, slot, held[: len(indices)], known)
+        future = self._render(spec, shard, indices, seeds, slot, job, held[: len(indices)], known)
         objects = self.objects
 
         def release(_done: asyncio.Future[Rendered]) -> None:
@@ -97,6 +99,7 @@ class Renderer:
         indices: np.ndarray,
         seeds: list[int],
         slot: int,
+        job: Job,
         ranges: list[Location],
         owners: list[int],
     ) -> Rendered:
@@ -110,7 +113,7 @@ class Renderer:
             failures = [shard.failure(i) for i in indices.tolist()]
             for owner, reason in zip(owners, reasons):  # its image's, or its mask member's
                 failures[owner] = failures[owner] or reason
-            return await asyncio.shield(self._render(spec, shard, indices, seeds, slot, located, failures))
+            return await asyncio.shield(self._render(spec, shard, indices, seeds, slot, job, located, failures))
         finally:
             objects.release(ranges)
 
@@ -121,6 +124,7 @@ class Renderer:
         indices: np.ndarray,
         seeds: list[int],
         slot: int,
+        job: Job,
         located: list[Location],
         failures: list[str],
     ) -> asyncio.Future[Rendered]:
@@ -153,7 +157,7 @@ class Renderer:
         size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(samples) // self.pool.size)))
         firsts = _cut(samples, size)
         parts = [
-            self.pool.submit(Task(slot, first, spec, samples[first:end], seeds[first:end], len(samples)))
+            self.pool.submit(Task(slot, first, spec, samples[first:end], seeds[first:end], len(samples), job))
             for first, end in zip(firsts, [*firsts[1:], len(samples)])
         ]
         future = _merge(parts, firsts, len(samples), bool(spec.fields))

@@ -10,6 +10,7 @@ service has drained.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -18,9 +19,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import SERVICE, loader_pb2
+from remoteloader.protos.jobs import job_name_error, parse_weights
 from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.fair_queue import Job
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_stream import OrderStream, serialize_chunk
@@ -29,6 +32,7 @@ from remoteloader.server.pipelines import PRESETS, PipelineError
 from remoteloader.server.rate_limit import RateLimiter
 from remoteloader.server.render import Renderer
 from remoteloader.server.shared_memory import Arena, SampleCache
+from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import Slots
 from remoteloader.server.worker_pool import WorkerPool
 
@@ -65,7 +69,10 @@ class LoaderService:
         self.shards = {s.id: s for s in shards}
         self.checks = checks
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
-        self.slots = Slots(arena, lambda: self.admission.active, config.stall_timeout)
+        self.slots = Slots(arena, config.stall_timeout)
+        self.renders = SharedRenders(self.slots)
+        self.weights = parse_weights(config.job_weights)
+        self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
         self.renderer = Renderer(shards, pool, cache, objects)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.metrics = Metrics()
@@ -174,6 +181,10 @@ class LoaderService:
             except PipelineError as exc:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             spec = pipeline.spec
+            job_error = job_name_error(setup.job)
+            if job_error:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Setup.{job_error}")
+            job = Job(setup.job, self.weights.get(setup.job, 1.0)) if setup.job else Job(f"#{next(self._streams)}")
             if setup.shared_memory and not self.local_socket:
                 await _abort(
                     context,
@@ -182,12 +193,15 @@ class LoaderService:
                     "cannot tell which host it is on); leave shared_memory unset",
                 )
             log.info(
-                "stream opened by %s: pipeline %s %dx%d%s",
+                "stream opened by %s: pipeline %s %dx%d%s, job %s (weight %g)%s",
                 peer,
                 spec.name,
                 spec.height,
                 spec.width,
                 ", shared memory" if setup.shared_memory else "",
+                job.name,
+                job.weight,
+                ", exclusive" if setup.exclusive else "",
             )
             await OrderStream(
                 context,
@@ -197,6 +211,10 @@ class LoaderService:
                 shards=self.shards,
                 renderer=self.renderer,
                 slots=self.slots,
+                renders=self.renders,
+                job=job,
+                job_label=self.metrics.job_label(setup.job),
+                exclusive=setup.exclusive,
                 limiter=self.limiter,
                 metrics=self.metrics,
                 draining=self._draining,

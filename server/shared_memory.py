@@ -93,6 +93,11 @@ class Arena(SharedFile):
         """Bytes of the slots, at the start of the file (what the workers map)."""
         return self.count * self.slot_bytes
 
+    @property
+    def free(self) -> int:
+        """Slots free now."""
+        return self._free.qsize()
+
     async def acquire(self) -> int:
         return await self._free.get()
 

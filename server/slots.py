@@ -1,9 +1,11 @@
 """The arena's chunk slots shared fairly among open streams, and ending streams that stop reading.
 
 Invariants:
-* A stream holds at most its fair share of the slots: slots / open streams, at least 2, and
-  never the last two while it is alone. A stream that opens later gets its share as the
-  others write theirs out.
+* A stream holds at most its fair share of the slots: its job's share by weight (the jobs'
+  weights over the open streams' jobs, as the decode queue shares the workers:
+  server.fair_queue), split evenly among the job's streams; at least 2, and never the last
+  two while it is alone. With no weights given, slots / open streams. A stream that opens
+  later gets its share as the others write theirs out.
 * A slot goes back to the arena only when no worker may still write into it (``give_when_done``).
 * A client that does not read writes nothing out, so it would keep its slots forever: a chunk
   left unread for ``stall_timeout`` ends its stream, and so does one left unread for
@@ -13,6 +15,12 @@ Invariants:
   (``lend``) and gives it back by its ticket (``give_lent``); a lent slot counts among its
   stream's held slots, and the same rule ends a stream whose client keeps one unreleased
   (``check_lent``). Whatever is still lent when the stream ends goes back (``give_all_lent``).
+* Several streams may hold one slot (a rendering they share, server.sharing): each holds it
+  as if it were its own (``join``, within its fair share), and it goes back to the arena
+  once the last of them gives it back. A slot marked ``keepable`` (a clean rendering others
+  may still ask for) is then kept instead, for a later sharer to join, but only while no
+  take waits: a take that finds no slot free first sends the oldest kept one back. Keeping
+  never makes a stream wait. Whenever a slot goes back to the arena, ``forget`` is told.
 
 Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 """
@@ -21,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from remoteloader.server.fair_queue import Job
 from remoteloader.server.shared_memory import Arena
 
 # A stream whose client leaves a chunk unread this long while another stream waits for a
@@ -37,12 +47,14 @@ class Stalled(Exception):
 
 
 class StreamSlots:
-    """One stream's part of the slots: how many it holds and how many of its takes wait for one.
+    """One stream's part of the slots: its job, how many it holds and how many of its takes wait
+    for one.
 
     Read by anyone; changed only by ``Slots``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, job: Job) -> None:
+        self.job = job
         self.held = 0  # slots taken (or being taken past the fair-share check) and not given back
         self.waiting = 0  # takes of this stream waiting for a free slot
         # Slots lent to the client (shared memory): ticket -> (slot, time.monotonic() when
@@ -56,42 +68,98 @@ class Slots:
 
     Args:
         arena: The shared slots.
-        open_streams: The number of streams open now (StreamAdmission.active).
         stall_timeout: Seconds a chunk may wait to be read before its stream is ended.
     """
 
-    def __init__(self, arena: Arena, open_streams: Callable[[], int], stall_timeout: float):
+    def __init__(self, arena: Arena, stall_timeout: float):
         self.arena = arena
-        self._open_streams = open_streams
         self.stall_timeout = stall_timeout
+        self._jobs: dict[str, tuple[float, int]] = {}  # the open streams' jobs: name -> (weight, streams)
         self._freed = asyncio.Condition()
         self._waiters = 0  # takes waiting for a free slot, all streams together
+        self._holders: dict[int, int] = {}  # slot -> streams holding it (out of the arena, not kept)
+        self._keepable: set[int] = set()  # held slots to keep once the last holder gives them back
+        self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, kept: oldest first
+        self.forget: Callable[[int], None] = lambda slot: None  # told when a slot goes back to the arena
 
-    def fair_share(self) -> int:
-        """Most slots one stream may hold now."""
+    def open(self, job: Job) -> StreamSlots:
+        """A stream for ``job`` opens (after its Setup): its counts; ``close`` them when it ends."""
+        weight, streams = self._jobs.get(job.name, (job.weight, 0))
+        self._jobs[job.name] = (weight, streams + 1)
+        return StreamSlots(job)
+
+    def close(self, stream: StreamSlots) -> None:
+        """The stream has ended (its slots given back or to be given back as workers finish)."""
+        weight, streams = self._jobs[stream.job.name]
+        if streams > 1:
+            self._jobs[stream.job.name] = (weight, streams - 1)
+        else:
+            del self._jobs[stream.job.name]
+        asyncio.ensure_future(self._notify_freed())  # (the others' shares grew)
+
+    def fair_share(self, stream: StreamSlots) -> int:
+        """Most slots ``stream`` may hold now."""
         count = self.arena.count
-        return max(2, min(count - 2, count // max(1, self._open_streams())))
+        weight, streams = self._jobs.get(stream.job.name, (stream.job.weight, 1))
+        total = sum(w for w, _ in self._jobs.values()) or weight
+        return max(2, min(count - 2, int(count * weight / total / streams)))
 
-    async def take(self, stream: StreamSlots) -> int:
-        """A slot for ``stream``, once it is within its fair share and one is free."""
-        while stream.held >= self.fair_share():
+    @property
+    def kept(self) -> int:
+        """Slots held by no stream, kept for a later sharer."""
+        return len(self._kept)
+
+    async def room(self, stream: StreamSlots) -> None:
+        """Returns once ``stream`` is within its fair share, counting the slot it takes or joins next."""
+        while stream.held >= self.fair_share(stream):
             async with self._freed:
                 await self._freed.wait()
         stream.held += 1
+
+    async def acquire(self, stream: StreamSlots) -> int:
+        """A free slot for ``stream`` (after ``room``): a kept one goes back first if none is free."""
+        if not self.arena.free and self._kept:
+            self._back(self._kept.popitem(last=False)[0])
         # While none is free, the streams that hold slots and do not read are ended (send).
         self._waiters += 1
         stream.waiting += 1
         try:
-            return await self.arena.acquire()
+            slot = await self.arena.acquire()
         finally:
             self._waiters -= 1
             stream.waiting -= 1
+        self._holders[slot] = 1
+        return slot
+
+    def join(self, slot: int) -> None:
+        """The stream (after ``room``) holds ``slot`` too: a rendering held or kept, shared."""
+        self._kept.pop(slot, None)
+        self._holders[slot] = self._holders.get(slot, 0) + 1
+
+    def keepable(self, slot: int) -> None:
+        """Keeps ``slot`` (held now) once its last holder gives it back, for a later sharer."""
+        assert slot in self._holders, "only a held slot is marked keepable"
+        self._keepable.add(slot)
 
     def give(self, stream: StreamSlots, slot: int) -> None:
         """Gives back a slot no worker writes into any more."""
         stream.held -= 1
-        self.arena.release(slot)
+        holders = self._holders[slot] - 1
+        if holders:
+            self._holders[slot] = holders
+        else:
+            del self._holders[slot]
+            if slot in self._keepable and not self._waiters:
+                self._kept[slot] = None
+            else:
+                self._back(slot)
         asyncio.ensure_future(self._notify_freed())
+
+    def _back(self, slot: int) -> None:
+        """Sends a slot held by none back to the arena (its generation changes)."""
+        self._keepable.discard(slot)
+        self.forget(slot)
+        self.arena.release(slot)
 
     def give_when_done(self, stream: StreamSlots, slot: int, rendering: asyncio.Future) -> None:
         """Gives back ``slot`` now if its rendering is done, else when it is (workers still write there)."""

@@ -4,6 +4,7 @@ The arena (shared_memory.Arena) is one shared memory file cut into fixed-size sl
 the samples to render into it, a worker writes each sample's pixels straight into its
 place and answers with the per-sample errors only (the messages: worker_messages). Pixels
 never pass through pickling.
+Tasks wait in a FairQueue: the jobs they are for share the workers by weight.
 Tasks go to the worker with the fewest outstanding ones over its own pipe, so when a
 worker dies the pool knows exactly which tasks to fail, and starts a new worker. A worker
 that holds work without answering for ``worker_timeout`` (stopped, or wedged) is killed and
@@ -29,6 +30,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, NamedTuple
 
 from remoteloader.protos import limits
+from remoteloader.server.fair_queue import ALONE, FairQueue, Job
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.worker_messages import (
     DefinePipeline,
@@ -50,7 +52,8 @@ log = logging.getLogger(__name__)
 class Task:
     """Render ``samples`` with ``pipeline`` (sample ``i`` with ``seeds[i]``) into ``slot``, from
     sample ``first`` of the slot on; the slot's chunk has ``chunk`` samples (its masks follow
-    all of its pixels). The pool sends it to a worker as a RenderTask."""
+    all of its pixels). The pool sends it to a worker as a RenderTask, in its ``job``'s turn
+    (server.fair_queue: jobs share the workers by weight)."""
 
     slot: int
     first: int
@@ -58,6 +61,7 @@ class Task:
     samples: list[TaskSample]
     seeds: list[int]
     chunk: int
+    job: Job = ALONE
 
 
 class _Queued(NamedTuple):
@@ -158,7 +162,7 @@ _TASK_PIPE_BYTES = 256 << 10
 class WorkerPool:
     """Persistent worker processes fed over pipes, driven from the asyncio loop.
 
-    Tasks wait in one queue and go to a worker only while it holds fewer than
+    Tasks wait in a fair queue (jobs by weight) and go to a worker only while it holds fewer than
     ``AHEAD`` of them: every worker stays busy, a slow worker gets less, and the task pipe
     (enlarged to _TASK_PIPE_BYTES) never fills, so writing to it never blocks the event
     loop. Results come back on a second pipe that the loop watches.
@@ -212,7 +216,7 @@ class WorkerPool:
         self._ctx = ctx
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
-        self._queue: deque[_Queued] = deque()
+        self._queue: FairQueue[_Queued] = FairQueue()
         self._next_id = 0
         self._closed = False
         self._meter = BusyMeter(busy_window)
@@ -301,7 +305,7 @@ class WorkerPool:
             raise RuntimeError("worker pool is closed")
         self._next_id += 1
         future = self._started_loop.create_future()
-        self._queue.append(_Queued(self._next_id, task, future))
+        self._queue.put(task.job, len(task.samples), _Queued(self._next_id, task, future))
         self._feed()
         return future
 
@@ -310,7 +314,7 @@ class WorkerPool:
             worker = min(self._workers, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.AHEAD:
                 break
-            queued = self._queue.popleft()
+            queued = self._queue.take()
             task = queued.task
             if not worker.pending:  # its silence is counted from now
                 worker.answered = time.monotonic()
@@ -385,7 +389,7 @@ class WorkerPool:
         worker.tasks.close()
         again = [q for q in worker.pending.values() if q.tries == 0 and not q.future.done()]
         for queued in reversed(again):  # first in line, in their order
-            self._queue.appendleft(queued._replace(tries=1))
+            self._queue.put_first(queued.task.job, queued._replace(tries=1))
         worker.pending = {q.task_id: q for q in worker.pending.values() if q.tries}
         worker.fail(f"decode stalled: no answer within worker_timeout={self.worker_timeout:g}s, twice")
         self._restart(worker)
@@ -400,7 +404,7 @@ class WorkerPool:
             del self._workers[index]
             if not self._workers:
                 while self._queue:
-                    queued = self._queue.popleft()
+                    queued = self._queue.take()
                     if not queued.future.done():
                         queued.future.set_result(
                             Rendered.failed(len(queued.task.samples), "no decode worker could be started")
@@ -432,7 +436,7 @@ class WorkerPool:
             worker.results.close()
         self._meter.set(0, 0)
         while self._queue:
-            queued = self._queue.popleft()
+            queued = self._queue.take()
             if not queued.future.done():
                 queued.future.set_result(Rendered.failed(len(queued.task.samples), "server shutting down"))
 

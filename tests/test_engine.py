@@ -72,7 +72,7 @@ class FakeLink:
         self.outstanding += order.samples
         self.sent.append(order)
 
-    def received(self, nbytes: int, samples: int, workers_busy: float) -> None:
+    def received(self, nbytes: int, samples: int, workers_busy: float, joined: bool = False) -> None:
         pass
 
     def cancel(self, order: Order) -> None:

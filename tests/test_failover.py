@@ -104,8 +104,11 @@ def total_orders(loader: RemoteLoader) -> int:
 
 
 def make_loader(target, **kwargs) -> RemoteLoader:
+    """share=False: an epoch played again after its reference pass is decoded again, not joined
+    from what the servers kept of it (server/sharing.py), so it still needs the servers these
+    tests kill; failover of loaders that share: tests/test_sharing.py."""
     options = dict(batch_size=BATCH, image_size=SIZE, seed=3, drop_last=False, return_ids=True,
-                   connect_timeout=20, reconnect_timeout=40)
+                   connect_timeout=20, reconnect_timeout=40, share=False)
     options.update(kwargs)
     return RemoteLoader(target, **options)
 

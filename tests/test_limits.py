@@ -89,12 +89,16 @@ def _shard_id(channel) -> str:
 
 
 def _setup(pipeline: str = "eval", size: int = SIZE) -> loader_pb2.StreamRequest:
-    return loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline=pipeline, height=size, width=size))
+    """Exclusive: each stream renders its own chunks (server/sharing.py), so that what one stream
+    holds, and how long its orders stay in flight under --max-rate, is its own."""
+    return loader_pb2.StreamRequest(
+        setup=loader_pb2.Setup(pipeline=pipeline, height=size, width=size, exclusive=True)
+    )
 
 
-def _order(order_id: int, shard_id: str, indices) -> loader_pb2.StreamRequest:
+def _order(order_id: int, shard_id: str, indices, seed: int = 0) -> loader_pb2.StreamRequest:
     return loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=order_id, shard_id=shard_id,
-                                                           indices=list(indices)))
+                                                           indices=list(indices), seed=seed))
 
 
 class OpenStream:
@@ -361,10 +365,10 @@ def test_streams_that_never_read_are_ended_when_others_wait_for_their_slots(serv
         shard_id = _shard_id(channel)
         hogs = [OpenStream(channel, timeout=120) for _ in range(2)]
         try:
-            for hog in hogs:
+            for n, hog in enumerate(hogs):
                 hog.send(_setup("eval", 512))  # 768 KiB per sample: a few samples fill a slot
-                for k in range(1, 17):
-                    hog.send(_order(k, shard_id, [i % GOOD for i in range(64)]))
+                for k in range(1, 17):  # (seeds of their own: no chunk is another's, each takes a slot)
+                    hog.send(_order(k, shard_id, [i % GOOD for i in range(64)], seed=100 * n + k))
             time.sleep(2)  # let them take what they can
             started = time.monotonic()
             with RemoteLoader(servers.address(METERED), batch_size=4, image_size=SIZE, pipeline="eval",

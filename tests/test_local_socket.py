@@ -127,8 +127,13 @@ class Stream:
         self.channel.close()
 
 
-def _setup(shared: bool, wire: str = "") -> loader_pb2.Setup:
-    return loader_pb2.Setup(pipeline="train", height=SIZE, width=SIZE, shared_memory=shared, wire=wire)
+def _setup(shared: bool, wire: str = "", exclusive: bool = False) -> loader_pb2.Setup:
+    """``exclusive``: the stream shares no rendering (server/sharing.py), so every chunk is a new
+    rendering and a slot it gives back goes back to the arena, its generation changed, rather
+    than being kept unchanged for a later stream that asks for the same chunk."""
+    return loader_pb2.Setup(
+        pipeline="train", height=SIZE, width=SIZE, shared_memory=shared, wire=wire, exclusive=exclusive
+    )
 
 
 def _error(call, chunks: int = -1) -> grpc.RpcError:
@@ -277,7 +282,7 @@ def test_a_shared_stream_points_at_exactly_the_pixels_a_normal_stream_sends(serv
 def test_released_slots_let_a_long_order_through_a_few_slots(servers):
     shard_id = _describe(servers, TOKEN_SERVER).shards[0].id
     memory = _map(servers, TOKEN_SERVER)
-    stream = Stream(servers, TOKEN_SERVER, _setup(True))
+    stream = Stream(servers, TOKEN_SERVER, _setup(True, exclusive=True))
     try:
         indices = [i % N for i in range(200)]  # 50 chunks through a stream's 2 slots
         stream.order(1, shard_id, indices)
@@ -304,7 +309,7 @@ def test_released_slots_let_a_long_order_through_a_few_slots(servers):
 def test_a_client_that_keeps_its_shared_chunks_is_ended_after_stall_timeout(servers):
     shard_id = _describe(servers, TOKEN_SERVER).shards[0].id
     memory = _map(servers, TOKEN_SERVER)
-    stream = Stream(servers, TOKEN_SERVER, _setup(True))
+    stream = Stream(servers, TOKEN_SERVER, _setup(True, exclusive=True))
     try:
         stream.order(1, shard_id, range(N))  # 3 chunks: 2 lent, the third waits for a slot
         started = time.monotonic()
@@ -337,7 +342,7 @@ def test_a_client_that_keeps_its_shared_chunks_is_ended_after_stall_timeout(serv
 def test_a_cancelled_order_keeps_its_lent_slots_until_they_are_released(servers):
     shard_id = _describe(servers, OPEN).shards[0].id
     memory = _map(servers, OPEN)
-    stream = Stream(servers, OPEN, _setup(True))
+    stream = Stream(servers, OPEN, _setup(True, exclusive=True))
     try:
         stream.order(1, shard_id, range(N))
         first = next(stream.call)[0].shared

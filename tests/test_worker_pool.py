@@ -247,9 +247,13 @@ def test_a_damaged_file_fails_in_every_epoch_though_the_region_decoder_would_tak
 
 
 def eval_epoch(run_bounded, address: str, **kwargs) -> dict[str, tuple[np.ndarray, int]]:
-    """An eval epoch by key, and the failures reported: ({key: (pixels, label)}, [SampleFailure])."""
+    """An eval epoch by key, and the failures reported: ({key: (pixels, label)}, [SampleFailure]).
+
+    Each sample is read and decoded anew (share=False): not joined from what the server kept
+    of an earlier epoch of the same plan (server/sharing.py), so the files' and the cache's
+    states are what the tests see."""
     failures = []
-    with loader(address, pipeline="eval", on_error=failures.extend, **kwargs) as ld:
+    with loader(address, pipeline="eval", on_error=failures.extend, share=False, **kwargs) as ld:
         got = collect(run_bounded, ld)
         by_key = {ld.sample_key(i): v for i, v in got.items()}
     return by_key, failures

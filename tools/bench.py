@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=10.0, help="seconds a server may take to answer")
     parser.add_argument("--token-file", help="a file holding the servers' token")
     parser.add_argument(
+        "--job", help="read as this job (RemoteLoader(job=...)): its share by the servers' --job-weights"
+    )
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="join decodes other loaders of the same plan started (off: measure the fleet's own decode)",
+    )
+    parser.add_argument(
         "--tls",
         metavar="CA_PEM",
         help="connect with TLS, trusting this CA (server certificates must name the addresses a DNS name resolves to)",
@@ -78,6 +86,7 @@ class Run:
     receiver_busy: float  # the receiver's CPU seconds per second
     limit: str
     per_server: dict[str, dict] = field(default_factory=dict)
+    images_shared: int = 0  # of ``images``, those whose decode a server shared with another loader
 
 
 def host_cpu() -> float:
@@ -140,6 +149,7 @@ def measure(servers: list[str], args: argparse.Namespace, loader_args: dict) -> 
         receiver_busy=receiver_busy,
         limit=bottleneck.likely_limit(spans, receiver_busy),
         per_server=per_server,
+        images_shared=after["images_shared"] - before["images_shared"],
     )
 
 
@@ -387,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
         token=token,
         tls=args.tls,
         connect_timeout=args.connect_timeout,
+        job=args.job,
+        share=args.share,
     )
     try:
         servers = discover(args.address)
@@ -406,6 +418,12 @@ def run(args: argparse.Namespace) -> int:
     print()
     if consumed is not None:
         print(f"training step: {consumed[0]:.0f} images/s ({consumed[1]})")
+    if args.share:
+        last = runs[-1]
+        print(
+            f"shared decodes: {last.images_shared} of the {last.images} images read from all servers came from a "
+            f"decode another loader of the same plan started ({last.images_shared / max(1, last.images):.0%})"
+        )
     lines = verdict(runs, consumed[0] if consumed else None)
     local = dataloader_line(runs[-1], consumed[0] if consumed else runs[-1].images_per_s)
     for line in lines + ([local] if local else []):

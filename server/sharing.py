@@ -1,0 +1,128 @@
+"""One rendering for every stream that asks for the same chunk: concurrent jobs share the decode.
+
+A chunk's pixels, targets and errors are a function of its ``ChunkKey``: the stream's
+pipeline spec (preset or albumentations JSON, size, fields, wire), the shard, the order's
+seed and epoch, and the chunk's sample indices (server.seeds derives every random draw from
+these). Two streams that would render the same key (two jobs of a sweep over one plan, say)
+get one rendering, written into one slot, and each writes its own chunk from it: same
+order ids as each asked, same exactly-once bookkeeping on each client. Sharing is found,
+never assumed: chunks that differ in any part of the key render apart, as do streams whose
+Setup says ``exclusive`` and the transport benchmark's synthetic shards.
+
+Invariants:
+* A rendering can be joined from when it starts until its slot goes back to the arena: while
+  it renders, while any stream holds it, and after, while its slot is kept (server.slots:
+  only a rendering whose every sample rendered cleanly is kept, and a kept slot is the
+  first to go back when a take finds none free). A stream that comes later renders its own.
+* Each sharer holds the slot within its own fair share, and gives it back as it would its
+  own; a sharer that ends, is slow, or stops reading holds only its own share (the stall
+  rules end it), so none of them holds the others back by more than that.
+* The stream that starts a rendering is charged for it (its job's place in the decode
+  queue, server.fair_queue); the others pay nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from remoteloader.server.pipelines import PipelineSpec
+from remoteloader.server.slots import Slots, StreamSlots
+from remoteloader.server.worker_pool import Rendered
+
+
+class ChunkKey(NamedTuple):
+    """What a chunk's rendering depends on, and all it depends on."""
+
+    spec: PipelineSpec
+    shard: str
+    seed: int
+    epoch: int
+    indices: bytes  # the chunk's sample indices, int64
+
+    @classmethod
+    def of(cls, spec: PipelineSpec, shard: str, seed: int, epoch: int, indices: np.ndarray) -> ChunkKey:
+        return cls(spec, shard, seed, epoch, np.ascontiguousarray(indices, np.int64).tobytes())
+
+
+class Started(NamedTuple):
+    """A chunk a stream holds: its slot, the rendering's future, and whether another stream started it."""
+
+    slot: int
+    future: asyncio.Future[Rendered]
+    joined: bool
+
+
+class SharedRenders:
+    """The renderings streams may join, by key; the one place a stream gets a chunk's slot.
+
+    Args:
+        slots: The arena's slots; told to keep clean renderings, it says when a slot goes back.
+    """
+
+    def __init__(self, slots: Slots):
+        self._slots = slots
+        self._by_key: dict[ChunkKey, tuple[int, asyncio.Future[Rendered]]] = {}
+        self._key_at: dict[int, ChunkKey] = {}  # slot -> the key it holds
+        slots.forget = self._forget
+
+    def __len__(self) -> int:
+        """Renderings that can be joined now."""
+        return len(self._by_key)
+
+    def has(self, key: ChunkKey | None) -> bool:
+        """Whether a rendering of ``key`` can be joined now."""
+        return key in self._by_key
+
+    async def start(
+        self,
+        stream: StreamSlots,
+        key: ChunkKey | None,
+        render: Callable[[int], asyncio.Future[Rendered]],
+    ) -> Started:
+        """The chunk ``key`` for ``stream``, within its fair share: joined where a rendering of it
+        can be, else rendered (``render(slot)`` starts it) in a slot of its own; ``key`` None:
+        rendered apart, never joined."""
+        slots = self._slots
+        while True:
+            await slots.room(stream)
+            found = self._by_key.get(key) if key is not None else None
+            if found is not None:
+                slots.join(found[0])
+                return Started(*found, True)
+            slot = await slots.acquire(stream)
+            if key is None:
+                return Started(slot, self._render(stream, slot, render), False)
+            if key not in self._by_key:  # (nobody started it while this stream waited for a slot)
+                future = self._render(stream, slot, render)
+                self._by_key[key] = (slot, future)
+                self._key_at[slot] = key
+                future.add_done_callback(functools.partial(self._done, key, slot))
+                return Started(slot, future, False)
+            slots.give(stream, slot)  # and join the one started meanwhile
+
+    def _render(self, stream: StreamSlots, slot: int, render: Callable[[int], asyncio.Future[Rendered]]):
+        try:
+            return render(slot)
+        except BaseException:
+            self._slots.give(stream, slot)
+            raise
+
+    def _done(self, key: ChunkKey, slot: int, future: asyncio.Future[Rendered]) -> None:
+        """A rendering finished: kept for later sharers if every sample rendered cleanly, forgotten
+        if not (a later stream renders it again, as it would a chunk never rendered)."""
+        if self._by_key.get(key, (None, None))[1] is not future:  # (its slot went back already)
+            return
+        if not future.cancelled() and not future.result().errors:
+            self._slots.keepable(slot)
+        else:
+            self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        key = self._key_at.pop(slot, None)
+        if key is not None:
+            del self._by_key[key]

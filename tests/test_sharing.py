@@ -1,0 +1,421 @@
+"""Concurrent jobs on one fleet: a chunk asked for by several streams is decoded once
+(server/sharing.py), each job still gets every sample once, and jobs share the decode
+workers by weight (server/fair_queue.py, server/slots.py).
+
+Units first (the fair queue, the renderings' table over real slots), then real servers:
+    0, 1  shards A and B, one server each, with slots enough to keep a whole epoch's chunks
+    2     shard C (60 samples) on a server of 4 slots: a late job falls out of its window
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from remoteloader.client import RemoteLoader
+from remoteloader.protos import SERVICE, loader_pb2
+from remoteloader.protos.jobs import parse_weights
+from remoteloader.server.config import ServerConfig
+from remoteloader.server.fair_queue import FairQueue, Job
+from remoteloader.server.pipelines import PipelineSpec
+from remoteloader.server.shared_memory import Arena
+from remoteloader.server.sharing import ChunkKey, SharedRenders
+from remoteloader.server.slots import Slots
+from remoteloader.server.worker_pool import Rendered
+from remoteloader.tools.textures import make_imagefolder
+
+pytestmark = pytest.mark.timeout(180)
+
+PER_CLASS = 12  # x 2 classes: 24 samples a shard, 48 an epoch over servers 0 and 1
+BATCH = 8
+SIZE = 32
+
+
+# ---- the fair queue ---------------------------------------------------------------------------
+
+
+def test_jobs_with_work_waiting_share_the_queue_by_weight_each_in_its_own_order():
+    queue: FairQueue[tuple[str, int]] = FairQueue()
+    heavy, light = Job("heavy", 3.0), Job("light", 1.0)
+    for i in range(400):
+        queue.put(heavy, 8, ("heavy", i))
+        queue.put(light, 8, ("light", i))
+    taken = [queue.take() for _ in range(400)]
+    assert sum(1 for job, _ in taken if job == "heavy") == 300
+    for name in ("heavy", "light"):
+        order = [i for job, i in taken if job == name]
+        assert order == sorted(order)
+
+
+def test_a_job_that_had_nothing_waiting_is_not_owed_the_time_it_was_idle():
+    queue: FairQueue[str] = FairQueue()
+    for _ in range(100):  # "a" alone for a while
+        queue.put(Job("a"), 8, "a")
+        queue.take()
+    for _ in range(50):
+        queue.put(Job("a"), 8, "a")
+        queue.put(Job("b"), 8, "b")
+    taken = [queue.take() for _ in range(20)]
+    assert taken.count("b") == 10  # level from now on, not 100 tasks of "b" first
+
+
+def test_a_task_given_back_goes_first():
+    queue: FairQueue[str] = FairQueue()
+    for name in "abc":
+        queue.put(Job(name), 8, name)
+    queue.take()
+    queue.put_first(Job("c"), "again")
+    assert queue.take() == "again" and len(queue) == 2
+    empty: FairQueue[str] = FairQueue()  # (the only task, given back by a stalled worker)
+    empty.put_first(Job("a"), "alone")
+    assert empty.take() == "alone" and not empty
+
+
+def test_job_weights_are_checked_where_the_operator_gives_them():
+    assert parse_weights("sweep=3, probe=0.5") == {"sweep": 3.0, "probe": 0.5}
+    for bad, reason in [
+        ("sweep", "NAME=WEIGHT"),
+        ("sweep=0", "positive"),
+        ("a=1,a=2", "twice"),
+        ("a b=1", "letters"),
+        ("=2", "empty"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            ServerConfig(data=("/tmp",), job_weights=bad)
+
+
+# ---- renderings shared over real slots ----------------------------------------------------------
+
+SPEC = PipelineSpec("eval", SIZE, SIZE)
+
+
+def key(first: int, seed: int = 0, spec: PipelineSpec = SPEC) -> ChunkKey:
+    return ChunkKey.of(spec, "shard", seed, 0, np.arange(first, first + 4))
+
+
+class Renders:
+    """SharedRenders over a real arena, with renderings the test completes by hand."""
+
+    def __init__(self, slots: int):
+        self.arena = Arena(slots, 4096)
+        self.slots = Slots(self.arena, stall_timeout=60)
+        self.renders = SharedRenders(self.slots)
+        self.started: list[asyncio.Future[Rendered]] = []
+
+    def render(self, slot: int) -> asyncio.Future[Rendered]:
+        future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
+        self.started.append(future)
+        return future
+
+    async def start(self, stream, chunk: ChunkKey | None):
+        return await self.renders.start(stream, chunk, self.render)
+
+
+def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
+    async def run():
+        r = Renders(12)
+        a, b = r.slots.open(Job("#1")), r.slots.open(Job("#2"))
+        first = await r.start(a, key(0))
+        second = await r.start(b, key(0))
+        assert len(r.started) == 1 and second.joined and not first.joined
+        assert second.slot == first.slot and second.future is first.future
+        other = await r.start(b, key(0, seed=1))  # another seed: its own
+        assert len(r.started) == 2 and not other.joined and other.slot != first.slot
+        apart = await r.start(b, None)  # exclusive: never joined, never joinable
+        assert len(r.started) == 3 and not r.renders.has(None)
+        r.started[0].set_result(Rendered([], []))
+        await asyncio.sleep(0)
+        r.slots.give(a, first.slot)
+        assert r.arena.free == 9  # b still holds it
+        r.slots.give(b, second.slot)
+        assert r.arena.free == 9 and r.slots.kept == 1  # clean: kept for a later stream
+        c = r.slots.open(Job("#3"))
+        later = await r.start(c, key(0))
+        assert later.joined and later.slot == first.slot and r.slots.kept == 0 and len(r.started) == 3
+        r.slots.give(c, later.slot)
+        for slot, future in ((other.slot, r.started[1]), (apart.slot, r.started[2])):
+            future.set_result(Rendered([(0, "broken")], []))
+            await asyncio.sleep(0)
+            r.slots.give(b, slot)
+        assert r.arena.free == 11 and r.slots.kept == 1  # a rendering with errors is not kept
+        assert not r.renders.has(key(0, seed=1))
+
+    asyncio.run(run())
+
+
+def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
+    async def run():
+        r = Renders(3)
+        a = r.slots.open(Job("#1"))
+        for first in (0, 4, 8):
+            started = await r.start(a, key(first))
+            r.started[-1].set_result(Rendered([], []))
+            await asyncio.sleep(0)
+            r.slots.give(a, started.slot)
+        assert r.slots.kept == 3 and r.arena.free == 0
+        await r.start(a, key(12))  # none free: the oldest kept one goes back
+        assert not r.renders.has(key(0)) and r.renders.has(key(4)) and r.renders.has(key(8))
+        assert len(r.renders) == 3
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_slots_are_shared_by_job_weight_and_evenly_among_a_jobs_streams():
+    async def run():
+        slots = Slots(Arena(12, 4096), stall_timeout=60)
+        heavy = slots.open(Job("heavy", 3.0))
+        light = slots.open(Job("light", 1.0))
+        assert (slots.fair_share(heavy), slots.fair_share(light)) == (9, 3)
+        second = slots.open(Job("heavy", 3.0))
+        assert slots.fair_share(second) == slots.fair_share(heavy) == 4
+        slots.close(second)
+        slots.close(light)
+        assert slots.fair_share(heavy) == 10  # alone: all but two
+
+    asyncio.run(run())
+
+
+# ---- real servers -----------------------------------------------------------------------------
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(remoteloader_\S+) (\S+)$", text, re.M)}
+
+
+class Servers:
+    def __init__(self, cluster, ports):
+        self.cluster = cluster
+        self.ports = ports
+        self.target = ",".join(cluster.address(i) for i in (0, 1))
+        self.small = cluster.address(2)
+
+    def counts(self, servers=(0, 1)) -> dict[str, float]:
+        """Rendered and joined samples, summed over ``servers``."""
+        totals = {"rendered": 0.0, "joined": 0.0, "served": 0.0}
+        for i in servers:
+            m = metrics(self.ports[i])
+            totals["rendered"] += m["remoteloader_images_rendered_total"]
+            totals["joined"] += m["remoteloader_images_joined_total"]
+            totals["served"] += m["remoteloader_images_served_total"]
+        return totals
+
+
+@pytest.fixture(scope="module")
+def servers(module_cluster, tmp_path_factory, free_port):
+    root = tmp_path_factory.mktemp("sharing")
+    a = make_imagefolder(root / "a", ["cat", "dog"], PER_CLASS, size=(48, 64), seed=31)
+    b = make_imagefolder(root / "b", ["eel", "fox"], PER_CLASS, size=(48, 64), seed=32)
+    ports = [free_port() for _ in range(3)]
+    c = module_cluster
+    c.add(a, "--slots", "48", "--metrics-port", str(ports[0]), wait=False)
+    c.add(b, "--slots", "48", "--metrics-port", str(ports[1]), wait=False)
+    small = make_imagefolder(root / "c", ["gnu", "hen"], 30, size=(48, 64), seed=34)
+    c.add(small, "--slots", "4", "--metrics-port", str(ports[2]), wait=False)
+    for i in range(3):
+        c.wait_ready(i)
+    return Servers(c, ports)
+
+
+def loader(address: str, **options) -> RemoteLoader:
+    settings = dict(batch_size=BATCH, image_size=SIZE, seed=7, return_ids=True, connect_timeout=30)
+    return RemoteLoader(address, **{**settings, **options})
+
+
+def play(loader: RemoteLoader, epochs=(0,), pause: float = 0.0) -> list[tuple]:
+    """(epoch, images, ids) per batch, over ``epochs``."""
+    out = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        for images, _, ids in loader:
+            out.append((epoch, images.clone(), ids.clone()))
+            time.sleep(pause)
+    return out
+
+
+def together(*jobs) -> list:
+    """Runs each ``job()`` in a thread of its own, at once; their results, in order."""
+    results: list = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i, job):
+        try:
+            results[i] = job()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors
+    return results
+
+
+def assert_each_sample_once(batches: list[tuple], total: int, epochs=(0,)) -> None:
+    for epoch in epochs:
+        ids = torch.cat([ids for e, _, ids in batches if e == epoch]).tolist()
+        assert sorted(ids) == list(range(total)), f"epoch {epoch}: not every sample exactly once"
+
+
+def assert_same_batches(first: list[tuple], second: list[tuple]) -> None:
+    assert len(first) == len(second)
+    for (e1, images1, ids1), (e2, images2, ids2) in zip(first, second):
+        assert e1 == e2 and torch.equal(ids1, ids2) and torch.equal(images1, images2)
+
+
+def test_jobs_with_one_plan_get_the_same_batches_each_sample_once_each_decoded_once(servers):
+    before = servers.counts()
+    loaders = [loader(servers.target, job=f"seed-sweep-{i}") for i in range(3)]
+    try:
+        results = together(*[lambda lo=lo: play(lo, epochs=(0, 1)) for lo in loaders])
+        shared = [lo.stats()["images_shared"] for lo in loaders]
+    finally:
+        for lo in loaders:
+            lo.close()
+    total = 2 * 2 * PER_CLASS
+    for batches in results:
+        assert_each_sample_once(batches, total, epochs=(0, 1))
+        assert_same_batches(results[0], batches)
+    after = servers.counts()
+    assert after["served"] - before["served"] == 3 * 2 * total
+    assert after["rendered"] - before["rendered"] == 2 * total  # each sample of each epoch decoded once
+    assert after["joined"] - before["joined"] == 2 * 2 * total == sum(shared)
+    served = metrics(servers.ports[0])
+    assert served['remoteloader_job_images_served_total{job="seed-sweep-1"}'] >= 2 * PER_CLASS * 2
+
+
+def test_jobs_that_differ_in_seed_pipeline_or_say_share_false_never_share(servers):
+    before = servers.counts()
+    loaders = [
+        loader(servers.target, seed=101),
+        loader(servers.target, seed=102),
+        loader(servers.target, seed=101, pipeline="eval"),
+        loader(servers.target, seed=101, share=False),
+    ]
+    try:
+        results = together(*[lambda lo=lo: play(lo) for lo in loaders])
+        assert [lo.stats()["images_shared"] for lo in loaders] == [0, 0, 0, 0]
+    finally:
+        for lo in loaders:
+            lo.close()
+    total = 2 * 2 * PER_CLASS
+    for batches in results:
+        assert_each_sample_once(batches, total)
+    after = servers.counts()
+    assert after["joined"] == before["joined"] and after["rendered"] - before["rendered"] == 4 * total
+    assert_same_batches(results[0], results[3])  # share=False: the same batches, decoded apart
+
+
+def test_a_late_job_joins_what_is_kept_and_renders_what_is_not(servers):
+    for address, total, kept in ((servers.target, 4 * PER_CLASS, True), (servers.small, 60, False)):
+        with loader(address, seed=55, batch_size=4) as first:
+            alone = play(first)
+        before = servers.counts((0, 1, 2))
+        with loader(address, seed=55, batch_size=4) as late:
+            again = play(late)
+            shared = late.stats()["images_shared"]
+        after = servers.counts((0, 1, 2))
+        assert_each_sample_once(again, total)
+        assert_same_batches(alone, again)
+        rendered = after["rendered"] - before["rendered"]
+        if kept:  # the whole epoch was kept: nothing decoded again
+            assert (rendered, shared) == (0, total)
+        else:  # 4 slots keep 4 of its 15 chunks at most: the rest is decoded for it alone
+            assert rendered >= total - 4 * 4 and shared <= 4 * 4
+
+
+def test_a_slow_job_and_a_fast_one_each_get_every_sample_once(servers):
+    fast, slow = loader(servers.target, seed=66), loader(servers.target, seed=66, prefetch=2)
+    try:
+        quick, patient = together(lambda: play(fast, epochs=(0, 1)), lambda: play(slow, epochs=(0, 1), pause=0.15))
+    finally:
+        fast.close()
+        slow.close()
+    total = 2 * 2 * PER_CLASS
+    assert_each_sample_once(quick, total, epochs=(0, 1))
+    assert_each_sample_once(patient, total, epochs=(0, 1))
+    assert_same_batches(quick, patient)
+
+
+_KILLED_JOB = textwrap.dedent("""
+    import sys
+    from remoteloader.client import RemoteLoader
+    with RemoteLoader(sys.argv[1], batch_size=8, image_size=32, seed=77, prefetch=2) as loader:
+        for batch in loader:
+            print("batch", flush=True)
+            sys.stdin.readline()  # held here until killed
+""")
+
+
+def test_a_job_killed_mid_epoch_does_not_hold_back_the_one_sharing_with_it(servers):
+    victim = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_JOB, servers.target], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert victim.stdout.readline().strip() == "batch"
+        with loader(servers.target, seed=77, progress_timeout=20) as survivor:
+            survivor.set_epoch(0)
+            batches = []
+            for n, (images, _, ids) in enumerate(survivor):
+                batches.append((0, images, ids))
+                if n == 1:
+                    os.kill(victim.pid, signal.SIGKILL)
+    finally:
+        victim.kill()
+        victim.wait(10)
+    assert_each_sample_once(batches, 2 * 2 * PER_CLASS)
+
+
+def test_a_bad_job_name_is_refused_by_the_loader_and_by_the_server(servers):
+    with pytest.raises(ValueError, match="job='a b'"):
+        loader(servers.target, job="a b")
+    channel = grpc.insecure_channel(servers.cluster.address(0))
+    stream = channel.stream_stream(
+        f"/{SERVICE}/Stream",
+        request_serializer=loader_pb2.StreamRequest.SerializeToString,
+        response_deserializer=loader_pb2.Chunk.FromString,
+    )
+    setup = loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline="eval", height=SIZE, width=SIZE, job="x" * 65))
+    with pytest.raises(grpc.RpcError) as error:
+        list(stream(iter([setup]), timeout=20))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Setup.job" in error.value.details()
+    channel.close()
+
+
+def test_a_killed_server_fails_over_for_every_job_that_shares(cluster, tmp_path):
+    data = make_imagefolder(tmp_path / "c", ["ant", "bee"], 30, size=(48, 64), seed=33)
+    cluster.add_many([data, data], "--max-rate", "150")  # replicas of one shard, slow enough to kill mid-epoch
+    target = cluster.target
+    killed = threading.Event()
+
+    def job():
+        with loader(target, seed=88, batch_size=4, reconnect_timeout=5) as lo:
+            lo.set_epoch(0)
+            out = []
+            for n, (images, _, ids) in enumerate(lo):
+                out.append((0, images, ids))
+                if n == 1 and not killed.is_set():
+                    killed.set()
+                    cluster.kill(0)
+            return out
+
+    first, second = together(job, job)
+    assert killed.is_set()
+    assert_each_sample_once(first, 60)
+    assert_each_sample_once(second, 60)
+    assert_same_batches(first, second)
