@@ -81,8 +81,11 @@ def test_a_local_server_killed_mid_epoch_fails_over_to_a_remote_replica_and_back
     remote = cluster.add(data["folder"], "--local-socket", "false")
     target = f"{cluster.address(local)},{cluster.address(remote)}"
     reference, _, _ = read_epoch(target, shared_memory=False)
+    # share=False: the epoch is decoded again, not joined from what the servers kept of the
+    # reference pass (server/sharing.py), so the local server holds work when it is killed.
     with RemoteLoader(target, batch_size=BATCH, image_size=SIZE, seed=3, drop_last=False, return_ids=True,
-                      on_error=lambda failures: None, connect_timeout=20, reconnect_timeout=60) as loader:
+                      on_error=lambda failures: None, connect_timeout=20, reconnect_timeout=60,
+                      share=False) as loader:
         it = iter(loader)
         got = [tuple(next(it)) for _ in range(2)]
         cluster.kill(local)
