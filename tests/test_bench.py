@@ -198,3 +198,12 @@ def test_bench_names_a_slow_link_as_the_limit(tmp_path):
     assert run["limit"] == bottleneck.LINKS and server["limit"] == bottleneck.LINKS
     assert 0 < server["workers_busy"] < bottleneck.BUSY
     assert 0.5 < run["mb_per_s"] * 8 < 20 * 1.1  # what the link carried, within its rate
+
+
+def test_bench_reads_as_a_named_job_and_says_how_much_of_it_came_from_shared_decodes(two_servers, tmp_path):
+    report, printed = bench(two_servers, tmp_path, "--job", "bench-probe", "--share")
+    last = report["runs"][-1]
+    assert 0 <= last["images_shared"] <= last["images"]
+    assert f"shared decodes: {last['images_shared']} of the {last['images']} images" in printed
+    for i in range(len(two_servers)):  # each server was told the job's name, and that it may share (no ", exclusive")
+        two_servers.wait_for_log(i, r"job bench-probe \(weight 1\)$", 10)
