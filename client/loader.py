@@ -149,13 +149,14 @@ class RemoteLoader:
         job: The training job this loader feeds, as the servers' operator names it in their
             ``--job-weights`` (its share of their decode workers) and as their metrics count
             it: letters, digits, ``.``, ``_``, ``-``, at most 64. Default None: each stream
-            is a job of its own, weighing 1. Give every rank of a job the same name.
+            is a job of its own. A job the operator did not list weighs 1 a stream, named
+            or not. Give every rank of a job the same name.
         share: Default True: where another loader asks a server for the very same chunk (same
             pipeline, size, fields, wire, seed, epoch and samples: the jobs of a sweep that
             differ only in the model), the server decodes it once for both; the batches are
             the same bit for bit, each loader still gets every sample once, and
-            ``stats()["images_shared"]`` counts those that came from a shared decode. False:
-            this loader's samples are decoded for it alone.
+            ``stats()["images_shared"]`` counts those that came from a decode another stream
+            started. False: this loader's samples are decoded for it alone.
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 MAX_JOB_NAME = 64
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3  # a job's weight (its decode tags grow by cost / weight: kept finite)
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -28,8 +29,10 @@ def parse_weights(text: str) -> dict[str, float]:
             weight = float(value)
         except ValueError:
             weight = float("nan")
-        if not 0 < weight < float("inf"):
-            raise ValueError(f"job_weights: {item!r}: the weight must be a positive number")
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ValueError(
+                f"job_weights: {item!r}: the weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}"
+            )
         if name in weights:
             raise ValueError(f"job_weights: job {name!r} is weighed twice")
         weights[name] = weight

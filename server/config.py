@@ -152,9 +152,12 @@ class ServerConfig:
     allow_custom_pipelines: bool = _setting(False, "accept albumentations pipelines serialized by clients")
     cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
     # Concurrent jobs: their shares of the decode (server.fair_queue); a client names its job with
-    # RemoteLoader(job=...). Jobs not listed, and streams that name none, weigh 1 each.
+    # RemoteLoader(job=...). A job not listed weighs 1 for each stream it has open (as do streams
+    # that name no job): naming a job changes its share only once it is listed here.
     job_weights: str = _setting(
-        "", "shares of the decode workers by job, as NAME=WEIGHT,... (e.g. sweep=3,probe=1); others weigh 1"
+        "",
+        "shares of the decode workers by job, as NAME=WEIGHT,... (e.g. sweep=3,probe=1; 0.001 to 1000 each); "
+        "a job not listed weighs 1 for each of its streams",
     )
     # For sharing a machine, and for tests of uneven servers.
     max_rate: float = _setting(0.0, "most images per second this server renders (0: unlimited)")

@@ -1,8 +1,9 @@
 """The decode queue's order: jobs share the workers by weight (start-time fair queueing).
 
 Every task belongs to a job (a name the operator may weigh with ``--job-weights``, or one
-stream on its own) and costs its samples. Each job's tasks keep their order; among jobs, the
-next task is the one whose job has had the least decode for its weight, so that jobs with
+stream on its own; server.slots says what a job weighs now) and costs its samples. Each
+job's tasks keep their order; among jobs, the next task is the one whose job has had the
+least decode for its weight, so that jobs with
 work waiting get shares of the workers in proportion to their weights (3:1 when weighed
 3 and 1), and a job with nothing waiting leaves its share to the others. Tags are virtual
 time: a task starts at ``max(now, its job's last finish)`` and finishes ``cost / weight``
@@ -25,9 +26,6 @@ class Job(NamedTuple):
 
     name: str = ""
     weight: float = 1.0
-
-
-ALONE = Job()  # work for no job in particular
 
 
 class FairQueue(Generic[T]):

@@ -22,7 +22,9 @@ rendering is done. Invariants:
   unreleased is ended as one that does not read is.
 * A chunk that another stream renders too (the same key: server.sharing) is rendered once
   and written from that one slot to each of them; it costs this stream its place in the
-  slots' fair share, and no decode and no ``--max-rate``.
+  slots' fair share, and no decode; nor ``--max-rate`` where it can be joined when its turn
+  comes (one evicted meanwhile is rendered unpaid, one started meanwhile joined paid for:
+  the rate is a cap on renders, approximately).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from google.protobuf.message import DecodeError
 from remoteloader.protos import codec, limits, loader_pb2
 from remoteloader.server.catalog import Shard, SyntheticShard
 from remoteloader.server.config import ServerConfig
-from remoteloader.server.fair_queue import Job
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.rate_limit import RateLimiter
@@ -108,7 +109,8 @@ class OrderStream:
         renderer: Starts rendering chunks.
         slots: The shared slots.
         renders: The renderings streams share, by chunk.
-        job: Whom the stream's decode is for, and its weight.
+        job: Whom the stream's decode is for: its job's name ("#n" for stream n, which names none).
+        job_weight: The operator's weight of the job (--job-weights), or None: 1 a stream.
         job_label: The job as the metrics name it (Metrics.job_label).
         exclusive: Never share a rendering (Setup.exclusive).
         limiter: The server-wide rate limit, if any.
@@ -128,7 +130,8 @@ class OrderStream:
         renderer: Renderer,
         slots: Slots,
         renders: SharedRenders,
-        job: Job,
+        job: str,
+        job_weight: float | None,
         job_label: str,
         exclusive: bool,
         limiter: RateLimiter | None,
@@ -144,7 +147,6 @@ class OrderStream:
         self._renderer = renderer
         self._slots = slots
         self._renders = renders
-        self._job = job
         self._exclusive = exclusive
         self._job_label = job_label
         self._limiter = limiter
@@ -156,7 +158,7 @@ class OrderStream:
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, np.ndarray, float] | _End | None] = asyncio.Queue()
-        self._slot_counts = slots.open(job)
+        self._slot_counts = slots.open(job, job_weight)
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
@@ -192,7 +194,8 @@ class OrderStream:
                 item = self._queue.get_nowait()
                 if isinstance(item, _Pending):
                     self._slots.give_when_done(self._slot_counts, item.slot, item.future)
-            self._slots.give_all_lent(self._slot_counts)  # (their generations change: a copy under way fails)
+            # (a slot no other stream holds or keeps changes generation: a copy under way fails)
+            self._slots.give_all_lent(self._slot_counts)
             self._slots.close(self._slot_counts)
 
     async def _next_shared(self) -> _Pending | _Cut | _End | None:
@@ -372,7 +375,8 @@ class OrderStream:
                 await self._limiter.take(count)
 
             def render(slot: int, part: np.ndarray = part, chunk_seeds: list[int] = seeds[start : start + count]):
-                return self._renderer.render(self._spec, shard, part, chunk_seeds, slot, self._job)
+                job = self._slots.job(self._slot_counts)  # (its weight as of now)
+                return self._renderer.render(self._spec, shard, part, chunk_seeds, slot, job)
 
             slot, future, joined = await self._renders.start(self._slot_counts, key, render)
             if not joined:

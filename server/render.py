@@ -23,7 +23,7 @@ import numpy as np
 from remoteloader.protos import limits, loader_pb2
 from remoteloader.protos.wire import RAW
 from remoteloader.server.catalog import Location, Shard, SyntheticShard
-from remoteloader.server.fair_queue import ALONE, Job
+from remoteloader.server.fair_queue import Job
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
@@ -65,7 +65,7 @@ class Renderer:
             self.objects.prefetch(_ranges(spec, shard, indices)[0])
 
     def render(
-        self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int, job: Job = ALONE
+        self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int, job: Job
     ) -> asyncio.Future[Rendered]:
         """Starts rendering samples into a slot, as ``job``'s work; the future gives their Rendered
         once all are done."""

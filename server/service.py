@@ -23,7 +23,6 @@ from remoteloader.protos.jobs import job_name_error, parse_weights
 from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
-from remoteloader.server.fair_queue import Job
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_stream import OrderStream, serialize_chunk
@@ -184,7 +183,8 @@ class LoaderService:
             job_error = job_name_error(setup.job)
             if job_error:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Setup.{job_error}")
-            job = Job(setup.job, self.weights.get(setup.job, 1.0)) if setup.job else Job(f"#{next(self._streams)}")
+            job = setup.job or f"#{next(self._streams)}"  # (no name: a job of its own)
+            weight = self.weights.get(setup.job)  # None: 1 for each stream of the job
             if setup.shared_memory and not self.local_socket:
                 await _abort(
                     context,
@@ -193,14 +193,14 @@ class LoaderService:
                     "cannot tell which host it is on); leave shared_memory unset",
                 )
             log.info(
-                "stream opened by %s: pipeline %s %dx%d%s, job %s (weight %g)%s",
+                "stream opened by %s: pipeline %s %dx%d%s, job %s (weight %s)%s",
                 peer,
                 spec.name,
                 spec.height,
                 spec.width,
                 ", shared memory" if setup.shared_memory else "",
-                job.name,
-                job.weight,
+                job,
+                "1 a stream" if weight is None else f"{weight:g}",
                 ", exclusive" if setup.exclusive else "",
             )
             await OrderStream(
@@ -213,6 +213,7 @@ class LoaderService:
                 slots=self.slots,
                 renders=self.renders,
                 job=job,
+                job_weight=weight,
                 job_label=self.metrics.job_label(setup.job),
                 exclusive=setup.exclusive,
                 limiter=self.limiter,

@@ -10,15 +10,17 @@ never assumed: chunks that differ in any part of the key render apart, as do str
 Setup says ``exclusive`` and the transport benchmark's synthetic shards.
 
 Invariants:
-* A rendering can be joined from when it starts until its slot goes back to the arena: while
-  it renders, while any stream holds it, and after, while its slot is kept (server.slots:
-  only a rendering whose every sample rendered cleanly is kept, and a kept slot is the
-  first to go back when a take finds none free). A stream that comes later renders its own.
+* A rendering can be joined while it renders and, once every sample of it rendered cleanly,
+  for as long as its slot stays out of the arena: while any stream holds it, and after,
+  while the slot is kept (server.slots: a kept slot is the first to go back when a take
+  finds none free). One with a failed sample is not joined once done (a transient failure
+  is tried again). A stream that comes later renders its own.
 * Each sharer holds the slot within its own fair share, and gives it back as it would its
   own; a sharer that ends, is slow, or stops reading holds only its own share (the stall
   rules end it), so none of them holds the others back by more than that.
 * The stream that starts a rendering is charged for it (its job's place in the decode
-  queue, server.fair_queue); the others pay nothing.
+  queue, server.fair_queue); the others pay nothing, and wait for it at that place: a
+  heavier job that joins a lighter one's rendering gets it when the lighter one would.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Invariants:
 * A stream holds at most its fair share of the slots: its job's share by weight (the jobs'
   weights over the open streams' jobs, as the decode queue shares the workers:
   server.fair_queue), split evenly among the job's streams; at least 2, and never the last
-  two while it is alone. With no weights given, slots / open streams. A stream that opens
-  later gets its share as the others write theirs out.
+  two while it is alone. A job the operator did not weigh (``--job-weights``) weighs 1 for
+  each stream it has open, so that with no weights given every stream's share is slots / open
+  streams, named or not; a job the operator weighed weighs that, however many streams it
+  has. A stream that opens later gets its share as the others write theirs out.
 * A slot goes back to the arena only when no worker may still write into it (``give_when_done``).
 * A client that does not read writes nothing out, so it would keep its slots forever: a chunk
   left unread for ``stall_timeout`` ends its stream, and so does one left unread for
@@ -47,13 +49,13 @@ class Stalled(Exception):
 
 
 class StreamSlots:
-    """One stream's part of the slots: its job, how many it holds and how many of its takes wait
-    for one.
+    """One stream's part of the slots: its job's name, how many it holds and how many of its
+    takes wait for one.
 
     Read by anyone; changed only by ``Slots``.
     """
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: str) -> None:
         self.job = job
         self.held = 0  # slots taken (or being taken past the fair-share check) and not given back
         self.waiting = 0  # takes of this stream waiting for a free slot
@@ -74,7 +76,8 @@ class Slots:
     def __init__(self, arena: Arena, stall_timeout: float):
         self.arena = arena
         self.stall_timeout = stall_timeout
-        self._jobs: dict[str, tuple[float, int]] = {}  # the open streams' jobs: name -> (weight, streams)
+        # The open streams' jobs: name -> (the operator's weight, or None: 1 a stream; streams open)
+        self._jobs: dict[str, tuple[float | None, int]] = {}
         self._freed = asyncio.Condition()
         self._waiters = 0  # takes waiting for a free slot, all streams together
         self._holders: dict[int, int] = {}  # slot -> streams holding it (out of the arena, not kept)
@@ -82,27 +85,36 @@ class Slots:
         self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, kept: oldest first
         self.forget: Callable[[int], None] = lambda slot: None  # told when a slot goes back to the arena
 
-    def open(self, job: Job) -> StreamSlots:
-        """A stream for ``job`` opens (after its Setup): its counts; ``close`` them when it ends."""
-        weight, streams = self._jobs.get(job.name, (job.weight, 0))
-        self._jobs[job.name] = (weight, streams + 1)
+    def open(self, job: str, weight: float | None) -> StreamSlots:
+        """A stream of ``job`` opens (after its Setup), which the operator weighed ``weight`` (None:
+        not weighed); its counts, to ``close`` when it ends."""
+        _, streams = self._jobs.get(job, (weight, 0))
+        self._jobs[job] = (weight, streams + 1)
         return StreamSlots(job)
 
     def close(self, stream: StreamSlots) -> None:
         """The stream has ended (its slots given back or to be given back as workers finish)."""
-        weight, streams = self._jobs[stream.job.name]
+        weight, streams = self._jobs[stream.job]
         if streams > 1:
-            self._jobs[stream.job.name] = (weight, streams - 1)
+            self._jobs[stream.job] = (weight, streams - 1)
         else:
-            del self._jobs[stream.job.name]
+            del self._jobs[stream.job]
         asyncio.ensure_future(self._notify_freed())  # (the others' shares grew)
+
+    def job(self, stream: StreamSlots) -> Job:
+        """The stream's job as the decode queue weighs it now."""
+        return Job(stream.job, self._weight(*self._jobs[stream.job]))
+
+    @staticmethod
+    def _weight(weight: float | None, streams: int) -> float:
+        return float(streams) if weight is None else weight
 
     def fair_share(self, stream: StreamSlots) -> int:
         """Most slots ``stream`` may hold now."""
         count = self.arena.count
-        weight, streams = self._jobs.get(stream.job.name, (stream.job.weight, 1))
-        total = sum(w for w, _ in self._jobs.values()) or weight
-        return max(2, min(count - 2, int(count * weight / total / streams)))
+        weight, streams = self._jobs[stream.job]
+        total = sum(self._weight(*job) for job in self._jobs.values())
+        return max(2, min(count - 2, int(count * self._weight(weight, streams) / total / streams)))
 
     @property
     def kept(self) -> int:
@@ -183,7 +195,8 @@ class Slots:
         return True
 
     def give_all_lent(self, stream: StreamSlots) -> None:
-        """Gives back every slot still lent (the stream ends): their generations change."""
+        """Gives back every slot still lent (the stream ends): those no other stream holds or keeps
+        go back to the arena, their generations changed."""
         while stream.lent:
             self.give(stream, stream.lent.popitem()[1][0])
 

@@ -30,7 +30,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, NamedTuple
 
 from remoteloader.protos import limits
-from remoteloader.server.fair_queue import ALONE, FairQueue, Job
+from remoteloader.server.fair_queue import FairQueue, Job
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.worker_messages import (
     DefinePipeline,
@@ -61,7 +61,7 @@ class Task:
     samples: list[TaskSample]
     seeds: list[int]
     chunk: int
-    job: Job = ALONE
+    job: Job
 
 
 class _Queued(NamedTuple):

@@ -124,6 +124,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
 
     import numpy as np
 
+    from remoteloader.server.fair_queue import Job
     from remoteloader.server.formats import open_shards
     from remoteloader.server.pipelines import PipelineSpec
     from remoteloader.server.render import Renderer
@@ -141,13 +142,13 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
             renderer = Renderer([shard], pool, None)
             first = [w.process.pid for w in pool._workers]
             stop_all(first)
-            pending = renderer.render(spec, shard, np.arange(4), [0, 1, 2, 3], 0)
+            pending = renderer.render(spec, shard, np.arange(4), [0, 1, 2, 3], 0, Job())
             while [w.process.pid for w in pool._workers] == first:  # replaced after 1 s of silence
                 await asyncio.sleep(0.05)
             assert pool.silent_for() < 1.0
             stop_all([w.process.pid for w in pool._workers])  # and the next one stalls on it too
             stalled = await asyncio.wait_for(pending, 10)
-            served = await asyncio.wait_for(renderer.render(spec, shard, np.arange(4), [0, 1, 2, 3], 1), 10)
+            served = await asyncio.wait_for(renderer.render(spec, shard, np.arange(4), [0, 1, 2, 3], 1, Job()), 10)
             return stalled, served, pool.stalls, pool.workers
         finally:
             pool.close()

@@ -11,6 +11,7 @@ import tarfile
 
 import pytest
 
+from remoteloader.server.fair_queue import Job
 from remoteloader.server.formats import open_shards, read_classes
 from remoteloader.server.formats.index import INDEX_SUFFIX
 from remoteloader.server.formats.tar import TarShard
@@ -248,7 +249,9 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
             pool.start()
             renderer = Renderer([shard], pool, None)
             # Started and waiting: a warm-up task each, then a whole window with no work.
-            await asyncio.gather(*(renderer.render(spec, shard, np.arange(8), list(range(8)), s) for s in range(2)))
+            await asyncio.gather(
+                *(renderer.render(spec, shard, np.arange(8), list(range(8)), s, Job()) for s in range(2))
+            )
             await asyncio.sleep(window * 1.2)
             idle = pool.busy_share()
             loop = asyncio.get_running_loop()
@@ -256,7 +259,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
 
             async def keep_rendering(slot: int) -> None:  # four slots in turn keep two workers fed
                 while loop.time() < until:
-                    await renderer.render(spec, shard, np.arange(8), list(range(8)), slot)
+                    await renderer.render(spec, shard, np.arange(8), list(range(8)), slot, Job())
 
             await asyncio.gather(*(keep_rendering(s) for s in range(4)))
             saturated = pool.busy_share()

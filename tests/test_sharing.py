@@ -88,7 +88,10 @@ def test_job_weights_are_checked_where_the_operator_gives_them():
     assert parse_weights("sweep=3, probe=0.5") == {"sweep": 3.0, "probe": 0.5}
     for bad, reason in [
         ("sweep", "NAME=WEIGHT"),
-        ("sweep=0", "positive"),
+        ("sweep=0", "from 0.001 to 1000"),
+        ("a=1e-320", "from 0.001"),
+        ("a=nan", "from 0.001"),
+        ("a=1e4", "to 1000"),
         ("a=1,a=2", "twice"),
         ("a b=1", "letters"),
         ("=2", "empty"),
@@ -127,7 +130,7 @@ class Renders:
 def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
     async def run():
         r = Renders(12)
-        a, b = r.slots.open(Job("#1")), r.slots.open(Job("#2"))
+        a, b = r.slots.open("#1", None), r.slots.open("#2", None)
         first = await r.start(a, key(0))
         second = await r.start(b, key(0))
         assert len(r.started) == 1 and second.joined and not first.joined
@@ -142,7 +145,7 @@ def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
         assert r.arena.free == 9  # b still holds it
         r.slots.give(b, second.slot)
         assert r.arena.free == 9 and r.slots.kept == 1  # clean: kept for a later stream
-        c = r.slots.open(Job("#3"))
+        c = r.slots.open("#3", None)
         later = await r.start(c, key(0))
         assert later.joined and later.slot == first.slot and r.slots.kept == 0 and len(r.started) == 3
         r.slots.give(c, later.slot)
@@ -159,7 +162,7 @@ def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
 def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
     async def run():
         r = Renders(3)
-        a = r.slots.open(Job("#1"))
+        a = r.slots.open("#1", None)
         for first in (0, 4, 8):
             started = await r.start(a, key(first))
             r.started[-1].set_result(Rendered([], []))
@@ -176,14 +179,26 @@ def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
 def test_slots_are_shared_by_job_weight_and_evenly_among_a_jobs_streams():
     async def run():
         slots = Slots(Arena(12, 4096), stall_timeout=60)
-        heavy = slots.open(Job("heavy", 3.0))
-        light = slots.open(Job("light", 1.0))
+        heavy = slots.open("heavy", 3.0)
+        light = slots.open("light", 1.0)
         assert (slots.fair_share(heavy), slots.fair_share(light)) == (9, 3)
-        second = slots.open(Job("heavy", 3.0))
+        second = slots.open("heavy", 3.0)  # a weighed job's weight is the job's, however many streams
         assert slots.fair_share(second) == slots.fair_share(heavy) == 4
+        assert slots.job(second) == Job("heavy", 3.0)
         slots.close(second)
         slots.close(light)
         assert slots.fair_share(heavy) == 10  # alone: all but two
+
+    asyncio.run(run())
+
+
+def test_a_job_nobody_weighed_weighs_one_a_stream_named_or_not():
+    async def run():
+        slots = Slots(Arena(24, 4096), stall_timeout=60)
+        ranks = [slots.open("ddp-job", None) for _ in range(4)]  # a named job of 4 ranks
+        others = [slots.open(f"#{n}", None) for n in range(2)]  # two streams that name no job
+        assert {slots.fair_share(s) for s in ranks + others} == {4}  # 24 / 6 streams, as unnamed
+        assert slots.job(ranks[0]) == Job("ddp-job", 4.0) and slots.job(others[0]) == Job("#0", 1.0)
 
     asyncio.run(run())
 
@@ -375,10 +390,12 @@ def test_a_job_killed_mid_epoch_does_not_hold_back_the_one_sharing_with_it(serve
                 batches.append((0, images, ids))
                 if n == 1:
                     os.kill(victim.pid, signal.SIGKILL)
+            shared = survivor.stats()["images_shared"]
     finally:
         victim.kill()
         victim.wait(10)
     assert_each_sample_once(batches, 2 * 2 * PER_CLASS)
+    assert shared > 0  # it did share with the job that died (what that one had decoded, at least)
 
 
 def test_a_bad_job_name_is_refused_by_the_loader_and_by_the_server(servers):
