@@ -505,6 +505,10 @@ class Link(Generic[OrderT]):
                 continue
             self.reconnects += 1
             self._retry_delay = delay  # the next failure's first wait, unless this stream works
+            # Measured anew: what it delivered before it failed (another process, perhaps, whose
+            # first chunks paid its warm-up) says little now, and a server measured slow gets no
+            # work while faster replicas keep up, so it would never be measured again.
+            self.rate = 0.0
             log.info("loader server %s is back", self.address)
             self._events.on_link_up(self)
             return
