@@ -3,9 +3,9 @@
 Every task belongs to a job (a name the operator may weigh with ``--job-weights``, or one
 stream on its own; server.slots says what a job weighs now) and costs its samples. Each
 job's tasks keep their order; among jobs, the next task is the one whose job has had the
-least decode for its weight, so that jobs with
-work waiting get shares of the workers in proportion to their weights (3:1 when weighed
-3 and 1), and a job with nothing waiting leaves its share to the others. Tags are virtual
+least decode for its weight, so that jobs with work waiting get shares of the workers in
+proportion to their weights (3:1 when weighed 3 and 1), and a job with nothing waiting
+leaves its share to the others. Tags are virtual
 time: a task starts at ``max(now, its job's last finish)`` and finishes ``cost / weight``
 later; the queue's ``now`` is the start of the last task taken, so a job that was idle
 comes back level with the others, never owed for the time it waited for nothing.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
 from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
@@ -43,11 +42,6 @@ class FairQueue(Generic[T]):
 
     def __bool__(self) -> bool:
         return bool(self._queues)
-
-    def __iter__(self) -> Iterator[T]:
-        for queue in self._queues.values():
-            for _, task in queue:
-                yield task
 
     def put(self, job: Job, cost: float, task: T) -> None:
         """Queues ``task`` for ``job``, costing ``cost`` (its samples)."""

@@ -148,7 +148,8 @@ class OrderStream:
         self._slots = slots
         self._renders = renders
         self._exclusive = exclusive
-        self._job_label = job_label
+        self._job_images = metrics.job_images.labels(job_label)  # (the job's counters, looked up once)
+        self._job_rendered = metrics.job_rendered.labels(job_label)
         self._limiter = limiter
         self._metrics = metrics
         self._draining = draining
@@ -363,13 +364,13 @@ class OrderStream:
         its own, and queues the chunks; stops where the client cancelled it."""
         shard = self._shards[order.shard_id]
         seeds = sample_seeds(order.seed, order.epoch, shard_key(shard.id), indices)
+        shareable = not (self._exclusive or isinstance(shard, SyntheticShard))
         for start in range(0, len(indices), per_chunk):
             if order.order_id in self._cancelled:
                 self._queue.put_nowait(_Cut(order, received))
                 return
             count = min(per_chunk, len(indices) - start)
             part = indices[start : start + count]
-            shareable = not (self._exclusive or isinstance(shard, SyntheticShard))
             key = ChunkKey.of(self._spec, shard.id, order.seed, order.epoch, part) if shareable else None
             if self._limiter is not None and not self._renders.has(key):
                 await self._limiter.take(count)
@@ -381,7 +382,7 @@ class OrderStream:
             slot, future, joined = await self._renders.start(self._slot_counts, key, render)
             if not joined:
                 self._metrics.images_rendered.inc(count)
-                self._metrics.job_rendered.labels(self._job_label).inc(count)
+                self._job_rendered.inc(count)
             self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received, joined))
 
     async def _write_chunk(self, item: _Pending) -> None:
@@ -454,7 +455,7 @@ class OrderStream:
         await self._slots.send(self._context.write(chunk), self._slot_counts)
         m = self._metrics
         m.images.inc(item.size)
-        m.job_images.labels(self._job_label).inc(item.size)
+        self._job_images.inc(item.size)
         if item.joined:
             m.images_joined.inc(item.size)
         m.bytes.inc(nbytes)
