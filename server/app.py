@@ -123,31 +123,23 @@ class RenderResources:
 
 
 def _object_cache(config: ServerConfig, shards: list[Shard]) -> ObjectCache | None:
-    """The local copies of the shards that are in object stores (None: none is). Where they fit
-    in --disk-cache-bytes, the tars are fetched in whole blocks (object_cache.py)."""
+    """The local copies of the shards that are in object stores (None: none is)."""
     stores = {s.storage.url: s.storage for s in shards if s.remote and isinstance(s.storage, ObjectStorage)}
     remote = [s for s in shards if s.remote]
     if not stores:
         return None
-    files = {s.locate(0).path: s.object.size for s in remote if s.object is not None and len(s)}
-    total = sum(files.values()) + sum(s.nbytes for s in remote if s.object is None)
+    total = sum(s.object.size if s.object is not None else s.nbytes for s in remote)
     fits = total <= config.disk_cache_bytes
     log.info(
         "object stores: %.1f GB of shards, %s --disk-cache-bytes (%.1f GB): %s",
         total / 1e9,
         "within" if fits else "over",
         config.disk_cache_bytes / 1e9,
-        "tars and TFRecord files are fetched in whole blocks, each byte once"
+        "the first epoch fetches each sample's bytes once, later ones nothing"
         if fits
         else "each sample's bytes are fetched as it is needed, and fetched again once evicted",
     )
-    return ObjectCache(
-        config.cache_dir,
-        config.disk_cache_bytes,
-        list(stores.values()),
-        config.fetch_concurrency,
-        blocks=files if fits else None,
-    )
+    return ObjectCache(config.cache_dir, config.disk_cache_bytes, list(stores.values()), config.fetch_concurrency)
 
 
 class LoaderServer:

@@ -80,7 +80,7 @@ class Shard:
 
     source = -1
     # Where every sample is a range of one file or object (a tar, a TFRecord file): its size and
-    # version as indexed; None where samples are files of their own (object_cache.py fetches blocks).
+    # version as indexed; None where samples are files of their own.
     object: Entry | None = None
     # A file shard (a tar, a TFRecord file) scanned at this start: where its index was kept, and
     # why it could not be kept beside the file (formats/index.py).

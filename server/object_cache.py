@@ -10,11 +10,13 @@ Each object is mirrored by a sparse file in ``folder/objects``: a fetched range 
 the object's own offsets, so a sample's ``Location`` keeps its offset and length and only its
 path changes (a tar's mask member is read the same way). A mirror knows which ranges it holds
 (merged intervals); ranges missing in one object are fetched as few requests, neighbours
-less than ``COALESCE`` bytes apart in one, at most ``fetch_concurrency`` requests at a time,
-none twice at once. Where the objects fit in the cache (``blocks``: the tars whose sizes are
-given), a missing range is fetched with the rest of its ``BLOCK``-aligned block: the other
-samples there are read by the same epoch, each byte still comes once, and a request carries
-many samples instead of one (less CPU, larger transfers).
+less than ``COALESCE`` bytes apart in one, none twice at once, at most ``fetch_concurrency``
+requests at a time and, past the first, fewer than ``INFLIGHT_BYTES`` asked for and not yet
+written (they start in the order they were asked for). Only the samples' own bytes are
+fetched, in the order their orders came: a cold epoch over a slow link gets the bytes its
+next chunks need first. (Fetching whole 1 MiB blocks around them instead, as this cache once
+did, made a cold epoch wait: the first chunk alone needed half the blocks of a small dataset.
+docs/performance.md, "Object stores", has the figures.)
 
 The mirrors carry modification time 0: their bytes were checked against the object's ETag
 and size as they arrived, so a worker treats them as unchanged since
@@ -24,7 +26,8 @@ Faults become the failure of the samples they touch, with the reason: an object 
 changed (another ETag, or a whole-object read of another size) or truncated since indexing,
 or a store that still fails after the storage's retries. Nothing is retried here.
 
-Memory and disk: the intervals are two int64 per disjoint range held; the mirrors hold at
+Memory and disk: the intervals are two int64 per disjoint range held; fetched bytes wait in
+memory only until written (at most ``INFLIGHT_BYTES`` and one request); the mirrors hold at
 most ``limit`` bytes on disk, the least recently used objects going first; an object whose
 bytes a render still reads is never evicted (the limit is then exceeded until it is done).
 """
@@ -35,12 +38,15 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
 import shutil
 from array import array
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +57,7 @@ log = logging.getLogger(__name__)
 
 COALESCE = 64 << 10  # missing ranges of one object closer than this are fetched as one request
 MAX_REQUEST = 16 << 20  # but a request stops growing at this many bytes
-BLOCK = 1 << 20  # what is fetched around a missing range, where the objects fit in the cache
+INFLIGHT_BYTES = 64 << 20  # requests start while fewer bytes than this are asked for and not yet written
 
 
 class _Mirror:
@@ -64,7 +70,8 @@ class _Mirror:
         self.ends: array[int] = array("q")
         self.bytes = 0
         self.pins = 0
-        self.inflight: list[tuple[int, int, asyncio.Future]] = []  # requests on their way
+        self.coming: list[tuple[int, int]] = []  # the ranges of its requests on their way, sorted
+        self.requests: list[asyncio.Future[str]] = []  # those requests, in the same order
 
     def covers(self, start: int, end: int) -> bool:
         k = bisect.bisect_right(self.starts, start) - 1
@@ -88,6 +95,24 @@ class _Mirror:
         if at < end:
             out.append((at, end))
         return out
+
+    def untouched(self, start: int, end: int) -> bool:
+        """Whether no byte of [start, end) is held or on its way."""
+        k = bisect.bisect_left(self.coming, (end,))  # (the ranges coming are disjoint)
+        if k and self.coming[k - 1][1] > start:
+            return False
+        return self.missing(start, end) == [(start, end)]
+
+    def on_its_way(self, start: int, end: int, request: asyncio.Future[str]) -> None:
+        k = bisect.bisect_left(self.coming, (start, end))
+        self.coming.insert(k, (start, end))
+        self.requests.insert(k, request)
+
+    def arrived(self, request: asyncio.Future[str], start: int, end: int) -> None:
+        k = bisect.bisect_left(self.coming, (start, end))
+        while self.requests[k] is not request:  # (the same range twice: another request's)
+            k += 1
+        del self.coming[k], self.requests[k]
 
     def add(self, start: int, end: int) -> int:
         """Marks [start, end) held; returns the bytes newly held."""
@@ -131,8 +156,6 @@ class ObjectCache:
         limit: Bytes of mirrors kept (least recently used objects evicted first).
         storages: The object stores the server's shards are in.
         concurrency: Requests in flight at once.
-        blocks: Objects fetched in whole ``BLOCK``s, by location: their sizes (the caller gives
-            them where the objects fit in ``limit``).
     """
 
     def __init__(
@@ -141,7 +164,6 @@ class ObjectCache:
         limit: int,
         storages: list[ObjectStorage],
         concurrency: int = 64,
-        blocks: dict[str, int] | None = None,
     ):
         os.makedirs(folder, exist_ok=True)
         self.folder, self._lock = _claim(folder)
@@ -149,10 +171,9 @@ class ObjectCache:
         os.makedirs(self.folder)
         self.limit = limit
         self._storages = {s.url: s for s in storages}
-        self._gate = asyncio.Semaphore(concurrency)
+        self._gate = _Gate(concurrency, INFLIGHT_BYTES)
         self._mirrors: collections.OrderedDict[str, _Mirror] = collections.OrderedDict()  # LRU first
         self.held = 0  # bytes the mirrors hold
-        self._blocks = blocks or {}
         self.stats = CacheStats()
         self._tasks: set[asyncio.Future] = set()
         self._writer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="object-cache-write")
@@ -236,23 +257,16 @@ class ObjectCache:
 
     async def _fetch_object(self, path: str, mirror: _Mirror, locations: list[Location]) -> list[str]:
         """Fetches the missing parts of one object's locations; returns per location "" or why not."""
-        gaps = [g for loc in locations for g in mirror.missing(loc.offset, loc.offset + loc.length)]
+        gaps = sorted(g for loc in locations for g in mirror.missing(loc.offset, loc.offset + loc.length))
         if not gaps:
             self.stats.hits += len(locations)
-        coming = sorted((s, e) for s, e, _ in mirror.inflight)
-        waits = [f for s, e, f in mirror.inflight if any(s < b and a < e for a, b in gaps)]
-        size = self._blocks.get(path)
-        if size:  # the whole block of each: later samples of this epoch are there too
-            gaps = [g for a, b in gaps for g in mirror.missing(a // BLOCK * BLOCK, min(size, -(-b // BLOCK) * BLOCK))]
-        requests = _coalesce(_subtract(gaps, coming))  # (what is on its way is not asked for twice)
+        waits = [mirror.requests[k] for k in _overlapping(gaps, mirror.coming)]
+        # What is held or on its way is not asked for twice (so the ranges coming never overlap).
+        requests = _coalesce(_subtract(gaps, mirror.coming), mirror.untouched)
         storage, name = self._storage_of(path)
         etag = next((loc.etag for loc in locations if loc.etag), "")
         whole = {(loc.offset, loc.offset + loc.length) for loc in locations if loc.offset == 0}
-        futures = []
-        for start, end in requests:
-            future = asyncio.ensure_future(self._request(storage, name, path, mirror, start, end, etag, whole))
-            mirror.inflight.append((start, end, future))
-            futures.append(future)
+        futures = [self._start(path, mirror, start, end, etag, whole) for start, end in requests]
         outcomes = await asyncio.gather(*futures, *waits, return_exceptions=True)
         failed = [str(outcome) for outcome in outcomes if outcome]
         reasons = []
@@ -263,6 +277,16 @@ class ObjectCache:
                 self.stats.failures += 1
             reasons.append(reason)
         return reasons
+
+    def _start(
+        self, path: str, mirror: _Mirror, start: int, end: int, etag: str, whole: set[tuple[int, int]]
+    ) -> asyncio.Future[str]:
+        """Starts one request (it waits for the gate); it is on its way until done."""
+        storage, name = self._storage_of(path)
+        future = asyncio.ensure_future(self._request(storage, name, path, mirror, start, end, etag, whole))
+        mirror.on_its_way(start, end, future)
+        future.add_done_callback(functools.partial(mirror.arrived, start=start, end=end))
+        return future
 
     async def _request(
         self,
@@ -277,27 +301,25 @@ class ObjectCache:
     ) -> str:
         """One ranged GET into the mirror; returns "" or why it failed."""
         try:
-            async with self._gate:
+            async with self._gate.holding(end - start):  # (the bytes are in memory until written)
                 data, size, got_etag = await storage.fetch(name, start, end, etag)
-            self.stats.requests += 1
-            self.stats.fetched_bytes += len(data)
-            if (0, end) in whole and size != end:
-                return f"{path} changed since the server indexed it: {size} bytes, indexed {end}"
-            if etag and got_etag and got_etag != etag:
-                return f"{path} changed since the server indexed it (ETag {got_etag}, indexed {etag})"
-            if len(data) < end - start:
-                return f"{path} is truncated: it ends at byte {size}, the sample at {end}"
-            # In a thread: a write that the kernel throttles (dirty pages) must not stall the loop
-            # that feeds the decode workers.
-            await asyncio.get_running_loop().run_in_executor(self._writer, _write, mirror.fd, data, start)
+                self.stats.requests += 1
+                self.stats.fetched_bytes += len(data)
+                if (0, end) in whole and size != end:
+                    return f"{path} changed since the server indexed it: {size} bytes, indexed {end}"
+                if etag and got_etag and got_etag != etag:
+                    return f"{path} changed since the server indexed it (ETag {got_etag}, indexed {etag})"
+                if len(data) < end - start:
+                    return f"{path} is truncated: it ends at byte {size}, the sample at {end}"
+                # In a thread: a write that the kernel throttles (dirty pages) must not stall the
+                # loop that feeds the decode workers.
+                await asyncio.get_running_loop().run_in_executor(self._writer, _write, mirror.fd, data, start)
             self.held += mirror.add(start, end)
             return ""
         except FileNotFoundError:
             return f"{path}: no such object (deleted since the server indexed it?)"
         except Exception as exc:
             return _failure(exc, path, storage)
-        finally:
-            mirror.inflight = [r for r in mirror.inflight if r[0] != start or r[1] != end]
 
     def _storage_of(self, path: str) -> tuple[ObjectStorage, str]:
         scheme_end = path.index("://") + 3
@@ -312,12 +334,64 @@ class ObjectCache:
             if self.held <= self.limit:
                 return
             mirror = self._mirrors[path]
-            if mirror.pins or mirror.inflight:
+            if mirror.pins or mirror.coming:
                 continue
             del self._mirrors[path]
             self.held -= mirror.bytes
             self.stats.evicted_bytes += mirror.bytes
             mirror.close()
+
+
+class _Gate:
+    """Lets requests in, in turn, while fewer than ``most`` are in and, past the first, they
+    hold fewer than ``most_bytes``: a request of any size gets in, and the requests in never
+    hold more than ``most_bytes`` and one request."""
+
+    def __init__(self, most: int, most_bytes: int):
+        self.most, self.most_bytes = most, most_bytes
+        self.count = self.bytes = 0  # of the requests in
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @contextlib.asynccontextmanager
+    async def holding(self, nbytes: int) -> AsyncIterator[None]:
+        await self._enter(nbytes)
+        try:
+            yield
+        finally:
+            self._leave(nbytes)
+
+    async def _enter(self, nbytes: int) -> None:
+        if not self._waiting and self._room():
+            self._let_in(nbytes)
+            return
+        entry = (nbytes, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].cancelled():
+                if entry in self._waiting:
+                    self._waiting.remove(entry)
+            else:  # let in as it was cancelled: its place goes to the next
+                self._leave(nbytes)
+            raise
+
+    def _leave(self, nbytes: int) -> None:
+        self.count -= 1
+        self.bytes -= nbytes
+        while self._waiting and self._room():
+            nbytes, future = self._waiting.popleft()
+            if future.cancelled():  # (given up as it waited)
+                continue
+            self._let_in(nbytes)
+            future.set_result(None)
+
+    def _room(self) -> bool:
+        return self.count < self.most and (self.count == 0 or self.bytes < self.most_bytes)
+
+    def _let_in(self, nbytes: int) -> None:
+        self.count += 1
+        self.bytes += nbytes
 
 
 def _claim(folder: str, most: int = 256) -> tuple[str, int]:
@@ -344,27 +418,55 @@ def _write(fd: int, data: Any, offset: int) -> None:
 
 
 def _subtract(ranges: list[tuple[int, int]], minus: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``ranges`` outside every range of ``minus`` (sorted by start)."""
+    """The parts of ``ranges`` outside every range of ``minus`` (both sorted by start), in one
+    pass over both: an object may have thousands of requests on their way."""
     out = []
+    first = 0  # ranges of minus before it end before the range at hand, and so before every later one
     for start, end in ranges:
-        for s, e in minus:
-            if e <= start or s >= end:
-                continue
-            if s > start:
-                out.append((start, s))
-            start = max(start, e)
-            if start >= end:
-                break
+        while first < len(minus) and minus[first][1] <= start:
+            first += 1
+        k = first
+        while k < len(minus) and minus[k][0] < end and start < end:
+            s, e = minus[k]
+            if e > start:
+                if s > start:
+                    out.append((start, s))
+                start = e
+            k += 1
         if start < end:
             out.append((start, end))
     return out
 
 
-def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, overlapping or near (``COALESCE``) ranges merged, up to ``MAX_REQUEST`` each."""
+def _overlapping(ranges: list[tuple[int, int]], others: list[tuple[int, int]]) -> list[int]:
+    """The positions of the ranges of ``others`` that overlap some range of ``ranges`` (both
+    sorted by start), in one pass over both."""
+    out: list[int] = []
+    first = 0
+    for start, end in ranges:
+        while first < len(others) and others[first][1] <= start:
+            first += 1
+        k = first
+        while k < len(others) and others[k][0] < end:
+            if others[k][1] > start and (not out or out[-1] < k):
+                out.append(k)
+            k += 1
+    return out
+
+
+def _coalesce(
+    ranges: list[tuple[int, int]], fetchable: Callable[[int, int], bool] = lambda start, end: True
+) -> list[tuple[int, int]]:
+    """Sorted, overlapping or near (``COALESCE``) ranges merged, up to ``MAX_REQUEST`` each;
+    near ones only where the bytes between them are ``fetchable`` (none held or coming)."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(ranges):
-        if out and start - out[-1][1] <= COALESCE and max(end, out[-1][1]) - out[-1][0] <= MAX_REQUEST:
+        if (
+            out
+            and start - out[-1][1] <= COALESCE
+            and max(end, out[-1][1]) - out[-1][0] <= MAX_REQUEST
+            and (start <= out[-1][1] or fetchable(out[-1][1], start))
+        ):
             out[-1] = (out[-1][0], max(end, out[-1][1]))
         else:
             out.append((start, end))

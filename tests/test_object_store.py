@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from remoteloader.client import LoaderError, RemoteLoader
-from remoteloader.server.object_cache import _coalesce, _Mirror, _subtract
+from remoteloader.server.object_cache import _coalesce, _Gate, _Mirror, _overlapping, _subtract
 from remoteloader.tools.local import ServerProcess, server_command
 from remoteloader.tools.local_s3 import LocalS3
 from remoteloader.tools.pack import pack
@@ -343,13 +343,73 @@ def test_what_is_on_its_way_is_not_asked_for_twice():
     assert _subtract([(0, 10)], [(0, 10)]) == [] and _subtract([(5, 8)], []) == [(5, 8)]
 
 
+def test_what_is_missing_and_what_is_coming_agree_with_every_byte_counted():
+    """_subtract and _overlapping walk both sorted lists once; the same answers as byte by byte."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        ranges = sorted((s, s + int(rng.integers(1, 40))) for s in rng.integers(0, 400, int(rng.integers(0, 8))))
+        coming = sorted((s, s + int(rng.integers(1, 60))) for s in rng.integers(0, 400, int(rng.integers(0, 12))))
+        wanted, on_way = np.zeros(500, bool), np.zeros(500, bool)
+        for s, e in ranges:
+            wanted[s:e] = True
+        for s, e in coming:
+            on_way[s:e] = True
+        left = np.zeros(500, bool)
+        for s, e in _subtract(ranges, coming):
+            assert s < e and not on_way[s:e].any()
+            left[s:e] = True
+        assert np.array_equal(left, wanted & ~on_way)
+        assert _overlapping(ranges, coming) == [k for k, (s, e) in enumerate(coming) if wanted[s:e].any()]
+
+
 def test_neighbouring_ranges_are_fetched_as_one_request():
     from remoteloader.server.object_cache import COALESCE, MAX_REQUEST
 
     assert _coalesce([(100, 200), (0, 50), (150, 300)]) == [(0, 300)]
+    held_between = lambda start, end: False  # noqa: E731
+    assert _coalesce([(0, 50), (100, 200), (150, 300)], held_between) == [(0, 50), (100, 300)], "fetched twice"
     assert _coalesce([(0, 10), (10 + COALESCE + 1, 10 + COALESCE + 5)]) == [(0, 10), (COALESCE + 11, COALESCE + 15)]
     big = [(k * 1000, k * 1000 + 1000) for k in range(MAX_REQUEST // 1000 + 10)]
     assert all(e - s <= MAX_REQUEST for s, e in _coalesce(big)) and len(_coalesce(big)) == 2
+
+
+def test_requests_in_flight_are_bounded_in_count_and_bytes_and_start_in_turn():
+    """What the store sends waits in memory until written: _Gate bounds it (and the requests)."""
+    import asyncio
+
+    async def scenario():
+        gate = _Gate(most=3, most_bytes=100)
+        inside, entered, most_inside, most_bytes = set(), [], [0], [0]
+        release = {k: asyncio.Event() for k in range(8)}
+
+        async def request(k: int, nbytes: int):
+            async with gate.holding(nbytes):
+                inside.add(k)
+                entered.append(k)
+                most_inside[0] = max(most_inside[0], len(inside))
+                most_bytes[0] = max(most_bytes[0], gate.bytes)
+                await release[k].wait()
+                inside.discard(k)
+
+        sizes = [60, 50, 500, 10, 10, 10, 10, 10]  # 2: over the byte bound alone
+        tasks = [asyncio.ensure_future(request(k, n)) for k, n in enumerate(sizes)]
+        await asyncio.sleep(0.01)
+        assert inside == {0, 1}, "110 bytes in: the next request waits for room"
+        tasks[3].cancel()  # a waiting request given up: it leaves no trace
+        release[0].set()
+        release[1].set()
+        await asyncio.sleep(0.01)
+        assert inside == {2}, "a request over the byte bound gets in below it; those behind wait their turn"
+        release[2].set()
+        await asyncio.sleep(0.01)
+        assert inside == {4, 5, 6}, "then three at a time (the count bound)"
+        for k in (4, 5, 6, 7):
+            release[k].set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert entered == [0, 1, 2, 4, 5, 6, 7] and gate.count == 0 and gate.bytes == 0
+        assert most_inside[0] <= 3 and most_bytes[0] <= 100 + max(sizes)
+
+    asyncio.run(scenario())
 
 
 def test_a_loader_error_names_a_server_whose_store_is_gone_for_good(cluster, data, run_bounded, tmp_path):
@@ -418,3 +478,35 @@ def test_the_disk_cache_keeps_to_its_byte_limit_and_refetches_what_it_dropped(cl
             assert on_disk <= limit + 64 * 4096, on_disk  # (sparse files: blocks, not sizes)
     assert fetched[0] == folder_bytes, "the first epoch fetched other than each byte once"
     assert fetched[1] - fetched[0] > folder_bytes - limit, "what the limit dropped was not fetched again"
+
+
+def test_a_first_epoch_fetches_its_samples_bytes_once_and_nothing_else(cluster, data, run_bounded, tmp_path,
+                                                                      free_port):
+    """From packed tars: each image's bytes once, not the whole tars (as fetching whole blocks
+    would), and a second epoch nothing, the shards being within --disk-cache-bytes."""
+    import tarfile
+    import urllib.request
+
+    port = free_port()
+    i = cluster.add([data.url("packed")], "--metrics-port", str(port), "--cache-dir", str(tmp_path / "cache"),
+                    env=data.s3.env())
+
+    def fetched() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        name = "remoteloader_store_fetched_bytes_total"
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    images = tars = 0
+    for path in data.local["packed"].glob("*.tar"):
+        tars += path.stat().st_size
+        with tarfile.open(path) as tar:
+            images += sum(m.size for m in tar.getmembers() if m.name.endswith(".jpg"))
+    with loader(cluster.address(i), shuffle=True) as L:
+        epochs = []
+        for _ in range(2):
+            ids = [int(v) for _x, _y, batch in run_bounded(L, 90) for v in batch]
+            assert sorted(ids) == list(range(48))
+            epochs.append(fetched())
+    # (the bytes between neighbouring images, under 64 KiB of tar headers, come with them)
+    assert images <= epochs[0] < tars, f"the first epoch fetched {epochs[0]:.0f} bytes: images {images}, tars {tars}"
+    assert epochs[1] == epochs[0], "a later epoch fetched again what the cache holds"
