@@ -26,6 +26,12 @@ cores decode).
     python benchmarks/object_store.py                     # 2000 images, 10 epochs each
     python benchmarks/object_store.py --images 600 --epochs 3     # quick
     python benchmarks/object_store.py --no-link           # the store on 127.0.0.1, no shaping
+    python benchmarks/object_store.py --store-cpus 1      # the store on CPU 1, all else on the rest
+
+``--store-cpus`` gives the store cores of its own (``taskset``), as a store on another machine
+has, and pins the server, its workers and the training loop to the other cores, for both
+sides: otherwise the store's CPU per request (SeaweedFS: about 0.5-1 ms for a sample-sized
+GET) is taken from the cores that decode.
 
 Needs unshare, ip and tc (Debian's iproute2) and user namespaces, as benchmarks/shaped_links.py.
 """
@@ -112,13 +118,22 @@ def epochs(server: LocalServer, args: argparse.Namespace, metrics_port: int, rem
 
 
 def run(args: argparse.Namespace) -> dict:
+    store_wrap: list[str] = []
+    if args.store_cpus:
+        store_cpus = {int(c) for c in args.store_cpus.split(",")}
+        rest = os.sched_getaffinity(0) - store_cpus
+        if not rest or not store_cpus <= os.sched_getaffinity(0):
+            raise SystemExit(f"--store-cpus {args.store_cpus}: give it some of CPUs {sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, rest)  # the server, its workers and the loader inherit it
+        store_wrap = ["taskset", "-c", args.store_cpus]
+    args.workers = args.workers or default_cores()
     data = ensure_dataset(pathlib.Path(args.data).expanduser(), args.images)
     packed = ensure_packed(data, args.workers)
     shard_bytes = sum(p.stat().st_size for p in packed.glob("*.tar"))
     work = pathlib.Path(tempfile.mkdtemp(prefix="object-store-bench-"))
     link = "none (127.0.0.1)"
     if args.no_link:
-        store = LocalS3(work / "s3", buckets=("bench",))
+        store = LocalS3(work / "s3", buckets=("bench",), wrap=store_wrap)
     else:
         subprocess.run(["mount", "-t", "tmpfs", "none", "/run"], check=True)  # for `ip netns` (our own mounts)
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
@@ -131,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
             if netem.returncode == 0:
                 link = f"netem {args.rate} Mbit/s, {args.delay_ms} ms"
             print(f"the store's link: {link} {netem.stderr.strip()}", file=sys.stderr)
-        store = LocalS3(work / "s3", buckets=("bench",), host=host, wrap=["ip", "netns", "exec", "rl0"])
+        store = LocalS3(work / "s3", buckets=("bench",), host=host, wrap=["ip", "netns", "exec", "rl0", *store_wrap])
     with store:
         env = store.env()
         print(f"uploading {shard_bytes / 1e6:.0f} MB of shards ...", file=sys.stderr, flush=True)
@@ -162,6 +177,8 @@ def run(args: argparse.Namespace) -> dict:
     images_per_byte = args.images / shard_bytes
     summary = {
         "link": link,
+        "store_cpus": args.store_cpus or "shared with the server",
+        "workers": args.workers,
         # What the link can carry: the cold epoch's ceiling, whatever the server does.
         "link_ceiling_images_per_s": None if args.no_link else args.rate * 1e6 / 8 * images_per_byte,
         "cold_images_per_s": cold["images_per_s"],
@@ -203,10 +220,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--workers", type=int, default=default_cores())
+    parser.add_argument("--workers", type=int, help="decode workers (default: a core each)")
     parser.add_argument("--rate", type=float, default=1000.0, help="the store's link, Mbit/s")
     parser.add_argument("--delay-ms", type=float, default=1.0, help="netem delay on it, where the kernel has netem")
     parser.add_argument("--no-link", action="store_true", help="the store on 127.0.0.1, unshaped")
+    parser.add_argument("--store-cpus", help="CPUs of the store's own, e.g. 1 (the rest: server and loader)")
     parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--json", help="write the epochs and the summary here")
     parser.add_argument("--cache-dir", help="the servers' --cache-dir (default: a temporary folder on disk)")
