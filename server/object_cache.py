@@ -361,37 +361,34 @@ class _Gate:
             self._leave(nbytes)
 
     async def _enter(self, nbytes: int) -> None:
-        if not self._waiting and self._room():
-            self._let_in(nbytes)
-            return
         entry = (nbytes, asyncio.get_running_loop().create_future())
         self._waiting.append(entry)
+        self._let_in_waiting()
         try:
             await entry[1]
         except asyncio.CancelledError:
-            if entry[1].cancelled():
-                if entry in self._waiting:
-                    self._waiting.remove(entry)
-            else:  # let in as it was cancelled: its place goes to the next
+            if not entry[1].cancelled():  # let in as it was cancelled: its place goes to the next
                 self._leave(nbytes)
+            elif entry in self._waiting:
+                self._waiting.remove(entry)
             raise
 
     def _leave(self, nbytes: int) -> None:
         self.count -= 1
         self.bytes -= nbytes
+        self._let_in_waiting()
+
+    def _let_in_waiting(self) -> None:
         while self._waiting and self._room():
             nbytes, future = self._waiting.popleft()
             if future.cancelled():  # (given up as it waited)
                 continue
-            self._let_in(nbytes)
+            self.count += 1
+            self.bytes += nbytes
             future.set_result(None)
 
     def _room(self) -> bool:
         return self.count < self.most and (self.count == 0 or self.bytes < self.most_bytes)
-
-    def _let_in(self, nbytes: int) -> None:
-        self.count += 1
-        self.bytes += nbytes
 
 
 def _claim(folder: str, most: int = 256) -> tuple[str, int]:

@@ -409,6 +409,29 @@ def test_requests_in_flight_are_bounded_in_count_and_bytes_and_start_in_turn():
         assert entered == [0, 1, 2, 4, 5, 6, 7] and gate.count == 0 and gate.bytes == 0
         assert most_inside[0] <= 3 and most_bytes[0] <= 100 + max(sizes)
 
+        # Let in and cancelled before it ran: its place goes to the next.
+        one = _Gate(most=1, most_bytes=100)
+        first_in, first_out = asyncio.Event(), asyncio.Event()
+
+        async def hold():
+            async with one.holding(10):
+                first_in.set()
+                await first_out.wait()
+
+        async def enter():
+            async with one.holding(10):
+                return True
+
+        a = asyncio.ensure_future(hold())
+        await first_in.wait()
+        b, c = asyncio.ensure_future(enter()), asyncio.ensure_future(enter())
+        await asyncio.sleep(0.01)
+        first_out.set()
+        await asyncio.sleep(0)  # a leaves and lets b in, and b has not run yet
+        assert a.done() and one.count == 1 and not b.done()
+        b.cancel()
+        assert await asyncio.wait_for(c, 5) and b.cancelled() and one.count == 0 and one.bytes == 0
+
     asyncio.run(scenario())
 
 
