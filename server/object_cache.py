@@ -234,13 +234,19 @@ class ObjectCache:
         by_object: dict[str, list[int]] = collections.defaultdict(list)
         for i, loc in enumerate(locations):
             by_object[loc.path].append(i)
-        jobs = []
-        for path, positions in by_object.items():
+        mirrors, waits = [], []
+        for path, positions in by_object.items():  # (no await: nothing is evicted while this plans)
             mirror = self._mirror(path)
-            if pin:
-                mirror.pins += 1
-            jobs.append(self._fetch_object(path, mirror, [locations[i] for i in positions]))
-        results = await asyncio.gather(*jobs)
+            mirror.pins += 1  # never evicted while its bytes are on their way here (with ``pin``: until release)
+            mirrors.append(mirror)
+            wanted = [locations[i] for i in positions]
+            waits.append(self._wait(mirror, wanted, self._ask(path, mirror, wanted)))
+        try:
+            results = await asyncio.gather(*waits)
+        finally:
+            if not pin:
+                for mirror in mirrors:
+                    mirror.pins -= 1
         for (_path, positions), object_reasons in zip(by_object.items(), results):
             for i, reason in zip(positions, object_reasons):
                 reasons[i] = reason
@@ -255,25 +261,39 @@ class ObjectCache:
         self._mirrors.move_to_end(path)
         return mirror
 
-    async def _fetch_object(self, path: str, mirror: _Mirror, locations: list[Location]) -> list[str]:
-        """Fetches the missing parts of one object's locations; returns per location "" or why not."""
+    def _ask(
+        self, path: str, mirror: _Mirror, locations: list[Location]
+    ) -> list[tuple[tuple[int, int], asyncio.Future[str]]]:
+        """Starts requests for what of one object's ``locations`` is neither held nor on its way;
+        returns every request they wait for, with its range."""
         gaps = sorted(g for loc in locations for g in mirror.missing(loc.offset, loc.offset + loc.length))
         if not gaps:
             self.stats.hits += len(locations)
-        waits = [mirror.requests[k] for k in _overlapping(gaps, mirror.coming)]
+            return []
+        waits = [(mirror.coming[k], mirror.requests[k]) for k in _overlapping(gaps, mirror.coming)]
         # What is held or on its way is not asked for twice (so the ranges coming never overlap).
         requests = _coalesce(_subtract(gaps, mirror.coming), mirror.untouched)
-        storage, name = self._storage_of(path)
         etag = next((loc.etag for loc in locations if loc.etag), "")
         whole = {(loc.offset, loc.offset + loc.length) for loc in locations if loc.offset == 0}
-        futures = [self._start(path, mirror, start, end, etag, whole) for start, end in requests]
-        outcomes = await asyncio.gather(*futures, *waits, return_exceptions=True)
-        failed = [str(outcome) for outcome in outcomes if outcome]
+        return waits + [((start, end), self._start(path, mirror, start, end, etag, whole)) for start, end in requests]
+
+    async def _wait(
+        self, mirror: _Mirror, locations: list[Location], asked: list[tuple[tuple[int, int], asyncio.Future[str]]]
+    ) -> list[str]:
+        """Per location "" once its bytes are held, or why not: the failure of a request over it."""
+        # Shielded: a caller that gives up does not cancel requests that others wait for too.
+        outcomes = await asyncio.gather(*(asyncio.shield(request) for _, request in asked), return_exceptions=True)
+        failed = [
+            (where, why if isinstance(why, str) else str(why) or type(why).__name__)
+            for (where, _), why in zip(asked, outcomes)
+            if why
+        ]
         reasons = []
         for loc in locations:
+            start, end = loc.offset, loc.offset + loc.length
             reason = ""
-            if not mirror.covers(loc.offset, loc.offset + loc.length):
-                reason = failed[0] if failed else "not fetched"
+            if not mirror.covers(start, end):
+                reason = next((why for (s, e), why in failed if s < end and start < e), "not fetched")
                 self.stats.failures += 1
             reasons.append(reason)
         return reasons
@@ -454,17 +474,22 @@ def _overlapping(ranges: list[tuple[int, int]], others: list[tuple[int, int]]) -
 def _coalesce(
     ranges: list[tuple[int, int]], fetchable: Callable[[int, int], bool] = lambda start, end: True
 ) -> list[tuple[int, int]]:
-    """Sorted, overlapping or near (``COALESCE``) ranges merged, up to ``MAX_REQUEST`` each;
-    near ones only where the bytes between them are ``fetchable`` (none held or coming)."""
+    """Sorted, disjoint requests for ``ranges``: overlapping or near (``COALESCE``) ones merged,
+    up to ``MAX_REQUEST`` each (an overlap past it goes to the next request, never to two), near
+    ones only where the bytes between them are ``fetchable`` (none held or coming)."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(ranges):
+        if out and end <= out[-1][1]:
+            continue  # (within the last)
+        if out and start < out[-1][1]:
+            start = out[-1][1]  # its rest
         if (
             out
             and start - out[-1][1] <= COALESCE
-            and max(end, out[-1][1]) - out[-1][0] <= MAX_REQUEST
-            and (start <= out[-1][1] or fetchable(out[-1][1], start))
+            and end - out[-1][0] <= MAX_REQUEST
+            and (start == out[-1][1] or fetchable(out[-1][1], start))
         ):
-            out[-1] = (out[-1][0], max(end, out[-1][1]))
+            out[-1] = (out[-1][0], end)
         else:
             out.append((start, end))
     return out

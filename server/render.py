@@ -107,8 +107,8 @@ class Renderer:
         ``owners``) are local; a fetch that failed fails its sample with the reason."""
         objects = self.objects
         assert objects is not None
-        reasons = await objects.fetch(ranges)
-        try:
+        try:  # (fetch pins the objects before its first await: released even if cancelled)
+            reasons = await objects.fetch(ranges)
             located = [objects.local(location) for location in ranges[: len(indices)]]
             failures = [shard.failure(i) for i in indices.tolist()]
             for owner, reason in zip(owners, reasons):  # its image's, or its mask member's

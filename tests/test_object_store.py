@@ -366,6 +366,8 @@ def test_neighbouring_ranges_are_fetched_as_one_request():
     from remoteloader.server.object_cache import COALESCE, MAX_REQUEST
 
     assert _coalesce([(100, 200), (0, 50), (150, 300)]) == [(0, 300)]
+    twice = _coalesce([(0, MAX_REQUEST + 10), (5, MAX_REQUEST + 10)])  # (a big sample asked for twice)
+    assert sum(e - s for s, e in twice) == MAX_REQUEST + 10 and all(a[1] <= b[0] for a, b in zip(twice, twice[1:]))
     held_between = lambda start, end: False  # noqa: E731
     assert _coalesce([(0, 50), (100, 200), (150, 300)], held_between) == [(0, 50), (100, 300)], "fetched twice"
     assert _coalesce([(0, 10), (10 + COALESCE + 1, 10 + COALESCE + 5)]) == [(0, 10), (COALESCE + 11, COALESCE + 15)]
