@@ -274,8 +274,10 @@ class ObjectCache:
         # What is held or on its way is not asked for twice (so the ranges coming never overlap).
         requests = _coalesce(_subtract(gaps, mirror.coming), mirror.untouched)
         etag = next((loc.etag for loc in locations if loc.etag), "")
-        whole = {(loc.offset, loc.offset + loc.length) for loc in locations if loc.offset == 0}
-        return waits + [((start, end), self._start(path, mirror, start, end, etag, whole)) for start, end in requests]
+        ends = {loc.length for loc in locations if loc.offset == 0}  # of whole objects (a sample each)
+        return waits + [
+            ((start, end), self._start(path, mirror, start, end, etag, end in ends)) for start, end in requests
+        ]
 
     async def _wait(
         self, mirror: _Mirror, locations: list[Location], asked: list[tuple[tuple[int, int], asyncio.Future[str]]]
@@ -298,10 +300,9 @@ class ObjectCache:
             reasons.append(reason)
         return reasons
 
-    def _start(
-        self, path: str, mirror: _Mirror, start: int, end: int, etag: str, whole: set[tuple[int, int]]
-    ) -> asyncio.Future[str]:
-        """Starts one request (it waits for the gate); it is on its way until done."""
+    def _start(self, path: str, mirror: _Mirror, start: int, end: int, etag: str, whole: bool) -> asyncio.Future[str]:
+        """Starts one request (it waits for the gate); it is on its way until done. ``whole``: it
+        ends where a whole object as indexed ends, so the object's size is checked."""
         storage, name = self._storage_of(path)
         future = asyncio.ensure_future(self._request(storage, name, path, mirror, start, end, etag, whole))
         mirror.on_its_way(start, end, future)
@@ -317,7 +318,7 @@ class ObjectCache:
         start: int,
         end: int,
         etag: str,
-        whole: set[tuple[int, int]],
+        whole: bool,
     ) -> str:
         """One ranged GET into the mirror; returns "" or why it failed."""
         try:
@@ -325,7 +326,7 @@ class ObjectCache:
                 data, size, got_etag = await storage.fetch(name, start, end, etag)
                 self.stats.requests += 1
                 self.stats.fetched_bytes += len(data)
-                if (0, end) in whole and size != end:
+                if whole and size != end:
                     return f"{path} changed since the server indexed it: {size} bytes, indexed {end}"
                 if etag and got_etag and got_etag != etag:
                     return f"{path} changed since the server indexed it (ETag {got_etag}, indexed {etag})"
