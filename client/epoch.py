@@ -26,7 +26,9 @@ with another seed, sample count, batch size or world size, or (by the plan's dig
 same on every rank) another shuffle, drop_last or sampler order, rather than play other
 batches. Ranks move in lockstep with equal batch counts, so a position saved on one rank
 (with ``ordered=True``) is every rank's: any rank of the same world size resumes from it,
-each playing its own part of the plan.
+each playing its own part of the plan. A state saved by an older remoteloader (version 1 or 2)
+resumes only an order that did not change since (unshuffled, or a sampler's, checked id by id):
+its shuffled order was another permutation, and such a state is refused, saying so.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remoteloader.client.options import UINT64, check_int
-from remoteloader.client.plan import EpochPlan, batches_digest
+from remoteloader.client.plan import EpochPlan
 from remoteloader.client.ranks import Partition
 from remoteloader.client.sample_space import SampleSpace
 
-STATE_VERSION = 2  # 2: the digest covers every rank's batches; "ordered" is saved
+STATE_VERSION = 3  # 3: the shuffled order is a keyed permutation, the digest made from the plan's parameters
+# 2: the digest covers every rank's batches' ids; "ordered" is saved. 1: the digest covers this rank's.
 # What a position is only valid for, as state_dict() saves it (the loader's values).
 IDENTITY = ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "ordered")
 
@@ -218,9 +221,9 @@ class EpochPosition:
             raise TypeError(f"load_state_dict expects the dict state_dict() returned, got {type(state).__name__}")
         state = json.loads(json.dumps(state))
         missing = [k for k in ("version", "epoch", "position") if k not in state]
-        if missing or state.get("version") not in (1, STATE_VERSION):
+        if missing or state.get("version") not in (1, 2, STATE_VERSION):
             raise ValueError(
-                f"not a RemoteLoader state_dict (version 1 or {STATE_VERSION}): missing "
+                f"not a RemoteLoader state_dict (version 1 to {STATE_VERSION}): missing "
                 f"{', '.join(missing) or 'nothing'}, version {state.get('version')!r}"
             )
         # shuffle and drop_last are left to the plan's digest, which also sees when they change
@@ -272,8 +275,19 @@ class EpochPosition:
                 f"state_dict was saved on rank {saved_rank!r} and this loader is rank {partition.rank}: {why}; "
                 f"load each rank's own state_dict (save one per rank), or save with ordered=True"
             )
+        version = state.get("version")
+        if version != STATE_VERSION and self.replayable and state.get("shuffle", identity["shuffle"]):
+            raise ValueError(
+                f"state_dict was saved by an older remoteloader (state version {version}), whose shuffled order "
+                f"this version changed: its plan digest no longer matches this loader's plan of epoch {epoch}, "
+                f"and resuming would play other batches; start the epoch afresh (set_epoch({epoch}) without "
+                f"load_state_dict), or resume with the remoteloader that saved it"
+            )
         plan = self.plan(epoch, partition)
-        expected = batches_digest([plan.batches]) if state.get("version") == 1 else plan.digest
+        if version == STATE_VERSION:
+            expected = plan.digest
+        else:  # an unshuffled order, or a sampler's: the same ids as then, compared one by one
+            expected = plan.ids_digest(every_rank=version != 1) if state.get("plan") else ""
         if state.get("plan") and state["plan"] != expected:
             differ = [
                 f"{k}={state[k]!r} there" for k in ("shuffle", "drop_last") if k in state and state[k] != identity[k]

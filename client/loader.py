@@ -415,8 +415,9 @@ class RemoteLoader:
         (after a pass left early, the next pass plays the one after it)."""
         return self._position.epoch
 
-    def plan(self, epoch: int | None = None) -> list[np.ndarray]:
-        """This rank's batches of global sample ids for an epoch (a pure function)."""
+    def plan(self, epoch: int | None = None) -> Sequence[np.ndarray]:
+        """This rank's batches of global sample ids for an epoch (a pure function): a sequence
+        (``len``, ``[k]``, iteration) whose batches are computed as they are asked for."""
         return self._plan(self._position.epoch if epoch is None else epoch, self._ranks.current()).batches
 
     def _plan(self, epoch: int, partition: Partition) -> EpochPlan:
