@@ -2,8 +2,9 @@
 
 * The epoch plan: for any dataset size, batch size, rank count, seed and epoch, every rank
   gets the same number of batches, the ranks' batches are disjoint and together cover the
-  epoch (all of it, or all but the remainder with ``drop_last``), and the plan is a pure
-  function of its arguments.
+  epoch (all of it, or all but the remainder with ``drop_last``), the plan is a pure
+  function of its arguments, and each batch computed on its own is the one the whole
+  epoch order, dealt by the split rule, holds there.
 * The state_dict: a position saved anywhere in an epoch, and loaded into a fresh loader,
   resumes exactly the batches not yet delivered, and is refused by a loader of another plan.
 * The chunk codec: whatever header and pixels, encoding then decoding gives them back, and
@@ -78,6 +79,33 @@ def test_the_plan_is_a_pure_function_of_its_arguments(args):
         assert any(not np.array_equal(a, b) for x, y in zip(first, other) for a, b in zip(x, y))
 
 
+def dealt(order: np.ndarray, batch_size: int, rank: int, world_size: int, drop_last: bool) -> list[np.ndarray]:
+    """The split rule written out over a whole order, as the plan held it before it was computed batch by
+    batch: global batches dealt round-robin, the remainder split evenly (np.array_split), one sample repeated
+    by a rank left without any."""
+    per_round = batch_size * world_size
+    rounds = len(order) // per_round
+    batches = [order[(k * world_size + rank) * batch_size:(k * world_size + rank + 1) * batch_size]
+               for k in range(rounds)]
+    rest = order[rounds * per_round:]
+    if drop_last or rest.size == 0:
+        return batches
+    part = rest if world_size == 1 else np.array_split(rest, world_size)[rank]
+    return batches + [part if part.size else order[rank % len(order):rank % len(order) + 1]]
+
+
+@SETTINGS
+@given(plan_arguments())
+def test_each_batch_computed_alone_is_the_whole_order_dealt(args):
+    n = args["num_samples"]
+    order = plan.Shuffle(n, args["seed"], args["epoch"])(np.arange(n)) if args["shuffle"] else np.arange(n)
+    for rank, batches in enumerate(every_rank(args)):
+        expected = dealt(order, args["batch_size"], rank, args["world_size"], args["drop_last"])
+        assert len(batches) == len(expected)
+        assert all(np.array_equal(batches[k], b) for k, b in enumerate(expected))  # asked for one by one
+        assert all(np.array_equal(a, b) for a, b in zip(batches, expected))  # and in turn
+
+
 @SETTINGS
 @given(st.integers(1, 500), st.integers(1, 32), st.integers(1, 4), st.integers(0, 1000))
 def test_a_samplers_order_is_dealt_as_given(n, batch_size, world_size, epoch):
@@ -89,6 +117,11 @@ def test_a_samplers_order_is_dealt_as_given(n, batch_size, world_size, epoch):
         for rank in range(world_size):
             start = (k * world_size + rank) * batch_size
             assert np.array_equal(batches[rank][k], order[start:start + batch_size])
+    for rank in range(world_size):
+        with_rest = plan.make_plan(n, batch_size, shuffle=True, seed=0, epoch=epoch, rank=rank, world_size=world_size,
+                                   drop_last=False, sampler=order.tolist()).batches
+        expected = dealt(order, batch_size, rank, world_size, False)
+        assert [b.tolist() for b in with_rest] == [b.tolist() for b in expected]
 
 
 # ---- the chunk codec ----------------------------------------------------------------------
