@@ -86,7 +86,7 @@ class BareGrpc:
             while sent < len(orders) and len(remaining) < self.args.prefetch:
                 remaining[sent] = len(orders[sent])
                 await call.write(loader_pb2.StreamRequest(order=loader_pb2.Order(
-                    order_id=sent, shard_id=shard.id, indices=orders[sent], seed=0, epoch=epoch)))
+                    order_id=sent, shard_ids=[shard.id], indices=orders[sent], seed=0, epoch=epoch)))
                 sent += 1
             header, pixels = await call.read()
             start = header.start * sample_bytes

@@ -1,7 +1,8 @@
 """Reassembly: batches put together from the chunks of their orders, and handed out in turn.
 
 A plan batch gets its buffer from the consumer's side (``BatchBuffers``) when it is dispatched
-and is split by shard into ``Order``s, each what a server is asked for in one message. Every
+and is split by owner group (the servers that hold its samples' shards) into ``Order``s, each
+what a server is asked for in one message. Every
 checked chunk (``chunks.py``) is placed straight into its rows (``Assembler.place``): pixels and
 masks copied once (or decoded, on an encoded wire), labels and targets remapped onto the
 loader's classes (``sample_space.py``). An order's samples count into its batch only when the
@@ -23,7 +24,7 @@ import numpy as np
 
 from remoteloader.client.batches import END, Batch, Item, SampleFailure
 from remoteloader.client.chunks import Checked, StreamShape
-from remoteloader.client.sample_space import SampleSpace, ShardInfo
+from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import limits, loader_pb2, wire
 from remoteloader.protos import targets as tg
 
@@ -49,15 +50,32 @@ class BatchBuffers(Protocol):
         that dispatch goes on where ``allocate`` found none (the receiver listens)."""
 
 
+class PlannedBatches(Protocol):
+    """An epoch's batches of sample ids as the plan gives them (``plan.Batches``): each computed
+    when asked for, and their sizes known without computing them."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, k: int) -> np.ndarray: ...
+
+    def size(self, k: int) -> int:
+        """The number of ids in batch ``k``."""
+
+    def samples_from(self, k: int) -> int:
+        """The number of ids in batches ``k`` to the last (0 past the end)."""
+
+
 @dataclass
 class Order:
-    """A part of one batch for one shard: what a server is asked for in one message."""
+    """A part of one batch for one owner group (shards the same servers hold): what a server is
+    asked for in one message."""
 
     order_id: int
     batch: Batch
-    shard: ShardInfo
+    owners: tuple[str, ...]  # the servers that hold all its samples
     positions: np.ndarray  # rows of the batch
-    local: np.ndarray  # shard-local indices
+    shards: np.ndarray  # each sample's shard (an index into the sample space's shards)
+    local: np.ndarray  # each sample's index in its shard
     epoch: int
     received: int = 0
     cancelled: bool = False
@@ -80,14 +98,22 @@ class Order:
 
     def split(self, count: int, order_id: int) -> Order:
         """Takes the first ``count`` samples out as an order of their own (this one keeps the rest)."""
-        head = Order(order_id, self.batch, self.shard, self.positions[:count], self.local[:count], self.epoch)
-        self.positions, self.local = self.positions[count:], self.local[count:]
+        head = self._part(order_id, slice(None, count))
+        self.positions, self.shards, self.local = self.positions[count:], self.shards[count:], self.local[count:]
         return head
 
     def rest(self, order_id: int) -> Order:
         """An order for the samples of this one not received yet (its twin, when hedged)."""
-        done = self.received
-        return Order(order_id, self.batch, self.shard, self.positions[done:], self.local[done:], self.epoch)
+        return self._part(order_id, slice(self.received, None))
+
+    def drop_first(self, count: int) -> None:
+        """Forgets its first ``count`` samples (already in their batch)."""
+        self.positions, self.shards, self.local = self.positions[count:], self.shards[count:], self.local[count:]
+
+    def _part(self, order_id: int, part: slice) -> Order:
+        return Order(
+            order_id, self.batch, self.owners, self.positions[part], self.shards[part], self.local[part], self.epoch
+        )
 
 
 class Assembler:
@@ -129,27 +155,28 @@ class Assembler:
         for an encoded part that does not decode to exactly its row."""
         assert self.space is not None, "orders are only sent while an epoch runs"
         batch = order.batch
-        rows = order.positions[header.start : header.start + header.count]
+        part = slice(header.start, header.start + header.count)
+        rows, shards = order.positions[part], order.shards[part]
         first = int(rows[0])
         # where the rows are in the batch's arrays: a slice when they are consecutive (the usual case)
         where = slice(first, first + len(rows)) if rows[-1] - first == len(rows) - 1 else rows
         if checked.parts is None:
-            self._copy(batch, order.shard, where, payload)
+            self._copy(batch, shards, where, payload)
         else:
-            self._decode(batch, order.shard, rows, payload, checked.parts)
+            self._decode(batch, shards, rows, payload, checked.parts)
         labels = np.fromiter(header.labels, np.int64, header.count)  # (asarray of a repeated field: 2-3x slower)
-        batch.labels[where] = self.space.global_labels(order.shard, labels)
+        batch.labels[where] = self.space.global_labels(shards, labels)
         if checked.targets is not None:
-            self._keep_targets(batch, order.shard, rows, checked.targets)
+            self._keep_targets(batch, shards, rows, checked.targets)
         order.nbytes += len(payload)
         for e in header.errors:
             if header.start <= e.position < header.start + header.count:
                 row = order.positions[e.position]
                 order.failures.append(SampleFailure(int(batch.ids[row]), e.key, e.reason, server))
 
-    def _copy(self, batch: Batch, shard: ShardInfo, where: slice | np.ndarray, payload: memoryview) -> None:
+    def _copy(self, batch: Batch, shards: np.ndarray, where: slice | np.ndarray, payload: memoryview) -> None:
         """A raw chunk's pixels (and masks) into its rows (``where``: a slice of consecutive
-        rows, one copy; or their indices)."""
+        rows, one copy; or their indices), the samples being of ``shards``."""
         assert self.space is not None, "orders are only sent while an epoch runs"
         h, w = self.shape.height, self.shape.width
         count = where.stop - where.start if isinstance(where, slice) else len(where)
@@ -160,14 +187,26 @@ class Assembler:
             if isinstance(where, slice):
                 place = batch.masks[where]
                 place[...] = masks
-                self.space.global_masks(shard, place)
+                self._global_masks(shards, place)
             else:
                 masks = masks.copy()
-                self.space.global_masks(shard, masks)
+                self._global_masks(shards, masks)
                 batch.masks[where] = masks
 
+    def _global_masks(self, shards: np.ndarray, masks: np.ndarray) -> None:
+        """Remaps each mask, of the sample of ``shards`` in its place, onto the loader's classes."""
+        assert self.space is not None, "orders are only sent while an epoch runs"
+        for k in np.unique(shards).tolist():
+            mine = np.flatnonzero(shards == k)
+            if len(mine) == len(shards):
+                self.space.global_masks(k, masks)
+            else:
+                some = masks[mine]
+                self.space.global_masks(k, some)
+                masks[mine] = some
+
     def _decode(
-        self, batch: Batch, shard: ShardInfo, rows: np.ndarray, payload: memoryview, parts: list[tuple[int, int]]
+        self, batch: Batch, shards: np.ndarray, rows: np.ndarray, payload: memoryview, parts: list[tuple[int, int]]
     ) -> None:
         """An encoded chunk's parts (protos.wire), each decoded straight into its row."""
         assert self.space is not None, "orders are only sent while an epoch runs"
@@ -178,18 +217,19 @@ class Assembler:
             if batch.masks is not None:
                 offset, size = parts[count + i]
                 wire.decode_part(self.shape.wire, payload[offset : offset + size], batch.masks[row], mask=True)
-                self.space.global_masks(shard, batch.masks[row : row + 1])
+                self.space.global_masks(int(shards[i]), batch.masks[row : row + 1])
 
     def _keep_targets(
-        self, batch: Batch, shard: ShardInfo, rows: np.ndarray, targets: list[dict[str, np.ndarray]]
+        self, batch: Batch, shards: np.ndarray, rows: np.ndarray, targets: list[dict[str, np.ndarray]]
     ) -> None:
         """Keeps each row's targets, class labels remapped onto the loader's class list."""
         assert self.space is not None, "orders are only sent while an epoch runs"
-        for row, arrays in zip(rows.tolist(), targets):
+        for row, shard, arrays in zip(rows.tolist(), shards.tolist(), targets):
             for name, column in batch.targets.items():
                 value = arrays.get(name)
                 if value is not None and name in tg.LABELLED:
-                    value = self.space.global_labels(shard, value.astype(np.int64, copy=False))
+                    values = value.astype(np.int64, copy=False)
+                    value = self.space.global_labels(np.full(values.shape, shard), values)
                 column[row] = value
 
 
@@ -204,7 +244,7 @@ class EpochRun:
         self,
         token: int,
         epoch: int,
-        batches: list[np.ndarray],
+        batches: PlannedBatches,
         first_seq: int,
         out: queue.Queue[Item],
         skip: frozenset[int] = frozenset(),
@@ -212,12 +252,10 @@ class EpochRun:
     ):
         self.token = token
         self.epoch = epoch
-        self.batches = batches
+        self.batches = batches  # computed as they are dispatched
         self.ordered = ordered
         self.skip = frozenset(s for s in skip if first_seq <= s < len(batches))
         self.expected = len(batches) - first_seq - len(self.skip)
-        sizes = np.asarray([0 if i in self.skip else len(b) for i, b in enumerate(batches)], np.int64)
-        self._after = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])  # samples in batches[i:]
         self.next_dispatch = first_seq
         self.next_deliver = first_seq
         self.dispatched = 0
@@ -231,8 +269,8 @@ class EpochRun:
             out.put(END)
 
     def samples_after(self, seq: int) -> int:
-        """Samples of the batches from ``seq`` on (less those skipped)."""
-        return int(self._after[min(seq, len(self._after) - 1)])
+        """Samples of the batches from ``seq`` on (less those skipped), without computing them."""
+        return self.batches.samples_from(seq) - sum(self.batches.size(s) for s in self.skip if s >= seq)
 
     def next_batch(self, in_flight: int) -> int | None:
         """The seq of the next batch to dispatch, with ``in_flight`` batches allowed ahead of the

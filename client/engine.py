@@ -1,7 +1,9 @@
 """Scheduling, on the client's I/O event loop: which server gets which order, and when.
 
-Each batch of the plan is split by owning shard into orders. Orders wait in one FIFO and
-each goes to the live server owning its shard that is expected to finish it first (by the
+Each batch of the plan is split into orders by owner group (``sample_space.py``: the shards the
+same servers hold), so that a batch is at most one order per server however many shards it
+touches (more only where ``max_order_samples`` or a slow server's share splits it). Orders
+wait in one FIFO and each goes to the live owner that is expected to finish it first (by the
 samples it holds and its measured rate), at most ``max_inflight`` per server (credits: the
 memory bound). Each chunk that arrives is checked (``chunks.py``) and placed into its rows
 (``assembly.py``, which also hands complete batches out in turn). When a server fails,
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remoteloader.client import chunks
-from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order
+from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order, PlannedBatches
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.link import Link, LinkState, describe_error
 from remoteloader.client.sample_space import SampleSpace
@@ -86,7 +88,7 @@ class Engine:
         *,
         token: int,
         epoch: int,
-        batches: list[np.ndarray],
+        batches: PlannedBatches,
         first_seq: int,
         space: SampleSpace,
         skip: frozenset[int],
@@ -162,16 +164,16 @@ class Engine:
             if batch is None:  # every buffer is in use: resume when one comes back
                 break
             run.dispatched_batch(batch)
-            shard_idx = space.shard_of(ids)
-            for s in np.unique(shard_idx):
-                shard = space.shards[int(s)]
-                positions = np.flatnonzero(shard_idx == s)
-                local = ids[positions] - shard.offset
+            shards = space.shard_of(ids)
+            local = ids - space.offsets(shards)
+            groups = space.group_of[shards]
+            for g in np.unique(groups).tolist():
+                positions = np.flatnonzero(groups == g) if len(space.groups) > 1 else np.arange(len(ids))
+                owners = space.groups[g].owners
                 for start in range(0, len(positions), self.order_size):
-                    part = slice(start, start + self.order_size)
-                    self._pending.append(
-                        Order(next(self._order_ids), batch, shard, positions[part], local[part], run.epoch)
-                    )
+                    rows = positions[start : start + self.order_size]
+                    order = Order(next(self._order_ids), batch, owners, rows, shards[rows], local[rows], run.epoch)
+                    self._pending.append(order)
         self._pump()
 
     # ---- scheduling -----------------------------------------------------------------
@@ -192,7 +194,7 @@ class Engine:
         for order in list(self._pending):
             owners = [
                 link
-                for link in (self.links.get(a) for a in order.shard.owners)
+                for link in (self.links.get(a) for a in order.owners)
                 if link is not None and link.state is LinkState.UP
             ]
             default_rate = max((link.rate for link in owners if link.rate), default=1000.0)
@@ -261,7 +263,7 @@ class Engine:
                 ahead = 0  # samples the other server sends before this order's last one
                 for order in other.orders():
                     ahead += order.samples - order.received
-                    if order.cancelled or order.twin is not None or link.address not in order.shard.owners:
+                    if order.cancelled or order.twin is not None or link.address not in order.owners:
                         continue
                     there = ahead / (other.rate or default_rate)
                     late = there > self._deadline(order, pace)  # the loop would wait for it
@@ -279,11 +281,15 @@ class Engine:
 
     def _send(self, link: Link[Order], order: Order) -> None:
         order.sent(link.address)
+        space = self.assembler.space
+        assert space is not None, "orders are only sent while an epoch runs"
+        named, which = np.unique(order.shards, return_inverse=True)
         link.send(
             order,
             loader_pb2.Order(
                 order_id=order.order_id,
-                shard_id=order.shard.id,
+                shard_ids=[space.shards[k].id for k in named.tolist()],
+                shards=which.tolist() if len(named) > 1 else (),
                 indices=order.local.tolist(),
                 seed=self.options.seed,
                 epoch=order.epoch,
@@ -375,7 +381,7 @@ class Engine:
             else:
                 order.twin = None
                 if order.credited:  # hedged, and its twin is gone too: only its rest is still missing
-                    order.positions, order.local = order.positions[order.credited :], order.local[order.credited :]
+                    order.drop_first(order.credited)
                     order.credited = 0
                 requeued.append(order)
         orders = requeued
@@ -386,7 +392,7 @@ class Engine:
             others = {
                 a
                 for o in orders
-                for a in o.shard.owners
+                for a in o.owners
                 if a != link.address and a in self.links and self.links[a].state is LinkState.UP
             }
             log.warning(
@@ -405,8 +411,8 @@ class Engine:
         self._pump()
 
     def _in_flight(self, order: Order) -> list[Order]:
-        """The orders in flight on the servers that are up and own ``order``'s shard."""
-        links = (self.links.get(a) for a in order.shard.owners)
+        """The orders in flight on the servers that are up and own ``order``'s shards."""
+        links = (self.links.get(a) for a in order.owners)
         return [o for link in links if link is not None and link.state is LinkState.UP for o in link.orders()]
 
     def on_link_up(self, link: Link[Order]) -> None:
@@ -421,15 +427,20 @@ class Engine:
             return
         hopeful = {a for a, link in self.links.items() if link.hopeful}
         for order in self._pending:
-            if not any(owner in hopeful for owner in order.shard.owners):
-                owners = [self.links[o] for o in order.shard.owners if o in self.links]
+            if not any(owner in hopeful for owner in order.owners):
+                owners = [self.links[o] for o in order.owners if o in self.links]
                 detail = "; ".join(
                     f"{link.address}: {link.gave_up or link.last_error or link.state.value}" for link in owners
                 )
                 ids = order.batch.ids[order.positions]
+                space = self.assembler.space
+                assert space is not None, "orders are only pending while an epoch runs"
+                named = [f"{space.shards[k].name} ({space.shards[k].id})" for k in np.unique(order.shards).tolist()]
+                shards = f"shard {named[0]}" if len(named) == 1 else f"shards {', '.join(named[:5])}"
+                shards += f"... ({len(named)} in all)" if len(named) > 5 else ""
                 self.fail(
                     LoaderError(
-                        f"no loader server can serve shard {order.shard.name} ({order.shard.id}): {detail}; "
+                        f"no loader server can serve {shards}: {detail}; "
                         f"{len(ids)} sample(s) of batch {order.batch.seq} could not be served, ids "
                         f"{_abbrev(ids.tolist())}"
                     )

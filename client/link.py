@@ -232,11 +232,17 @@ class Link(Generic[OrderT]):
             describe = await self._describe_now(stub, request, timeout) if refused else None
             if describe is None:  # wait for the server to come up, until the timeout
                 describe = await stub.Describe(request, timeout=timeout, wait_for_ready=True, metadata=metadata)
+            await self._rest_of(stub, describe, timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
                 raise PermissionError(
                     f"loader server {self.address} refused this client: {exc.code().name}: {exc.details()}{hint}"
+                ) from None
+            if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise ConnectionError(  # it answered: say what it answered, not that it is unreachable
+                    f"loader server {self.address} answered Describe with {exc.code().name}: {exc.details()} "
+                    f"(a server of another remoteloader version?)"
                 ) from None
             raise ConnectionError(
                 f"loader server {self.address} did not answer within {timeout:g}s "
@@ -246,6 +252,24 @@ class Link(Generic[OrderT]):
         self.describe = describe
         self.max_inflight = max(1, min(self.options.max_inflight, describe.max_inflight_orders))
         return describe
+
+    async def _rest_of(
+        self, stub: loader_pb2_grpc.LoaderStub, describe: loader_pb2.DescribeResponse, timeout: float
+    ) -> None:
+        """Adds the server's further pages of shards (and their class lists) to its first page."""
+        while len(describe.shards) < describe.num_shards:
+            request = loader_pb2.DescribeRequest(shard_start=len(describe.shards))
+            page = await stub.Describe(request, timeout=timeout, metadata=self.options.metadata)
+            if page.shard_start != len(describe.shards) or page.class_list_start != len(describe.class_lists):
+                raise ConnectionError(
+                    f"loader server {self.address} sent Describe page {page.shard_start} "
+                    f"(class lists from {page.class_list_start}) for {len(describe.shards)} "
+                    f"({len(describe.class_lists)}): its shards changed while it was described?"
+                )
+            if not page.shards:
+                raise ConnectionError(f"loader server {self.address} sent an empty Describe page at {page.shard_start}")
+            describe.shards.extend(page.shards)
+            describe.class_lists.extend(page.class_lists)
 
     async def _describe_now(
         self, stub: loader_pb2_grpc.LoaderStub, request: loader_pb2.DescribeRequest, timeout: float

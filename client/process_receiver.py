@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from remoteloader.client import cpu
+from remoteloader.client.assembly import PlannedBatches
 from remoteloader.client.batches import END, Batch, Item, LoaderError
 from remoteloader.client.engine import EngineOptions
 from remoteloader.client.link import LinkOptions
@@ -122,7 +123,7 @@ class ProcessReceiver:
         *,
         token: int,
         epoch: int,
-        batches: list[np.ndarray],
+        batches: PlannedBatches,
         first_seq: int,
         space: SampleSpace,
         skip: frozenset[int],

@@ -11,8 +11,7 @@ from __future__ import annotations
 import queue
 from typing import Protocol
 
-import numpy as np
-
+from remoteloader.client.assembly import PlannedBatches
 from remoteloader.client.batches import Item
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import loader_pb2
@@ -46,7 +45,7 @@ class Receiver(Protocol):
         *,
         token: int,
         epoch: int,
-        batches: list[np.ndarray],
+        batches: PlannedBatches,
         first_seq: int,
         space: SampleSpace,
         skip: frozenset[int],

@@ -15,10 +15,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-import numpy as np
-
 from remoteloader.client import cpu
-from remoteloader.client.assembly import BatchBuffers, Order
+from remoteloader.client.assembly import BatchBuffers, Order, PlannedBatches
 from remoteloader.client.batches import Item, LoaderError
 from remoteloader.client.discovery import discover
 from remoteloader.client.engine import Engine, EngineOptions
@@ -174,7 +172,7 @@ class ThreadReceiver:
         *,
         token: int,
         epoch: int,
-        batches: list[np.ndarray],
+        batches: PlannedBatches,
         first_seq: int,
         space: SampleSpace,
         skip: frozenset[int],

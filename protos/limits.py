@@ -17,10 +17,16 @@ its size in the slot's last ``SIZES_BYTES``: a little-endian uint32 per image at
 ``sizes_offset + 4 * i`` and per mask ``4 * MAX_CHUNK_SAMPLES`` further. An encoded part is
 never larger than its raw one, so a chunk's message never is either.
 
-Orders go the other way: an order's sample indices take at most 10 bytes each (varints),
-plus a few hundred bytes of shard id and numbers; clients send and servers accept orders
-of up to ``MAX_ORDER_MESSAGE_BYTES``, so a server's ``max_order_samples`` is at most
-``most_order_samples()``.
+Orders go the other way: a sample takes at most ``_SAMPLE_BYTES`` of an order: its index and
+its shard's position (varints), and its shard's id where every sample comes from another shard
+(ids are at most ``MAX_SHARD_ID_BYTES``), plus a few hundred bytes of numbers; clients send and
+servers accept orders of up to ``MAX_ORDER_MESSAGE_BYTES``, so a server's ``max_order_samples``
+is at most ``most_order_samples()``.
+
+Describe answers in pages: shards are added to a page while it stays under
+``DESCRIBE_PAGE_BYTES``, and every page holds at least one shard with the class list it first
+names. No page may pass ``MAX_DESCRIBE_BYTES`` (a server whose single shard and class list would
+refuses to start, saying so); clients accept that much, and servers send it.
 """
 
 from __future__ import annotations
@@ -34,8 +40,13 @@ TARGET_BYTES = 32 * 1024  # most bytes of one sample's serialized targets (loade
 TARGETS_PER_CHUNK = 32  # most samples in a chunk that carries targets
 MAX_CHUNK_SAMPLES = 4096  # most samples in any chunk (a slot's size table holds this many)
 SIZES_BYTES = 8 * MAX_CHUNK_SAMPLES  # a slot's size table: a uint32 per image and per mask
-_INDEX_BYTES = 10  # a sample index, a uint64 varint
-_ORDER_BYTES = 4096  # an order's shard id, numbers and framing
+MAX_SHARD_ID_BYTES = 64  # the longest shard id (a format's name and a 24-digit fingerprint)
+# A sample in an order: its index (a uint64 varint), its shard's position (a uint32 varint) and
+# its shard's id with its framing (where each sample of the order is from another shard).
+_SAMPLE_BYTES = 10 + 5 + 2 + MAX_SHARD_ID_BYTES
+_ORDER_BYTES = 4096  # an order's numbers and framing
+DESCRIBE_PAGE_BYTES = MiB  # what a page of Describe holds, past its first shard
+MAX_DESCRIBE_BYTES = 4 * MiB  # the most any Describe response takes
 
 
 def sample_bytes(height: int, width: int, mask: bool = False) -> int:
@@ -69,4 +80,4 @@ def max_message_bytes(chunk_bytes: int, sample_bytes: int) -> int:
 
 def most_order_samples() -> int:
     """The most sample indices an order of at most ``MAX_ORDER_MESSAGE_BYTES`` can carry."""
-    return (MAX_ORDER_MESSAGE_BYTES - _ORDER_BYTES) // _INDEX_BYTES
+    return (MAX_ORDER_MESSAGE_BYTES - _ORDER_BYTES) // _SAMPLE_BYTES

@@ -7,25 +7,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DescribeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("shard_start",)
+    SHARD_START_FIELD_NUMBER: _ClassVar[int]
+    shard_start: int
+    def __init__(self, shard_start: _Optional[int] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("id", "name", "num_samples", "class_names", "fields")
+    __slots__ = ("id", "name", "num_samples", "fields", "class_list")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    CLASS_NAMES_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_LIST_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     num_samples: int
-    class_names: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., class_names: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
+    class_list: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_samples: _Optional[int] = ..., fields: _Optional[_Iterable[str]] = ..., class_list: _Optional[int] = ...) -> None: ...
+
+class ClassList(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels", "workers", "wires", "local_socket", "host_id")
+    __slots__ = ("version", "shards", "pipelines", "custom_pipelines", "min_image_size", "max_image_size", "max_order_samples", "max_inflight_orders", "chunk_bytes", "cancels", "workers", "wires", "local_socket", "host_id", "num_shards", "shard_start", "class_lists", "class_list_start")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +48,10 @@ class DescribeResponse(_message.Message):
     WIRES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_START_FIELD_NUMBER: _ClassVar[int]
+    CLASS_LISTS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_LIST_START_FIELD_NUMBER: _ClassVar[int]
     version: str
     shards: _containers.RepeatedCompositeFieldContainer[Shard]
     pipelines: _containers.RepeatedScalarFieldContainer[str]
@@ -54,7 +66,11 @@ class DescribeResponse(_message.Message):
     wires: _containers.RepeatedScalarFieldContainer[str]
     local_socket: str
     host_id: str
-    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ..., workers: _Optional[int] = ..., wires: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    num_shards: int
+    shard_start: int
+    class_lists: _containers.RepeatedCompositeFieldContainer[ClassList]
+    class_list_start: int
+    def __init__(self, version: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., pipelines: _Optional[_Iterable[str]] = ..., custom_pipelines: _Optional[bool] = ..., min_image_size: _Optional[int] = ..., max_image_size: _Optional[int] = ..., max_order_samples: _Optional[int] = ..., max_inflight_orders: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., cancels: _Optional[bool] = ..., workers: _Optional[int] = ..., wires: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., host_id: _Optional[str] = ..., num_shards: _Optional[int] = ..., shard_start: _Optional[int] = ..., class_lists: _Optional[_Iterable[_Union[ClassList, _Mapping]]] = ..., class_list_start: _Optional[int] = ...) -> None: ...
 
 class GetKeysRequest(_message.Message):
     __slots__ = ("shard_id", "start", "count")
@@ -95,18 +111,20 @@ class Setup(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., job: _Optional[str] = ..., exclusive: _Optional[bool] = ...) -> None: ...
 
 class Order(_message.Message):
-    __slots__ = ("order_id", "shard_id", "indices", "seed", "epoch")
+    __slots__ = ("order_id", "indices", "seed", "epoch", "shard_ids", "shards")
     ORDER_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     order_id: int
-    shard_id: str
     indices: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     epoch: int
-    def __init__(self, order_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    shard_ids: _containers.RepeatedScalarFieldContainer[str]
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, order_id: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., shard_ids: _Optional[_Iterable[str]] = ..., shards: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("order_id",)

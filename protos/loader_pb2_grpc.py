@@ -55,7 +55,8 @@ class LoaderServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Describe(self, request, context):
-        """What the server holds and offers. Cheap; called once per client connection.
+        """What the server holds and offers. Cheap; called once per client connection, then again
+        for each further page of shards (DescribeResponse.num_shards says how many there are).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -253,7 +253,7 @@ async def _serve_on(
     service = LoaderService(
         config, shards, resources.pool, resources.arena, resources.cache, resources.checks, resources.objects
     )
-    limit = config.max_message_bytes
+    limit = max(config.max_message_bytes, limits.MAX_DESCRIBE_BYTES)  # a chunk, or a page of Describe
     interceptors = [TokenInterceptor(token)] if token else []
     server = grpc.aio.server(
         interceptors=interceptors,

@@ -35,17 +35,16 @@ import time
 from typing import NamedTuple
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, limits, loader_pb2
-from remoteloader.server.catalog import Shard, SyntheticShard
+from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.metrics import Metrics
+from remoteloader.server.order_samples import OrderError, Samples
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.rate_limit import RateLimiter
 from remoteloader.server.render import Renderer
-from remoteloader.server.seeds import sample_seeds, shard_key
 from remoteloader.server.sharing import ChunkKey, SharedRenders
 from remoteloader.server.slots import Slots, Stalled
 from remoteloader.server.targets import MASK
@@ -73,8 +72,7 @@ class _Pending(NamedTuple):
     """A chunk being rendered into its slot, to be written in turn."""
 
     order: loader_pb2.Order
-    shard: Shard
-    indices: np.ndarray  # the whole order's
+    samples: Samples  # the whole order's
     start: int  # the chunk's first sample, a position in the order
     size: int  # its samples
     slot: int
@@ -158,7 +156,7 @@ class OrderStream:
         self._queue: asyncio.Queue[_Pending | _Cut | _End | None] = asyncio.Queue()  # None: the client is done
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
-        self._orders: asyncio.Queue[tuple[loader_pb2.Order, np.ndarray, float] | _End | None] = asyncio.Queue()
+        self._orders: asyncio.Queue[tuple[loader_pb2.Order, Samples, float] | _End | None] = asyncio.Queue()
         self._slot_counts = slots.open(job, job_weight)
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
@@ -255,17 +253,15 @@ class OrderStream:
                     continue
                 if drained:  # (the stream ends UNAVAILABLE once its orders in flight are written)
                     continue
-                error = self._check(request)
-                if error:
-                    self._fail(error)
+                checked = self._check(request)
+                if isinstance(checked, _End):
+                    self._fail(checked)
                     return
                 self._metrics.queued_orders.inc()
                 self._live.add(request.order.order_id)
-                order = request.order
-                indices = np.fromiter(order.indices, np.int64, len(order.indices))
-                self._orders.put_nowait((order, indices, time.monotonic()))
+                self._orders.put_nowait((request.order, checked, time.monotonic()))
                 # Its samples' bytes start coming now, where they are in an object store.
-                self._renderer.prefetch(self._spec, self._shards[order.shard_id], indices)
+                self._renderer.prefetch(self._spec, checked)
         except asyncio.CancelledError:
             pass
         except DecodeError as exc:  # a message that is not a StreamRequest
@@ -301,31 +297,22 @@ class OrderStream:
                 )
         return None
 
-    def _check(self, request: loader_pb2.StreamRequest) -> _End | None:
-        """Why an order cannot be served, or None."""
+    def _check(self, request: loader_pb2.StreamRequest) -> Samples | _End:
+        """The samples an order asks for, or why it cannot be served."""
         c = self._config
         if request.WhichOneof("kind") != "order":
             return _End(grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a stream may be a Setup")
         order = request.order
-        if order.shard_id not in self._shards:
-            return _End(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"order {order.order_id}: no shard {order.shard_id!r} on "
-                f"this server; it holds {', '.join(self._shards)}",
-            )
         n = len(order.indices)
         if not 0 < n <= c.max_order_samples:
             return _End(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"order {order.order_id} has {n} samples; expected 1..{c.max_order_samples} (max_order_samples)",
             )
-        size = len(self._shards[order.shard_id])
-        if max(order.indices) >= size:
-            return _End(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"order {order.order_id}: index {max(order.indices)} is "
-                f"out of range for shard {order.shard_id} of {size} samples",
-            )
+        try:
+            samples = Samples.of_order(order, self._shards)
+        except OrderError as exc:
+            return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id}: {exc}")
         if order.order_id in self._live:  # (its chunks, its cancel, its end could not be told apart)
             return _End(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -336,7 +323,7 @@ class OrderStream:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"more than max_inflight_orders={c.max_inflight_orders} orders in flight on one stream",
             )
-        return None
+        return samples
 
     async def _start_orders(self) -> None:
         """Starts the orders the reader passes on, in turn; passes on the end of the stream."""
@@ -359,31 +346,30 @@ class OrderStream:
             log.exception("stream starter failed")
             self._queue.put_nowait(_End(grpc.StatusCode.INTERNAL, f"server error: {type(exc).__name__}: {exc}"))
 
-    async def _start_order(self, order: loader_pb2.Order, indices: np.ndarray, received: float, per_chunk: int) -> None:
-        """Starts rendering an order (its sample ``indices``) chunk by chunk, each into a slot of
-        its own, and queues the chunks; stops where the client cancelled it."""
-        shard = self._shards[order.shard_id]
-        seeds = sample_seeds(order.seed, order.epoch, shard_key(shard.id), indices)
-        shareable = not (self._exclusive or isinstance(shard, SyntheticShard))
-        for start in range(0, len(indices), per_chunk):
+    async def _start_order(self, order: loader_pb2.Order, samples: Samples, received: float, per_chunk: int) -> None:
+        """Starts rendering an order's ``samples`` chunk by chunk, each into a slot of its own,
+        and queues the chunks; stops where the client cancelled it."""
+        seeds = samples.seeds(order.seed, order.epoch)
+        for start in range(0, len(samples), per_chunk):
             if order.order_id in self._cancelled:
                 self._queue.put_nowait(_Cut(order, received))
                 return
-            count = min(per_chunk, len(indices) - start)
-            part = indices[start : start + count]
-            key = ChunkKey.of(self._spec, shard.id, order.seed, order.epoch, part) if shareable else None
+            count = min(per_chunk, len(samples) - start)
+            part = samples[start : start + count]
+            shareable = not (self._exclusive or part.synthetic)
+            key = ChunkKey.of(self._spec, part, order.seed, order.epoch) if shareable else None
             if self._limiter is not None and not self._renders.has(key):
                 await self._limiter.take(count)
 
-            def render(slot: int, part: np.ndarray = part, chunk_seeds: list[int] = seeds[start : start + count]):
+            def render(slot: int, part: Samples = part, chunk_seeds: list[int] = seeds[start : start + count]):
                 job = self._slots.job(self._slot_counts)  # (its weight as of now)
-                return self._renderer.render(self._spec, shard, part, chunk_seeds, slot, job)
+                return self._renderer.render(self._spec, part, chunk_seeds, slot, job)
 
             slot, future, joined = await self._renders.start(self._slot_counts, key, render)
             if not joined:
                 self._metrics.images_rendered.inc(count)
                 self._job_rendered.inc(count)
-            self._queue.put_nowait(_Pending(order, shard, indices, start, count, slot, future, received, joined))
+            self._queue.put_nowait(_Pending(order, samples, start, count, slot, future, received, joined))
 
     async def _write_chunk(self, item: _Pending) -> None:
         lent = False
@@ -399,7 +385,7 @@ class OrderStream:
         finally:
             if not lent:  # (a lent slot comes back by its Release, or when the stream ends)
                 self._slots.give_when_done(self._slot_counts, item.slot, item.future)
-        if item.start + item.size == len(item.indices):
+        if item.start + item.size == len(item.samples):
             self._finish(item.order, item.received)
 
     def _finish(self, order: loader_pb2.Order, received: float) -> None:
@@ -415,21 +401,21 @@ class OrderStream:
         slot lent under that ticket) where they lie in the arena."""
         spec = self._spec
         errors, targets = rendered
-        indices = item.indices[item.start : item.start + item.size]
+        part = item.samples[item.start : item.start + item.size]
         header = loader_pb2.ChunkHeader(
             order_id=item.order.order_id,
             start=item.start,
             count=item.size,
-            order_size=len(item.indices),
+            order_size=len(item.samples),
             height=spec.height,
             width=spec.width,
             channels=limits.CHANNELS,
-            labels=item.shard.labels[indices].tolist(),
+            labels=part.labels(),
             errors=[
                 loader_pb2.SampleError(
                     position=item.start + pos,
-                    index=int(indices[pos]),
-                    key=item.shard.key(int(indices[pos])),
+                    index=int(part.indices[pos]),
+                    key=part.key(pos),
                     reason=reason,
                 )
                 for pos, reason in errors
@@ -440,7 +426,7 @@ class OrderStream:
         for record in targets:
             header.targets.add().MergeFromString(record)
         # Raw, or each sample as its worker encoded it (Setup.wire): what travels is counted.
-        pixels, sizes = self._renderer.payload(spec, item.shard, self._slots.arena, item.slot, item.size, errors)
+        pixels, sizes = self._renderer.payload(spec, part, self._slots.arena, item.slot, item.size, errors)
         header.encoded_sizes.extend(sizes)
         nbytes = sum(sizes) if sizes else len(pixels)
         if ticket:  # raw pixels (pipeline_checks), left in the slot the client maps

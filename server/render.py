@@ -17,14 +17,16 @@ while a worker may still write into it. Invariants kept here:
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import numpy as np
 
 from remoteloader.protos import limits, loader_pb2
 from remoteloader.protos.wire import RAW
-from remoteloader.server.catalog import Location, Shard, SyntheticShard
+from remoteloader.server.catalog import Location, Shard
 from remoteloader.server.fair_queue import Job
 from remoteloader.server.object_cache import ObjectCache
+from remoteloader.server.order_samples import Samples
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
 from remoteloader.server.targets import MASK
@@ -58,32 +60,36 @@ class Renderer:
             s.id: s.verified.copy() if s.verified is not None else np.zeros(len(s), np.bool_) for s in shards
         }
 
-    def prefetch(self, spec: PipelineSpec, shard: Shard, indices: np.ndarray) -> None:
-        """An order arrived: starts fetching its samples' bytes from their object store (if they
-        are in one), so that they are on this machine when its chunks are rendered."""
-        if self.objects is not None and shard.remote:
-            self.objects.prefetch(_ranges(spec, shard, indices)[0])
+    def prefetch(self, spec: PipelineSpec, samples: Samples) -> None:
+        """An order arrived: starts fetching its samples' bytes from their object store (those
+        that are in one), so that they are on this machine when its chunks are rendered."""
+        if self.objects is not None and samples.remote:
+            located = [shard.locate(index) for shard, index in samples.pairs()]
+            self.objects.prefetch(_fetches(spec, samples, located).ranges)
 
     def render(
-        self, spec: PipelineSpec, shard: Shard, indices: np.ndarray, seeds: list[int], slot: int, job: Job
+        self, spec: PipelineSpec, samples: Samples, seeds: list[int], slot: int, job: Job
     ) -> asyncio.Future[Rendered]:
         """Starts rendering samples into a slot, as ``job``'s work; the future gives their Rendered
         once all are done."""
-        if isinstance(shard, SyntheticShard):  # transport benchmark: the slot already holds pixels
+        if samples.synthetic:  # transport benchmark: the slot already holds pixels
             future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
-            future.set_result(Rendered([], [b""] * len(indices) if spec.fields else []))
+            future.set_result(Rendered([], [b""] * len(samples) if spec.fields else []))
             return future
-        if self.objects is None or not shard.remote:
-            positions = indices.tolist()
-            located = [shard.locate(i) for i in positions]
-            return self._render(spec, shard, indices, seeds, slot, job, located, [shard.failure(i) for i in positions])
-        ranges, owners = _ranges(spec, shard, indices)
-        held = self.objects.held_locally(ranges)
+        located = [shard.locate(index) for shard, index in samples.pairs()]
+        failures = [shard.failure(index) for shard, index in samples.pairs()]
+        if self.objects is None or not samples.remote:
+            return self._render(spec, samples, seeds, slot, job, located, failures)
+        fetches = _fetches(spec, samples, located)
+        held = self.objects.held_locally(fetches.ranges)
         if held is None:  # some bytes are still to come: the chunk starts when they are here
-            return asyncio.ensure_future(self._render_fetched(spec, shard, indices, seeds, slot, job, ranges, owners))
+            fetched = self._render_fetched(spec, samples, seeds, slot, job, located, failures, fetches)
+            return asyncio.ensure_future(fetched)
         # All here already (a later epoch): the tasks start now, not a few loop turns from now.
-        known = [shard.failure(i) for i in indices.tolist()]
-        future = self._render(spec, shard, indices, seeds, slot, job, held[: len(indices)], known)
+        for pos, location in zip(fetches.owners[: fetches.own], held):
+            located[pos] = location
+        future = self._render(spec, samples, seeds, slot, job, located, failures)
+        ranges = fetches.ranges
         objects = self.objects
 
         def release(_done: asyncio.Future[Rendered]) -> None:
@@ -95,33 +101,33 @@ class Renderer:
     async def _render_fetched(
         self,
         spec: PipelineSpec,
-        shard: Shard,
-        indices: np.ndarray,
+        samples: Samples,
         seeds: list[int],
         slot: int,
         job: Job,
-        ranges: list[Location],
-        owners: list[int],
+        located: list[Location],
+        failures: list[str],
+        fetches: _Fetches,
     ) -> Rendered:
-        """Renders samples of an object store once their ``ranges`` (each for the sample in
-        ``owners``) are local; a fetch that failed fails its sample with the reason."""
+        """Renders samples once the byte ranges of those in an object store (``fetches``) are
+        local; a fetch that failed fails its sample with the reason."""
         objects = self.objects
         assert objects is not None
+        ranges = fetches.ranges
         try:  # (fetch pins the objects before its first await: released even if cancelled)
             reasons = await objects.fetch(ranges)
-            located = [objects.local(location) for location in ranges[: len(indices)]]
-            failures = [shard.failure(i) for i in indices.tolist()]
-            for owner, reason in zip(owners, reasons):  # its image's, or its mask member's
+            for pos, location in zip(fetches.owners[: fetches.own], ranges):
+                located[pos] = objects.local(location)
+            for owner, reason in zip(fetches.owners, reasons):  # its image's, or its mask member's
                 failures[owner] = failures[owner] or reason
-            return await asyncio.shield(self._render(spec, shard, indices, seeds, slot, job, located, failures))
+            return await asyncio.shield(self._render(spec, samples, seeds, slot, job, located, failures))
         finally:
             objects.release(ranges)
 
     def _render(
         self,
         spec: PipelineSpec,
-        shard: Shard,
-        indices: np.ndarray,
+        samples: Samples,
         seeds: list[int],
         slot: int,
         job: Job,
@@ -131,22 +137,27 @@ class Renderer:
         """Starts the worker tasks of a chunk whose samples are at ``located`` (those with a
         ``failures`` reason fail with it)."""
         cache = self.cache
-        samples, fills = [], []
-        decoded = self._decoded[shard.id]
-        for pos, index in enumerate(indices.tolist()):
+        tasks: list[TaskSample | None] = []  # None: a --synthetic sample, never decoded
+        fills = []
+        pairs = list(samples.pairs())
+        generated = samples.generated().tolist()
+        for pos, (shard, index) in enumerate(pairs):
+            if generated[pos]:
+                tasks.append(None)
+                continue
             path, offset, length, _ = located[pos]
             mode, cache_offset = cache.plan(shard.id, index, length) if cache is not None else (PLAIN_READ, 0)
             if mode == CACHE_FILL:
-                fills.append((pos, index, cache_offset))
+                fills.append((pos, shard.id, index, cache_offset))
             stored = shard.targets(index) if spec.fields else b""
-            samples.append(
+            tasks.append(
                 TaskSample(
                     path=path,
                     offset=offset,
                     length=length,
                     cache_mode=mode,
                     cache_offset=cache_offset,
-                    verified=bool(decoded[index]),
+                    verified=bool(self._decoded[shard.id][index]),
                     targets=stored,
                     source=shard.source,
                     failure=failures[pos],
@@ -154,31 +165,30 @@ class Renderer:
             )
         # Split the chunk so that all workers share it (a task each), in tasks of
         # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
-        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(samples) // self.pool.size)))
-        firsts = _cut(samples, size)
+        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(tasks) // self.pool.size)))
+        spans = _cut(tasks, size)
         parts = [
-            self.pool.submit(Task(slot, first, spec, samples[first:end], seeds[first:end], len(samples), job))
-            for first, end in zip(firsts, [*firsts[1:], len(samples)])
+            self.pool.submit(Task(slot, first, spec, tasks[first:end], seeds[first:end], len(tasks), job))  # type: ignore[arg-type]
+            for first, end in spans
         ]
-        future = _merge(parts, firsts, len(samples), bool(spec.fields))
+        future = _merge(parts, spans, len(tasks), bool(spec.fields))
 
         def done(f: asyncio.Future[Rendered]) -> None:
-            # What decoded cleanly may be region-decoded next time, and its cache fill stands.
+            # What decoded cleanly may be region-decoded next time (what failed is decoded whole
+            # again), and its cache fill stands.
             failed = {pos for pos, _ in f.result().errors} if not f.cancelled() else None
             if failed is not None:
-                ok = np.ones(len(indices), np.bool_)
-                ok[list(failed)] = False
-                decoded[indices[~ok]] = False  # decoded whole again next time
-                decoded[indices[ok]] = True
+                for pos, (shard, index) in enumerate(pairs):
+                    self._decoded[shard.id][index] = pos not in failed
             if cache is not None:
-                for pos, index, cache_offset in fills:
-                    cache.filled(shard.id, index, cache_offset, failed is not None and pos not in failed)
+                for pos, shard_id, index, cache_offset in fills:
+                    cache.filled(shard_id, index, cache_offset, failed is not None and pos not in failed)
 
         future.add_done_callback(done)
         return future
 
     def payload(
-        self, spec: PipelineSpec, shard: Shard, arena: Arena, slot: int, count: int, errors: list[tuple[int, str]]
+        self, spec: PipelineSpec, samples: Samples, arena: Arena, slot: int, count: int, errors: list[tuple[int, str]]
     ) -> tuple[memoryview | list[memoryview], list[int]]:
         """A rendered chunk's pixels as they travel, and its ChunkHeader.encoded_sizes: the slot's
         raw pixels (and masks), or with a wire encoding each sample's encoded image (then mask)
@@ -187,7 +197,8 @@ class Renderer:
         mask = spec.height * spec.width if MASK in spec.fields else 0
         if spec.wire == RAW:
             return arena.view(slot, count * (image + mask)), []
-        if isinstance(shard, SyntheticShard):  # its pixels were never rendered, so never encoded: raw
+        generated = samples.generated()
+        if generated.all():  # its pixels were never rendered, so never encoded: raw
             sizes = [image] * count + [mask] * (count if mask else 0)
         else:
             table = np.frombuffer(
@@ -203,6 +214,10 @@ class Renderer:
                 sizes[pos] = 0
                 if mask:
                     sizes[count + pos] = 0
+            for pos in np.flatnonzero(generated).tolist():  # (no task wrote theirs: raw)
+                sizes[pos] = image
+                if mask:
+                    sizes[count + pos] = mask
         assert all(size <= image for size in sizes[:count]) and all(size <= mask for size in sizes[count:]), (
             "a worker wrote an encoded size over its raw size"
         )
@@ -214,27 +229,33 @@ class Renderer:
         return pieces, sizes
 
 
-def _cut(samples: list[TaskSample], size: int) -> list[int]:
-    """The first sample of each task: every ``size`` samples, and sooner where the samples' stored
-    targets would pass TASK_TARGET_BYTES."""
-    firsts = [0]
-    count = held = 0
+def _cut(samples: list[TaskSample | None], size: int) -> list[tuple[int, int]]:
+    """The span (first, end) of each task: every ``size`` samples, and sooner where the samples'
+    stored targets would pass TASK_TARGET_BYTES; no task holds a None (a sample not decoded)."""
+    spans = []
+    first = count = held = 0
     for i, sample in enumerate(samples):
-        stored = len(sample.targets)
-        if count and (count == size or held + stored > TASK_TARGET_BYTES):
-            firsts.append(i)
+        stored = len(sample.targets) if sample is not None else 0
+        if count and (sample is None or count == size or held + stored > TASK_TARGET_BYTES):
+            spans.append((first, i))
             count = held = 0
+        if sample is None:
+            continue
+        if not count:
+            first = i
         count += 1
         held += stored
-    return firsts if samples else []
+    if count:
+        spans.append((first, len(samples)))
+    return spans
 
 
 def _merge(
-    parts: list[asyncio.Future[Rendered]], firsts: list[int], count: int, with_targets: bool
+    parts: list[asyncio.Future[Rendered]], spans: list[tuple[int, int]], count: int, with_targets: bool
 ) -> asyncio.Future[Rendered]:
-    """One future for a chunk's ``count`` samples from its tasks: their errors, with positions
-    relative to the chunk, and (``with_targets``) one record per sample, in order (b"" for the
-    samples of a task that failed whole).
+    """One future for a chunk's ``count`` samples from its tasks (each over its span of them):
+    their errors, with positions relative to the chunk, and (``with_targets``) one record per
+    sample, in order (b"" for the samples of a task that failed whole, and of none).
 
     Unlike gather, it completes only when every part has, so the slot is never released
     while a worker may still write into it.
@@ -243,34 +264,48 @@ def _merge(
     merged: asyncio.Future[Rendered] = loop.create_future()
     remaining = [len(parts)]
 
-    def done(_f: asyncio.Future[Rendered]) -> None:
+    def done(_f: asyncio.Future[Rendered] | None = None) -> None:
         remaining[0] -= 1
-        if remaining[0] == 0 and not merged.done():
+        if remaining[0] <= 0 and not merged.done():
             errors: list[tuple[int, str]] = []
-            targets: list[bytes] = []
-            for first, end, part in zip(firsts, [*firsts[1:], count], parts):
+            targets: list[bytes] = [b""] * count if with_targets else []
+            for (first, end), part in zip(spans, parts):
                 rendered = part.result()
                 errors.extend((first + pos, reason) for pos, reason in rendered.errors)
-                if with_targets:
-                    targets.extend(rendered.targets if len(rendered.targets) == end - first else [b""] * (end - first))
+                if with_targets and len(rendered.targets) == end - first:
+                    targets[first:end] = rendered.targets
             merged.set_result(Rendered(errors, targets))
 
     for part in parts:
         part.add_done_callback(done)
+    if not parts:  # (none of its samples is decoded)
+        done()
     return merged
 
 
-def _ranges(spec: PipelineSpec, shard: Shard, indices: np.ndarray) -> tuple[list[Location], list[int]]:
-    """The byte ranges a chunk's samples are read from, and the sample each is for: the samples'
-    own, then (when the stream asks for masks) the mask members of those that have one."""
-    located = [shard.locate(i) for i in indices.tolist()]
-    owners = list(range(len(located)))
+class _Fetches(NamedTuple):
+    """The byte ranges to fetch from object stores for a chunk's samples that are in one: first
+    the samples' own (``own`` of them), then (when the stream asks for masks) the mask members of
+    those that have one; ``owners``: the chunk position of the sample each range is for."""
+
+    ranges: list[Location]
+    owners: list[int]
+    own: int
+
+
+def _fetches(spec: PipelineSpec, samples: Samples, located: list[Location]) -> _Fetches:
+    """What to fetch for ``samples``, whose bytes are at ``located`` (their shards' own places)."""
+    remote = [pos for pos, (shard, _) in enumerate(samples.pairs()) if shard.remote]
+    ranges = [located[pos] for pos in remote]
+    owners = list(remote)
     if MASK in spec.fields:
-        for pos, (index, location) in enumerate(zip(indices.tolist(), located[:])):
+        pairs = list(samples.pairs())
+        for pos in remote:
+            shard, index = pairs[pos]
             record = shard.targets(index)
             if record:
                 stored = loader_pb2.Targets.FromString(record)
                 if stored.mask_length:
-                    located.append(location._replace(offset=stored.mask_offset, length=stored.mask_length))
+                    ranges.append(located[pos]._replace(offset=stored.mask_offset, length=stored.mask_length))
                     owners.append(pos)
-    return located, owners
+    return _Fetches(ranges, owners, len(remote))

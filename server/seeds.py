@@ -40,8 +40,9 @@ def shard_key(shard_id: str) -> int:
     return int(hashlib.sha256(shard_id.encode()).hexdigest()[:16], 16)
 
 
-def sample_seeds(seed: int, epoch: int, shard_key: int, indices: np.ndarray) -> list[int]:
-    """64-bit per-sample seeds from (seed, epoch, shard, index): two splitmix64 rounds over a mix."""
+def sample_seeds(seed: int, epoch: int, shard_key: int | np.ndarray, indices: np.ndarray) -> list[int]:
+    """64-bit per-sample seeds from (seed, epoch, shard, index): two splitmix64 rounds over a mix.
+    ``shard_key``: the samples' shard's, or each sample's (a uint64 array beside ``indices``)."""
     with np.errstate(over="ignore"):
         x = np.uint64(seed) * np.uint64(GOLDEN) ^ np.uint64(epoch) * np.uint64(_M1)
         x = indices.astype(np.uint64) * np.uint64(_M2) ^ x ^ np.uint64(shard_key)

@@ -23,6 +23,7 @@ from remoteloader.protos.jobs import job_name_error, parse_weights
 from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.describe import ShardPages
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_stream import OrderStream, serialize_chunk
@@ -66,6 +67,7 @@ class LoaderService:
     ):
         self.config = config
         self.shards = {s.id: s for s in shards}
+        self.pages = ShardPages(shards)
         self.checks = checks
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
         self.slots = Slots(arena, config.stall_timeout)
@@ -125,12 +127,8 @@ class LoaderService:
         self, request: loader_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> loader_pb2.DescribeResponse:
         c = self.config
-        return loader_pb2.DescribeResponse(
+        response = loader_pb2.DescribeResponse(
             version=VERSION,
-            shards=[
-                loader_pb2.Shard(id=s.id, name=s.name, num_samples=len(s), class_names=s.class_names, fields=s.fields)
-                for s in self.shards.values()
-            ],
             pipelines=list(PRESETS),
             custom_pipelines=c.allow_custom_pipelines,
             min_image_size=c.min_image_size,
@@ -144,6 +142,11 @@ class LoaderService:
             local_socket=self.local_socket,
             host_id=self.host_id,
         )
+        try:
+            self.pages.fill(response, request.shard_start)
+        except ValueError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return response
 
     async def GetKeys(
         self, request: loader_pb2.GetKeysRequest, context: grpc.aio.ServicerContext

@@ -1,9 +1,9 @@
 """One rendering for every stream that asks for the same chunk: concurrent jobs share the decode.
 
 A chunk's pixels, targets and errors are a function of its ``ChunkKey``: the stream's
-pipeline spec (preset or albumentations JSON, size, fields, wire), the shard, the order's
-seed and epoch, and the chunk's sample indices (server.seeds derives every random draw from
-these). Two streams that would render the same key (two jobs of a sweep over one plan, say)
+pipeline spec (preset or albumentations JSON, size, fields, wire), the order's seed and
+epoch, and the chunk's samples, each one's shard and index (server.seeds derives every random
+draw from these). Two streams that would render the same key (two jobs of a sweep over one plan, say)
 get one rendering, written into one slot, and each writes its own chunk from it: same
 order ids as each asked, same exactly-once bookkeeping on each client. Sharing is found,
 never assumed: chunks that differ in any part of the key render apart, as do streams whose
@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from remoteloader.server.order_samples import Samples
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.slots import Slots, StreamSlots
 from remoteloader.server.worker_pool import Rendered
@@ -41,14 +42,14 @@ class ChunkKey(NamedTuple):
     """What a chunk's rendering depends on, and all it depends on."""
 
     spec: PipelineSpec
-    shard: str
+    shards: tuple[str, ...]  # each sample's shard id
     seed: int
     epoch: int
-    indices: bytes  # the chunk's sample indices, int64
+    indices: bytes  # each sample's index in its shard, int64
 
     @classmethod
-    def of(cls, spec: PipelineSpec, shard: str, seed: int, epoch: int, indices: np.ndarray) -> ChunkKey:
-        return cls(spec, shard, seed, epoch, np.ascontiguousarray(indices, np.int64).tobytes())
+    def of(cls, spec: PipelineSpec, samples: Samples, seed: int, epoch: int) -> ChunkKey:
+        return cls(spec, samples.shard_ids(), seed, epoch, np.ascontiguousarray(samples.indices, np.int64).tobytes())
 
 
 class Started(NamedTuple):

@@ -216,7 +216,7 @@ def test_every_chunk_header_says_how_busy_the_servers_workers_are(cluster, datas
         stream = channel.stream_stream(method_name, request_serializer=loader_pb2.StreamRequest.SerializeToString,
                                        response_deserializer=codec.decode_chunk)
         requests = [loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline="eval", height=96, width=96))]
-        requests += [loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=k, shard_id=shard.id,
+        requests += [loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=k, shard_ids=[shard.id],
                                                                      indices=range(16 * k, 16 * k + 16)))
                      for k in range(2)]
         busy = [chunk.header.workers_busy for chunk in stream(iter(requests), timeout=60)]

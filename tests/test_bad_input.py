@@ -248,7 +248,7 @@ def test_stream_reports_bad_samples_in_chunk_headers(data):
     n = shard.num_samples
     chunks = open_stream(data.address, [
         loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline="eval", height=SIZE, width=SIZE)),
-        loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=77, shard_id=shard.id, indices=list(range(n)))),
+        loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=77, shard_ids=[shard.id], indices=list(range(n)))),
     ])
     assert chunks and all(c.header.order_id == 77 for c in chunks)
     assert sum(c.header.count for c in chunks) == n
@@ -284,7 +284,7 @@ def test_identical_custom_setups_at_once_share_one_check(data):
     results = []
 
     def stream() -> None:
-        order = loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_id=shard, indices=[0]))
+        order = loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_ids=[shard], indices=[0]))
         results.append(sum(c.header.count for c in open_stream(data.address, [custom_setup(slow, size), order])))
 
     streams = [threading.Thread(target=stream) for _ in range(4)]

@@ -153,9 +153,10 @@ def space(shards: dict[str, tuple[int, list[str]]]) -> SampleSpace:
     describes: dict[str, loader_pb2.DescribeResponse] = {}
     for shard_id, (samples, owners) in shards.items():
         for address in owners:
-            describe = describes.setdefault(address, loader_pb2.DescribeResponse())
-            classes = [str(i) for i in range(10)]
-            describe.shards.add(id=shard_id, name=shard_id, num_samples=samples, class_names=classes)
+            if address not in describes:
+                describes[address] = loader_pb2.DescribeResponse()
+                describes[address].class_lists.add(names=[str(i) for i in range(10)])
+            describes[address].shards.add(id=shard_id, name=shard_id, num_samples=samples, class_list=1)
     return SampleSpace(describes)
 
 
@@ -169,8 +170,18 @@ def engine_of(links: list[FakeLink], *, prefetch: int = 8, ordered: bool = True,
     return engine
 
 
+class Listed(list):
+    """Batches given whole, as the engine takes a plan's (assembly.PlannedBatches)."""
+
+    def size(self, k: int) -> int:
+        return len(self[k])
+
+    def samples_from(self, k: int) -> int:
+        return sum(len(b) for b in self[max(0, k):])
+
+
 async def start(engine: Engine, sample_space: SampleSpace, batches: list[np.ndarray], **kw) -> queue.Queue:
-    await engine.start_epoch(token=7, epoch=0, batches=batches, first_seq=kw.pop("first_seq", 0),
+    await engine.start_epoch(token=7, epoch=0, batches=Listed(batches), first_seq=kw.pop("first_seq", 0),
                              space=sample_space, skip=kw.pop("skip", frozenset()))
     return engine.out
 
@@ -201,18 +212,40 @@ def run(test) -> None:
 
 
 # ---- dispatch --------------------------------------------------------------------------------
-def test_batches_are_split_by_shard_and_order_size_and_dispatched_up_to_prefetch():
+def test_a_batch_over_many_shards_of_one_server_is_one_order():
+    async def test():
+        a = FakeLink("a", max_inflight=100)
+        ids = [f"s{k:03d}" for k in range(200)]
+        sp = space({shard_id: (4, ["a"]) for shard_id in ids})
+        engine = engine_of([a], prefetch=1)
+        batch = np.random.default_rng(0).permutation(800)[:256]  # a shuffled batch touches most of the shards
+        await start(engine, sp, [batch])
+        (order,) = a.sent
+        assert order.positions.tolist() == list(range(256))
+        assert np.array_equal(sp.offsets(order.shards) + order.local, batch)
+        assert len(np.unique(order.shards)) > 150
+        engine.close()
+
+    run(test)
+
+
+def test_batches_are_split_by_owners_and_order_size_and_dispatched_up_to_prefetch():
     async def test():
         a = FakeLink("a", max_order_samples=3, max_inflight=100)
-        sp = space({"s0": (10, ["a"]), "s1": (10, ["a"])})
-        engine = engine_of([a], prefetch=2)
-        batches = [np.array([0, 1, 12, 2, 13]), np.array([3, 4, 5, 6, 7]), np.array([8, 9, 10, 11, 14])]
+        b = FakeLink("b", max_order_samples=3, max_inflight=100)
+        sp = space({"s0": (10, ["a"]), "s1": (10, ["a"]), "s2": (10, ["b"])})
+        engine = engine_of([a, b], prefetch=2)
+        batches = [np.array([0, 1, 12, 2, 13, 21]), np.array([3, 4, 5, 6, 7]), np.array([8, 9, 10, 11, 14])]
         out = await start(engine, sp, batches)
-        # Two batches ahead of the consumer: batch 0 (shard s0: 3 samples; s1: 2), batch 1 (s0: 3 + 2).
-        assert [(o.batch.seq, o.shard.id, o.local.tolist()) for o in a.sent] == [
-            (0, "s0", [0, 1, 2]), (0, "s1", [2, 3]), (1, "s0", [3, 4, 5]), (1, "s0", [6, 7])]
-        assert [o.positions.tolist() for o in a.sent[:2]] == [[0, 1, 3], [2, 4]]
+        # Two batches ahead of the consumer: batch 0 (server a: 3 + 2 samples of s0 and s1; b: 1 of s2),
+        # batch 1 (a: 3 + 2).
+        assert [(o.batch.seq, o.shards.tolist(), o.local.tolist()) for o in a.sent] == [
+            (0, [0, 0, 1], [0, 1, 2]), (0, [0, 1], [2, 3]), (1, [0, 0, 0], [3, 4, 5]), (1, [0, 0], [6, 7])]
+        assert [o.positions.tolist() for o in a.sent[:2]] == [[0, 1, 2], [3, 4]]
+        assert [(o.batch.seq, o.shards.tolist(), o.local.tolist(), o.positions.tolist()) for o in b.sent] == [
+            (0, [2], [1], [5])]
         a.answer_all()
+        b.answer_all()
         assert [b.seq for b in drain(out)] == [0, 1]
         engine.consumed(engine.token)  # the consumer took one: the third batch goes out
         assert [o.batch.seq for o in a.sent[4:]] == [2, 2]

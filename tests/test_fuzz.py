@@ -113,7 +113,12 @@ class Fuzzer:
             indices = [self._int(64) for _ in range(r.randint(1, 4))]
         else:
             indices = [r.randrange(N) for _ in range(r.randint(1, 4))] + [r.choice([N, U64, 1 << 63])]
-        return loader_pb2.Order(order_id=self._int(64), shard_id=self._shard(), indices=indices,
+        # Usually one shard; else several (the same one twice, too) and each sample's position among
+        # them, which may be missing, short, long or past them.
+        shard_ids = [self._shard() for _ in range(1 if r.random() < 0.7 else r.randint(0, 3))]
+        count = max(0, len(indices) + r.choice([-1, 0, 0, 1]))
+        shards = [] if r.random() < 0.7 else [r.choice([0, 0, 1, 2, 3, U32]) for _ in range(count)]
+        return loader_pb2.Order(order_id=self._int(64), shard_ids=shard_ids, shards=shards, indices=indices,
                                 seed=self._int(64), epoch=self._int(64))
 
     def _mutate(self, data: bytes) -> bytes:

@@ -126,6 +126,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
 
     from remoteloader.server.fair_queue import Job
     from remoteloader.server.formats import open_shards
+    from remoteloader.server.order_samples import Samples
     from remoteloader.server.pipelines import PipelineSpec
     from remoteloader.server.render import Renderer
     from remoteloader.server.shared_memory import Arena
@@ -142,7 +143,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
             renderer = Renderer([shard], pool, None)
             first = [w.process.pid for w in pool._workers]
             stop_all(first)
-            pending = renderer.render(spec, shard, np.arange(4), [0, 1, 2, 3], 0, Job())
+            pending = renderer.render(spec, Samples.of_shard(shard, np.arange(4)), [0, 1, 2, 3], 0, Job())
             while [w.process.pid for w in pool._workers] == first:  # replaced after 1 s of silence
                 await asyncio.sleep(0.05)
             assert pool.silent_for() < 1.0
@@ -152,7 +153,8 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
             # first task on a loaded machine (CI failed so: a third and fourth "stall"), and the test
             # of timeouts is over.
             pool.worker_timeout = 30.0
-            served = await asyncio.wait_for(renderer.render(spec, shard, np.arange(4), [0, 1, 2, 3], 1, Job()), 30)
+            samples = Samples.of_shard(shard, np.arange(4))
+            served = await asyncio.wait_for(renderer.render(spec, samples, [0, 1, 2, 3], 1, Job()), 30)
             return stalled, served, pool.stalls, pool.workers
         finally:
             pool.close()

@@ -97,7 +97,7 @@ def _setup(pipeline: str = "eval", size: int = SIZE) -> loader_pb2.StreamRequest
 
 
 def _order(order_id: int, shard_id: str, indices, seed: int = 0) -> loader_pb2.StreamRequest:
-    return loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=order_id, shard_id=shard_id,
+    return loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=order_id, shard_ids=[shard_id],
                                                            indices=list(indices), seed=seed))
 
 

@@ -114,7 +114,7 @@ class Stream:
     def order(self, order_id: int, shard_id: str, indices, seed: int = 7) -> None:
         self.requests.put(
             loader_pb2.StreamRequest(
-                order=loader_pb2.Order(order_id=order_id, shard_id=shard_id, indices=list(indices), seed=seed)
+                order=loader_pb2.Order(order_id=order_id, shard_ids=[shard_id], indices=list(indices), seed=seed)
             )
         )
 

@@ -172,7 +172,7 @@ def _describe(channel, metadata=None, timeout: float = 10.0) -> loader_pb2.Descr
 def _setup_and_order(shard_id: str, setup: loader_pb2.Setup | None = None) -> list[loader_pb2.StreamRequest]:
     setup = setup or loader_pb2.Setup(pipeline="eval", height=SIZE, width=SIZE)
     return [loader_pb2.StreamRequest(setup=setup),
-            loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_id=shard_id, indices=[0, 1, 2]))]
+            loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_ids=[shard_id], indices=[0, 1, 2]))]
 
 
 # ---- TLS ------------------------------------------------------------------------------------

@@ -232,6 +232,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
 
     import numpy as np
 
+    from remoteloader.server.order_samples import Samples
     from remoteloader.server.pipelines import PipelineSpec
     from remoteloader.server.render import Renderer
     from remoteloader.server.shared_memory import Arena
@@ -240,6 +241,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
 
     (shard,) = open_shards([str(make_imagefolder(tmp_path / "data", ["a"], 8, size=(192, 256)))])
     spec = PipelineSpec("train", 64, 64)
+    eight = Samples.of_shard(shard, np.arange(8))
     window = 1.0
 
     async def run() -> tuple[float, float, float]:
@@ -250,7 +252,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
             renderer = Renderer([shard], pool, None)
             # Started and waiting: a warm-up task each, then a whole window with no work.
             await asyncio.gather(
-                *(renderer.render(spec, shard, np.arange(8), list(range(8)), s, Job()) for s in range(2))
+                *(renderer.render(spec, eight, list(range(8)), s, Job()) for s in range(2))
             )
             await asyncio.sleep(window * 1.2)
             idle = pool.busy_share()
@@ -259,7 +261,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
 
             async def keep_rendering(slot: int) -> None:  # four slots in turn keep two workers fed
                 while loop.time() < until:
-                    await renderer.render(spec, shard, np.arange(8), list(range(8)), slot, Job())
+                    await renderer.render(spec, eight, list(range(8)), slot, Job())
 
             await asyncio.gather(*(keep_rendering(s) for s in range(4)))
             saturated = pool.busy_share()
@@ -273,3 +275,36 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
     assert idle < 0.05, idle
     assert saturated > 0.9, saturated
     assert after < 0.05, after
+
+
+def test_an_order_over_several_shards_is_checked_and_each_sample_keeps_its_own_seed(tmp_path):
+    import numpy as np
+
+    from remoteloader.protos import loader_pb2
+    from remoteloader.server.catalog import SyntheticShard
+    from remoteloader.server.order_samples import OrderError, Samples
+    from remoteloader.server.seeds import sample_seeds, shard_key
+
+    a, b = SyntheticShard(5), SyntheticShard(7)
+    held = {a.id: a, b.id: b}
+    order = loader_pb2.Order(shard_ids=[b.id, a.id], shards=[0, 1, 1, 0], indices=[6, 0, 4, 3], seed=9, epoch=2)
+    samples = Samples.of_order(order, held)
+    assert [(s.id, i) for s, i in samples.pairs()] == [(b.id, 6), (a.id, 0), (a.id, 4), (b.id, 3)]
+    assert samples.labels() == [int(b.labels[6]), int(a.labels[0]), int(a.labels[4]), int(b.labels[3])]
+    # A sample's seed is a function of its shard and index alone: the same as in an order of its shard only.
+    alone = [sample_seeds(9, 2, shard_key(s.id), np.asarray([i]))[0] for s, i in samples.pairs()]
+    assert samples.seeds(9, 2) == alone
+    assert [s.id for s, _ in samples[1:3].pairs()] == [a.id, a.id]
+    one = Samples.of_order(loader_pb2.Order(shard_ids=[a.id], indices=[4, 1]), held)  # one shard: no positions
+    assert [(s.id, i) for s, i in one.pairs()] == [(a.id, 4), (a.id, 1)]
+    for bad, why in [
+        (dict(shard_ids=["nope"], indices=[0]), "no shard 'nope' on this server"),
+        (dict(shard_ids=[], indices=[0]), "names no shard"),
+        (dict(shard_ids=[a.id, a.id], shards=[0], indices=[0]), "a shard twice"),
+        (dict(shard_ids=[a.id, b.id], indices=[0]), "not which sample is of which"),
+        (dict(shard_ids=[a.id, b.id], shards=[0], indices=[0, 1]), "2 indices but 1 shard positions"),
+        (dict(shard_ids=[a.id, b.id], shards=[0, 2], indices=[0, 1]), "shard position 2 is past its 2 shard_ids"),
+        (dict(shard_ids=[a.id, b.id], shards=[1, 0], indices=[6, 5]), f"index 5 is out of range for shard {a.id} of 5"),
+    ]:
+        with pytest.raises(OrderError, match=why):
+            Samples.of_order(loader_pb2.Order(**bad), held)

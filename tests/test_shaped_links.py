@@ -48,7 +48,7 @@ def test_a_cancelled_order_sends_nothing_more_and_the_stream_goes_on(tmp_path):
             shard = offer.shards[0].id
             requests: queue.Queue = queue.Queue()
             requests.put(loader_pb2.StreamRequest(setup=loader_pb2.Setup(pipeline="eval", height=32, width=32)))
-            requests.put(loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_id=shard,
+            requests.put(loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=1, shard_ids=[shard],
                                                                          indices=list(range(200)))))
             method = channel.stream_stream(STREAM, request_serializer=loader_pb2.StreamRequest.SerializeToString,
                                            response_deserializer=codec.decode_chunk)
@@ -67,7 +67,7 @@ def test_a_cancelled_order_sends_nothing_more_and_the_stream_goes_on(tmp_path):
                 if header.order_id == 1 and received[1] == header.count:  # its first chunk: cancel the rest
                     requests.put(loader_pb2.StreamRequest(cancel=loader_pb2.Cancel(order_id=1)))
                     requests.put(loader_pb2.StreamRequest(cancel=loader_pb2.Cancel(order_id=99)))  # unknown: ignored
-                    requests.put(loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=2, shard_id=shard,
+                    requests.put(loader_pb2.StreamRequest(order=loader_pb2.Order(order_id=2, shard_ids=[shard],
                                                                                  indices=[0, 1, 2, 3])))
                 if received[2] == 4:
                     done.set()

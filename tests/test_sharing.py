@@ -106,7 +106,7 @@ SPEC = PipelineSpec("eval", SIZE, SIZE)
 
 
 def key(first: int, seed: int = 0, spec: PipelineSpec = SPEC) -> ChunkKey:
-    return ChunkKey.of(spec, "shard", seed, 0, np.arange(first, first + 4))
+    return ChunkKey(spec, ("shard",) * 4, seed, 0, np.arange(first, first + 4, dtype=np.int64).tobytes())
 
 
 class Renders:
