@@ -12,8 +12,12 @@ objects in a store, report the same id and are replicas of each other.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 from array import array
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,6 +34,55 @@ class CatalogError(ValueError):
     """The data path does not hold a usable dataset; the message says what was found."""
 
 
+class ShardWarning(NamedTuple):
+    """A warning about one shard, said once for all the shards that have it (``grouped_warnings``)."""
+
+    logger: str
+    many: str  # what the shards have, after their count: "tars have labels but no classes.txt ..."
+    example: str  # this shard in that line: its file's name, with its own numbers
+    message: str  # the whole warning, as said where it is the only shard that has it
+
+
+_gathered: contextvars.ContextVar[list[ShardWarning] | None] = contextvars.ContextVar(
+    "remoteloader_shard_warnings", default=None
+)
+EXAMPLES = 3  # shards named in a grouped warning
+
+
+def warn_shard(logger: logging.Logger, many: str, example: str, message: str) -> None:
+    """Warns about one shard: now, or while ``grouped_warnings`` gathers them (a server indexing
+    20,000 tars), in one line for all the shards that have the same ``many``."""
+    gathered = _gathered.get()
+    if gathered is None:
+        logger.warning("%s", message)
+    else:
+        gathered.append(ShardWarning(logger.name, many, example, message))
+
+
+@contextlib.contextmanager
+def grouped_warnings() -> Iterator[None]:
+    """Gathers ``warn_shard``'s warnings, then says each kind once: as it is for a single shard,
+    or "N <many>: e.g. a.tar (...), b.tar (...), ..." (each shard's own line at DEBUG)."""
+    gathered: list[ShardWarning] = []
+    token = _gathered.set(gathered)
+    try:
+        yield
+    finally:
+        _gathered.reset(token)
+        groups: dict[tuple[str, str], list[ShardWarning]] = {}
+        for warning in gathered:
+            groups.setdefault((warning.logger, warning.many), []).append(warning)
+        for (name, many), group in groups.items():
+            logger = logging.getLogger(name)
+            if len(group) == 1:
+                logger.warning("%s", group[0].message)
+                continue
+            for warning in group:
+                logger.debug("%s", warning.message)
+            examples = ", ".join(w.example for w in group[:EXAMPLES]) + (", ..." if len(group) > EXAMPLES else "")
+            logger.warning("%s %s: e.g. %s", f"{len(group):,}", many, examples)
+
+
 class Location(NamedTuple):
     """Where a sample's encoded bytes are: a file (or an object's URL), and a byte range in it;
     ``etag``: the version the object must still have (an object store's; "" where unchecked)."""
@@ -41,7 +94,16 @@ class Location(NamedTuple):
 
 
 class KeyTable:
-    """Append-only index under construction: keys in one blob, numbers in typed arrays."""
+    """Append-only index under construction: keys in one blob, numbers in typed arrays (or an
+    index loaded whole: the same fields as numpy arrays, which ``Shard`` keeps without a copy)."""
+
+    blob: Any
+    ends: Any
+    labels: Any
+    offsets: Any
+    sizes: Any
+    targets: Any
+    target_ends: Any
 
     def __init__(self):
         self.blob = bytearray()
@@ -86,6 +148,7 @@ class Shard:
     # why it could not be kept beside the file (formats/index.py).
     index_kept = ""
     index_error: OSError | None = None
+    scanned = False  # a file shard read whole at this start (no kept index matched it)
     # Samples known to be bad when indexed (a TFRecord record whose CRC fails), with why: they
     # fail with that reason when served. Few by nature: a dict, not an array per sample.
     failed: dict[int, str] = {}  # (replaced, never changed in place, by the formats that have any)
@@ -99,14 +162,15 @@ class Shard:
     def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str, fields=()):
         self.name = name
         self.id = fingerprint
-        self.class_names = list(class_names)
-        self._key_blob = bytes(table.blob)
-        self._key_ends = np.frombuffer(table.ends, dtype=np.int64).copy()
-        self.labels = np.frombuffer(table.labels, dtype=np.int64).copy()
-        self._offsets = np.frombuffer(table.offsets, dtype=np.int64).copy()
-        self._sizes = np.frombuffer(table.sizes, dtype=np.int64).copy()
-        self._targets = bytes(table.targets)
-        self._target_ends = np.frombuffer(table.target_ends, dtype=np.int64).copy()
+        # (shared, not copied: the shards of a folder have one list of class names between them)
+        self.class_names = class_names if isinstance(class_names, list) else list(class_names)
+        self._key_blob = _bytes(table.blob)
+        self._key_ends = _int64(table.ends)
+        self.labels = _int64(table.labels)
+        self._offsets = _int64(table.offsets)
+        self._sizes = _int64(table.sizes)
+        self._targets = _bytes(table.targets)
+        self._target_ends = _int64(table.target_ends)
         found = set(fields) | ({tg.LABEL} if len(self.labels) and bool(np.any(self.labels >= 0)) else set())
         # In the order of tg.FIELDS, then the extras by name.
         self.fields: tuple[str, ...] = tg.in_order(found)
@@ -121,12 +185,12 @@ class Shard:
 
     def key(self, index: int) -> str:
         start = int(self._key_ends[index - 1]) if index else 0
-        return self._key_blob[start : int(self._key_ends[index])].decode()
+        return str(self._key_blob[start : int(self._key_ends[index])], "utf-8")
 
     def targets(self, index: int) -> bytes:
         """The sample's serialized ``loader_pb2.Targets`` as its source gave them (b"": none)."""
         start = int(self._target_ends[index - 1]) if index else 0
-        return self._targets[start : int(self._target_ends[index])]
+        return bytes(self._targets[start : int(self._target_ends[index])])
 
     def locate(self, index: int) -> Location:
         raise NotImplementedError
@@ -148,17 +212,49 @@ class Shard:
         }
 
 
+def _int64(values: Any) -> np.ndarray:
+    """An index's int64 array: a loaded one as it is, one under construction (``array("q")``) copied."""
+    if isinstance(values, np.ndarray):
+        return values if values.dtype == np.int64 else values.astype(np.int64)
+    return np.frombuffer(values, dtype=np.int64).copy()
+
+
+def _bytes(values: Any) -> bytes | memoryview:
+    """An index's blob: a loaded one (a uint8 array) as a view of it, a bytearray copied once."""
+    if isinstance(values, np.ndarray):
+        return memoryview(values.data).cast("B") if len(values) else b""
+    return bytes(values)
+
+
 class SyntheticShard(Shard):
-    """``count`` samples that exist only as labels: for measuring the transport alone."""
+    """``count`` samples that exist only as labels: for measuring the transport alone.
+
+    Its keys and empty targets are computed, not stored; its labels take one byte a sample
+    (``count`` may be 100 million: a table of keys would take minutes and gigabytes)."""
 
     def __init__(self, count: int, num_classes: int = 10):
-        table = KeyTable()
-        for i in range(count):
-            table.add(f"synthetic/{i}", i % num_classes, 0, 0)
-        super().__init__(f"synthetic-{count}", table, [f"class{c:02d}" for c in range(num_classes)], f"syn-{count}")
+        self.name = f"synthetic-{count}"
+        self.id = f"syn-{count}"
+        self.class_names = [f"class{c:02d}" for c in range(num_classes)]
+        kind = np.int8 if num_classes <= 128 else np.int32
+        self.labels = np.tile(np.arange(num_classes, dtype=kind), -(-count // num_classes))[:count]
+        self.fields = (tg.LABEL,) if count else ()
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def key(self, index: int) -> str:
+        return f"synthetic/{index}"
+
+    def targets(self, index: int) -> bytes:
+        return b""
 
     def locate(self, index: int) -> Location:
         return Location("", 0, 0)
+
+    def index_arrays(self) -> dict[str, np.ndarray]:
+        raise TypeError("a synthetic shard has no index to keep")
 
 
 def utf8(text: str) -> bool:

@@ -14,7 +14,7 @@ from array import array
 import numpy as np
 
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import IMAGE_EXTENSIONS, MASK_SUFFIX, CatalogError, KeyTable
+from remoteloader.server.catalog import IMAGE_EXTENSIONS, MASK_SUFFIX, CatalogError, KeyTable, warn_shard
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,13 @@ def label(raw: bytes, where: str) -> int:
         raise CatalogError(f"{where} holds {raw[:20]!r}, not an integer label") from None
 
 
-def fingerprint(kind: str, index_digest: str, labels, class_names: list[str], targets: bytes | bytearray = b"") -> str:
+def fingerprint(kind: str, index_digest: str, labels, class_names: list[str], targets=b"") -> str:
     """A shard's id: its members, sizes and offsets (the index digest), labels, targets and class
     names, all that a client sees; ``kind`` names the format ("tar", "lmdb"...)."""
     digest = hashlib.sha256(index_digest.encode())
     digest.update(np.asarray(labels, dtype=np.int64).tobytes())
     digest.update("\0".join(class_names).encode())
-    if targets:
+    if len(targets):  # (bytes, a bytearray or a loaded index's uint8 array)
         digest.update(hashlib.sha256(targets).digest())
     return f"{kind}-" + digest.hexdigest()[:24]
 
@@ -88,7 +88,11 @@ def add_targets(table: KeyTable, extras: dict[int, dict[str, object]], path) -> 
         table.targets += data
         table.target_ends.append(len(table.targets))
     if bad:
-        log.warning(
-            "%s: %d sample(s) have targets that cannot be used; each fails with the reason when served", path, bad
+        fails = "each fails with the reason when served"
+        warn_shard(
+            log,
+            f"shard files have samples whose targets cannot be used: {fails}",
+            f"{str(path).rpartition('/')[2]} ({bad})",
+            f"{path}: {bad} sample(s) have targets that cannot be used; {fails}",
         )
     return tuple(fields)
