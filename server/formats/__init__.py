@@ -11,19 +11,24 @@ and keep the contract of ``server/catalog.py``.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import fnmatch
 import logging
 import pathlib
+import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from remoteloader.server.catalog import CLASSES_FILE, CatalogError, Shard, basename
+from remoteloader.server.catalog import CLASSES_FILE, CatalogError, Shard, basename, grouped_warnings
 from remoteloader.server.storage import Entry, Storage, StorageError, open_storage
 
 log = logging.getLogger(__name__)
 
 GLOB = "*?["
+PROGRESS_SECONDS = 15.0  # where stderr is not a terminal: a progress line this often while indexing
 
 
 @dataclass(frozen=True)
@@ -56,24 +61,123 @@ def _formats() -> tuple[ModuleType, ...]:
 
 def open_shards(paths: list[str], options: FormatOptions | None = None) -> list[Shard]:
     """Indexes every shard under the given paths (on this machine or object-store URLs; a
-    path with ``*``, ``?`` or ``[`` is a glob of files)."""
+    path with ``*``, ``?`` or ``[`` is a glob of files).
+
+    Speaks briefly however many shards there are: a progress bar where stderr is a terminal
+    (else a line every ``PROGRESS_SECONDS``), one summary line, and each kind of per-shard
+    warning once for all the shards that have it (``catalog.grouped_warnings``)."""
     options = options or FormatOptions()
     shards: list[Shard] = []
-    for raw in paths:
-        storage, name = open_storage(raw, options.retry_seconds)
-        for path, found in _expand(storage, name, raw):
-            for module in _formats():
-                opened = module.shards_at(storage, path, found, options)
-                if opened is not None:
-                    shards.extend(opened)
-                    break
-            else:
-                raise CatalogError(f"data path {raw!r} is not a folder nor a file of a format this server reads")
+    progress = Progress()
+    with grouped_warnings(), progress:
+        token = _progress.set(progress)
+        try:
+            for raw in paths:
+                storage, name = open_storage(raw, options.retry_seconds)
+                expanded = _expand(storage, name, raw)
+                progress.expect(len(expanded))
+                for path, found in expanded:
+                    for module in _formats():
+                        opened = module.shards_at(storage, path, found, options)
+                        if opened is not None:
+                            shards.extend(opened)
+                            break
+                    else:
+                        raise CatalogError(
+                            f"data path {raw!r} is not a folder nor a file of a format this server reads"
+                        )
+                    progress.done(len(opened), opened)
+        finally:
+            _progress.reset(token)
+    _summarize(shards, progress.started)
     _warn_unsaved_indexes([s for s in shards if s.index_error is not None])
     ids = [s.id for s in shards]
     if len(set(ids)) != len(ids):
         raise CatalogError("the same shard is listed twice in --data")
     return shards
+
+
+class Progress:
+    """How far indexing is: shard files expected and indexed, each counted once.
+
+    A tqdm bar on a terminal (after a second, so a fast start shows none); otherwise a log line
+    every ``PROGRESS_SECONDS``, never one per shard."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.total = self.indexed = self.scanned = 0
+        self._counted = 0  # of the shards of the current path, those already counted one by one
+        self._said = self.started
+        self._lock = threading.Lock()
+        self._bar = None
+        if sys.stderr is not None and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=0, unit="shard", desc="indexing", delay=1.0, leave=False, file=sys.stderr)
+
+    def expect(self, count: int) -> None:
+        """``count`` more shard files to index (a folder: those in it, less the one it was counted as)."""
+        with self._lock:
+            self.total += count
+            if self._bar is not None:
+                self._bar.total = self.total
+                self._bar.refresh()
+
+    def one(self, shard: Shard) -> None:
+        """One shard file indexed (from ``file_shards``, as each is opened)."""
+        with self._lock:
+            self._counted += 1
+            self._step(1, shard.scanned)
+
+    def done(self, count: int, shards: list[Shard]) -> None:
+        """A path's shards are open: counts those not counted one by one."""
+        with self._lock:
+            left, self._counted = count - self._counted, 0
+            self._step(max(0, left), sum(s.scanned for s in shards[count - left :]) if left > 0 else 0)
+
+    def _step(self, count: int, scanned: int) -> None:
+        self.indexed += count
+        self.scanned += scanned
+        if self._bar is not None:
+            self._bar.update(count)
+            return
+        now = time.perf_counter()
+        if now - self._said >= PROGRESS_SECONDS:
+            self._said = now
+            log.info(
+                "indexing: %s of %s shard files so far (%s scanned, the rest from kept indexes), %.0fs",
+                f"{self.indexed:,}",
+                f"{max(self.total, self.indexed):,}",
+                f"{self.scanned:,}",
+                now - self.started,
+            )
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+_progress: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("remoteloader_progress", default=None)
+
+
+def _summarize(shards: list[Shard], started: float) -> None:
+    """The one line that says what indexing found, and how (none without --data)."""
+    if not shards:
+        return
+    scanned = sum(s.scanned for s in shards)
+    kept = sum(s.object is not None and not s.scanned for s in shards)
+    how = [f"{kept:,} from kept indexes" if kept else "", f"{scanned:,} scanned" if scanned else ""]
+    log.info(
+        "indexed %s shard%s, %s samples, in %.1fs%s",
+        f"{len(shards):,}",
+        "" if len(shards) == 1 else "s",
+        f"{sum(len(s) for s in shards):,}",
+        time.perf_counter() - started,
+        (": " + ", ".join(h for h in how if h)) if kept or scanned else "",
+    )
 
 
 def _expand(storage: Storage, name: str, raw: str) -> list[tuple[str, Found]]:
@@ -134,9 +238,21 @@ def file_shards(
     if not files:
         return None
     names = read_classes(storage, name)
-    # (requests to a store overlap; a local disk is read one file at a time)
-    with concurrent.futures.ThreadPoolExecutor(16 if storage.remote else 1) as pool:
-        opened = [pool.submit(make, e.name, names, e) for e in files]
+    progress = _progress.get()
+    if progress is not None:
+        progress.expect(len(files) - 1)
+
+    def one(entry: Entry) -> Shard:
+        shard = make(entry.name, names, entry)
+        if progress is not None:
+            progress.one(shard)
+        return shard
+
+    if not storage.remote:  # a local disk is read one file at a time
+        return [one(e) for e in files]
+    # requests to a store overlap (each in the context that gathers warnings, see open_shards)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        opened = [pool.submit(contextvars.copy_context().run, one, e) for e in files]
         return [f.result() for f in opened]
 
 

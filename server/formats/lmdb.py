@@ -69,6 +69,7 @@ class LmdbShard(Shard):
         else:
             started = time.perf_counter()
             table, index_digest, fields, from_db = self._scan(options.lmdb_unpickle, self.object.size)
+            self.scanned = True
             classes = classes or from_db
             log.info("%s: indexed %d samples in %.1fs", self.folder, len(table), time.perf_counter() - started)
         self.index_digest = index_digest

@@ -97,6 +97,7 @@ class ParquetShard(Shard):
             cached = None
             started = time.perf_counter()
             table, digest, fields = _extract(storage, name, self.path, columns(options.parquet_columns))
+            self.scanned = True
             log.info(
                 "%s: extracted %d images (%.1f MB) into %s in %.1fs; later starts reuse them",
                 self.origin,

@@ -26,6 +26,7 @@ from remoteloader.server.catalog import (
     Location,
     Shard,
     basename,
+    warn_shard,
 )
 from remoteloader.server.formats import FormatOptions, Found, file_shards, members
 from remoteloader.server.formats import index as shard_index
@@ -76,10 +77,11 @@ class TarShard(Shard):
         else:
             started = time.perf_counter()
             self._scan(storage, name, class_names)
+            self.scanned = True
             if verified is not None:
                 assert len(verified) == len(self), "one flag per sample, in the tar's order"
                 self.verified = verified
-            log.info(
+            log.debug(  # (open_shards says how many were scanned, in one line)
                 "%s has no index: scanned it (%d samples, %.1f MB) in %.1fs",
                 self.path,
                 len(self),
@@ -93,28 +95,33 @@ class TarShard(Shard):
         # A tar made by hand: without this, every sample is served as class -1 without a word
         # (a tar of other targets needs no class).
         if unlabelled and set(self.fields) <= {tg.LABEL}:
-            log.warning(
-                "%s: %d of %d samples have no label (no <key>.cls member beside <key>.jpg, or an empty one) "
-                "and are served with label -1: labels come from <key>.cls members holding the class index "
-                "as decimal text, class names from %s (one per line) beside the shards, as `remoteloader "
-                "pack` writes them",
-                path,
-                unlabelled,
-                len(self),
-                CLASSES_FILE,
+            how = (
+                "served with label -1: labels come from <key>.cls members holding the class index as decimal "
+                f"text, class names from {CLASSES_FILE} (one per line) beside the shards, as `remoteloader pack` "
+                "writes them"
+            )
+            warn_shard(
+                log,
+                f"tars have samples with no label (no <key>.cls member beside <key>.jpg, or an empty one), {how}",
+                f"{self.name} ({unlabelled} of {len(self)})",
+                f"{path}: {unlabelled} of {len(self)} samples have no label (no <key>.cls member beside <key>.jpg, "
+                f"or an empty one) and are {how}",
             )
         top = int(self.labels.max()) if len(self) else -1
         if top >= len(class_names):  # no classes.txt, or a short one: class_names[label] fails in training code
-            named = (
-                f"{CLASSES_FILE} beside it names {len(class_names)} class(es)"
-                if class_names
-                else f"no {CLASSES_FILE} is beside it to name them"
-            )
-            log.warning(
-                "%s: labels go up to %d but %s; clients get no name for the others (class_names[label] fails)",
-                path,
-                top,
-                named,
+            if class_names:
+                named, many = (
+                    f"{CLASSES_FILE} beside it names {len(class_names)} class(es)",
+                    f"beyond the {len(class_names)} class(es) {CLASSES_FILE} beside them names",
+                )
+            else:
+                named, many = f"no {CLASSES_FILE} is beside it to name them", f"but no {CLASSES_FILE} beside them"
+            fails = "clients get no name for the others (class_names[label] fails)"
+            warn_shard(
+                log,
+                f"tars have labels {many}: {fails}",
+                f"{self.name} (labels up to {top})",
+                f"{path}: labels go up to {top} but {named}; {fails}",
             )
 
     def _scan(self, storage: Storage, name: str, class_names: list[str]) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
+from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename, warn_shard
 from remoteloader.server.decode import DecodeError, read_size
 from remoteloader.server.formats import FormatOptions, Found, file_shards, members, protowire
 from remoteloader.server.formats import index as shard_index
@@ -120,7 +120,8 @@ class TFRecordShard(Shard):
         else:
             started = time.perf_counter()
             table, digest, fields, failed = _scan(storage, name, self.path, features(options.tfrecord_features))
-            log.info(
+            self.scanned = True
+            log.debug(  # (open_shards says how many were read, in one line)
                 "%s has no index: read it (%d records, %.1f MB) in %.1fs",
                 self.path,
                 len(table),
@@ -132,12 +133,13 @@ class TFRecordShard(Shard):
         super().__init__(basename(name), table, class_names, ident, fields)
         self.failed = failed
         if failed:
-            log.warning(
-                "%s: %d record(s) cannot be used (e.g. record %d: %s); each fails with the reason when served",
-                self.path,
-                len(failed),
-                min(failed),
-                failed[min(failed)],
+            fails = "each fails with the reason when served"
+            warn_shard(
+                log,
+                f"TFRecord files have records that cannot be used: {fails}",
+                f"{basename(name)} ({len(failed)}: {failed[min(failed)]})",
+                f"{self.path}: {len(failed)} record(s) cannot be used (e.g. record {min(failed)}: "
+                f"{failed[min(failed)]}); {fails}",
             )
         if cached is None:
             self.index_kept, self.index_error = shard_index.save(
