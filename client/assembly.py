@@ -196,6 +196,8 @@ class Assembler:
     def _global_masks(self, shards: np.ndarray, masks: np.ndarray) -> None:
         """Remaps each mask, of the sample of ``shards`` in its place, onto the loader's classes."""
         assert self.space is not None, "orders are only sent while an epoch runs"
+        if not self.space.remapped:
+            return
         for k in np.unique(shards).tolist():
             mine = np.flatnonzero(shards == k)
             if len(mine) == len(shards):

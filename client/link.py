@@ -257,6 +257,11 @@ class Link(Generic[OrderT]):
         self, stub: loader_pb2_grpc.LoaderStub, describe: loader_pb2.DescribeResponse, timeout: float
     ) -> None:
         """Adds the server's further pages of shards (and their class lists) to its first page."""
+        if describe.shards and not describe.num_shards:  # (every server since 0.2 says how many)
+            raise ConnectionError(
+                f"loader server {self.address} runs remoteloader {describe.version or 'older than 0.2'}, whose "
+                f"Describe and orders this client no longer speaks: run the servers and clients of one version"
+            )
         while len(describe.shards) < describe.num_shards:
             request = loader_pb2.DescribeRequest(shard_start=len(describe.shards))
             page = await stub.Describe(request, timeout=timeout, metadata=self.options.metadata)

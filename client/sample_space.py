@@ -77,6 +77,7 @@ class SampleSpace:
         self.class_names = list(used[0]) if shared else sorted({c for names in used for c in names})
         index = {c: i for i, c in enumerate(self.class_names)}
         maps = {} if shared else {id(names): np.asarray([index[c] for c in names], np.int64) for names in used if names}
+        self.remapped = bool(maps)  # whether any shard's labels are remapped
         groups: dict[tuple[str, ...], int] = {}
         offset = 0
         for s in self.shards:
@@ -111,6 +112,8 @@ class SampleSpace:
         """Samples' labels in their own shard's class list (``shards``: each sample's, an index into
         ``self.shards``) as indices into ``class_names`` (-1 for a label its shard does not list)."""
         out = local
+        if not self.remapped:
+            return out
         for k in np.unique(shards).tolist():
             label_map = self.shards[k].label_map
             if label_map is None:

@@ -31,12 +31,15 @@ class Samples:
         indices: Each sample's index in its shard.
     """
 
-    __slots__ = ("shards", "which", "indices")
+    __slots__ = ("shards", "which", "indices", "_generated", "_remote")
 
     def __init__(self, shards: tuple[Shard, ...], which: np.ndarray, indices: np.ndarray):
         self.shards = shards
         self.which = which
         self.indices = indices
+        # Per shard, looked up once for an order and shared by its chunks (its slices).
+        self._generated = np.fromiter((isinstance(s, SyntheticShard) for s in shards), np.bool_, len(shards))
+        self._remote = np.fromiter((s.remote for s in shards), np.bool_, len(shards))
 
     @classmethod
     def of_shard(cls, shard: Shard, indices: np.ndarray) -> Samples:
@@ -79,7 +82,10 @@ class Samples:
         return len(self.indices)
 
     def __getitem__(self, part: slice) -> Samples:
-        return Samples(self.shards, self.which[part], self.indices[part])
+        sliced = Samples.__new__(Samples)
+        sliced.shards, sliced.which, sliced.indices = self.shards, self.which[part], self.indices[part]
+        sliced._generated, sliced._remote = self._generated, self._remote
+        return sliced
 
     def pairs(self) -> Iterator[tuple[Shard, int]]:
         """Each sample's shard and index, in order."""
@@ -110,8 +116,7 @@ class Samples:
     def generated(self) -> np.ndarray:
         """Whether each sample is the transport benchmark's (``--synthetic``): never decoded, its
         pixels whatever its slot holds."""
-        kinds = np.fromiter((isinstance(s, SyntheticShard) for s in self.shards), np.bool_, len(self.shards))
-        return kinds[self.which]
+        return self._generated[self.which]
 
     @property
     def synthetic(self) -> bool:
@@ -121,7 +126,7 @@ class Samples:
     @property
     def remote(self) -> bool:
         """Whether any of them is in an object store."""
-        return any(self.shards[w].remote for w in np.unique(self.which).tolist())
+        return bool(self._remote[self.which].any())
 
 
 def _abbrev(items: list[str], limit: int = 5) -> str:

@@ -36,7 +36,7 @@ from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import Slots
 from remoteloader.server.worker_pool import WorkerPool
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"  # 0.2: Describe in pages with class lists once; orders over several shards
 MAX_KEYS_PER_CALL = 10_000
 
 log = logging.getLogger(__name__)

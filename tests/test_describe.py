@@ -88,21 +88,13 @@ def test_shards_with_lists_of_their_own_carry_each_list_once_in_the_page_of_its_
         assert (numbered[s.class_list - 1] if s.class_list else []) == shard.class_names
 
 
-def test_a_client_reads_every_page_and_numbers_the_shards_over_grpc():
-    names = wordnet_ids(1000)
-    shards = [Stub(k, names if k % 2 else wordnet_ids(10), samples=k % 5 + 1) for k in range(30_000)]
-    pages = ShardPages(shards)
-    assert len(pages) > 2
-
-    def describe(request: loader_pb2.DescribeRequest, context) -> loader_pb2.DescribeResponse:
-        response = loader_pb2.DescribeResponse(max_order_samples=1024)
-        pages.fill(response, request.shard_start)
-        return response
-
+def described(answer) -> loader_pb2.DescribeResponse:
+    """What a client makes of a server whose Describe is ``answer(request)`` (a real gRPC server on
+    127.0.0.1, the client's own Describe calls)."""
     server = grpc.server(futures.ThreadPoolExecutor(2),
                          options=[("grpc.max_send_message_length", limits.MAX_DESCRIBE_BYTES)])
     handler = grpc.unary_unary_rpc_method_handler(
-        describe,
+        lambda request, context: answer(request),
         request_deserializer=loader_pb2.DescribeRequest.FromString,
         response_serializer=loader_pb2.DescribeResponse.SerializeToString,
     )
@@ -111,9 +103,24 @@ def test_a_client_reads_every_page_and_numbers_the_shards_over_grpc():
     server.start()
     try:
         options = LinkOptions(connect_timeout=20, max_inflight=4, reconnect_timeout=5, tls=None, metadata=())
-        (describe_response,) = describe_servers(f"127.0.0.1:{port}", options).values()
+        (response,) = describe_servers(f"127.0.0.1:{port}", options).values()
+        return response
     finally:
         server.stop(None)
+
+
+def test_a_client_reads_every_page_and_numbers_the_shards_over_grpc():
+    names = wordnet_ids(1000)
+    shards = [Stub(k, names if k % 2 else wordnet_ids(10), samples=k % 5 + 1) for k in range(30_000)]
+    pages = ShardPages(shards)
+    assert len(pages) > 2
+
+    def describe(request: loader_pb2.DescribeRequest) -> loader_pb2.DescribeResponse:
+        response = loader_pb2.DescribeResponse(max_order_samples=1024)
+        pages.fill(response, request.shard_start)
+        return response
+
+    describe_response = described(describe)
     assert len(describe_response.shards) == 30_000 and len(describe_response.class_lists) == 2
     space = SampleSpace({"server": describe_response})
     assert space.num_samples == sum(len(s) for s in shards)
@@ -123,6 +130,13 @@ def test_a_client_reads_every_page_and_numbers_the_shards_over_grpc():
     assert space.class_names[int(space.global_labels(np.asarray([0]), np.asarray([3]))[0])] == small.class_names[3]
     assert space.class_names[int(space.global_labels(np.asarray([1]), np.asarray([3]))[0])] == large.class_names[3]
     assert len({id(s.class_names) for s in space.shards}) == 2, "a class list held once per shard"
+
+
+def test_a_server_of_an_older_version_is_named_as_such_not_as_unreachable():
+    old = loader_pb2.DescribeResponse(version="0.1.0")  # shards, and no count of them (before pages)
+    old.shards.add(id="tar-0", name="a.tar", num_samples=3)
+    with pytest.raises(ConnectionError, match="runs remoteloader 0.1.0, whose Describe and orders this client"):
+        described(lambda request: old)
 
 
 def test_a_class_list_no_message_can_carry_is_refused_at_start_saying_so():
