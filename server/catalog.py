@@ -5,7 +5,8 @@ This module is the contract every format keeps (``server/formats/``, one module 
 sample's encoded bytes are (a file or an object, and a byte range). Sample keys live in one
 bytes blob with an offset array, and so do the samples' targets (each a serialized
 ``loader_pb2.Targets``): memory grows by the bytes of a sample's key and targets plus 40
-bytes, and no Python object is kept per sample. A shard's id is a fingerprint of its contents
+bytes (16 to 24 from a kept index, which stores each array in the narrowest integer type that
+holds it), and no Python object is kept per sample. A shard's id is a fingerprint of its contents
 (names and sizes, or an index of them), so two servers that read the same files, or the same
 objects in a store, report the same id and are replicas of each other.
 """
@@ -131,8 +132,10 @@ class KeyTable:
 class Shard:
     """An indexed set of samples with labels and targets; subclasses say where the bytes are.
 
-    Per sample it keeps the key bytes and the serialized targets plus five int64 (key end,
-    label, offset, size, targets end): about 30 + 40 bytes for an image with a label, and
+    Per sample it keeps the key bytes and the serialized targets plus five integers (key end,
+    label, offset, size, targets end): int64 as scanned, about 30 + 40 bytes for an image with
+    a label; from a kept index each in the narrowest type that holds it, and the targets' ends
+    in no memory where no sample has targets: about 30 + 16 bytes for a sample of a 256 MB tar;
     no Python object.
 
     ``fields`` names the target fields its samples carry ("label" when any has a class).
@@ -165,12 +168,12 @@ class Shard:
         # (shared, not copied: the shards of a folder have one list of class names between them)
         self.class_names = class_names if isinstance(class_names, list) else list(class_names)
         self._key_blob = _bytes(table.blob)
-        self._key_ends = _int64(table.ends)
-        self.labels = _int64(table.labels)
-        self._offsets = _int64(table.offsets)
-        self._sizes = _int64(table.sizes)
+        self._key_ends = _ints(table.ends)
+        self.labels = _ints(table.labels)
+        self._offsets = _ints(table.offsets)
+        self._sizes = _ints(table.sizes)
         self._targets = _bytes(table.targets)
-        self._target_ends = _int64(table.target_ends)
+        self._target_ends = _ints(table.target_ends)
         found = set(fields) | ({tg.LABEL} if len(self.labels) and bool(np.any(self.labels >= 0)) else set())
         # In the order of tg.FIELDS, then the extras by name.
         self.fields: tuple[str, ...] = tg.in_order(found)
@@ -212,10 +215,11 @@ class Shard:
         }
 
 
-def _int64(values: Any) -> np.ndarray:
-    """An index's int64 array: a loaded one as it is, one under construction (``array("q")``) copied."""
+def _ints(values: Any) -> np.ndarray:
+    """An index's integers: a loaded array as it is (a kept index stores each in the narrowest
+    type that holds it), one under construction (``array("q")``) copied into int64."""
     if isinstance(values, np.ndarray):
-        return values if values.dtype == np.int64 else values.astype(np.int64)
+        return values
     return np.frombuffer(values, dtype=np.int64).copy()
 
 

@@ -39,8 +39,10 @@ INDEX_SUFFIX = ".index.npz"
 VERSION = 4
 _ARRAYS = ("ends", "labels", "offsets", "sizes", "target_ends")
 _MAGIC = b"RLINDEX4"  # where version 4's own bytes start, inside the .npy member
-_LAYOUT = (("blob", "u1"), ("ends", "<i8"), ("labels", "<i8"), ("offsets", "<i8"), ("sizes", "<i8"),
-           ("targets", "u1"), ("target_ends", "<i8"), ("verified", "u1"))  # fmt: skip
+# The arrays in their order; each is stored in the narrowest of these types its values fit (and kept
+# in memory so: a sample of a 256 MB tar costs its key plus 16 bytes, not 40).
+_LAYOUT = ("blob", "ends", "labels", "offsets", "sizes", "targets", "target_ends", "verified")
+_TYPES = ("u1", "<u4", "<i4", "<i8")
 
 
 class Index(NamedTuple):
@@ -146,14 +148,17 @@ def _parse(
             stale = mtime is not None
         arrays: dict[str, np.ndarray] = {}
         at = _aligned(at + length, start)
-        counts = header["counts"]
-        body = sum((count * np.dtype(dtype).itemsize + 7) // 8 * 8 for (_, dtype), count in zip(_LAYOUT, counts))
-        if len(counts) != len(_LAYOUT) or zlib.crc32(memoryview(raw)[at : at + body]) != header["crc32"]:
+        counts, types = header["counts"], header["types"]
+        if len(counts) != len(_LAYOUT) or len(types) != len(_LAYOUT) or not set(types) <= set(_TYPES):
+            return None
+        body = sum((count * np.dtype(kind).itemsize + 7) // 8 * 8 for kind, count in zip(types, counts))
+        if zlib.crc32(memoryview(raw)[at : at + body]) != header["crc32"]:
             return None  # damaged (the zip's own directory follows the member)
-        for (name, dtype), count in zip(_LAYOUT, counts):
-            item = np.dtype(dtype).itemsize
-            arrays[name] = np.frombuffer(raw, dtype=dtype, count=count, offset=at)
-            at = _aligned(at + count * item, start)
+        for name, kind, count in zip(_LAYOUT, types, counts):
+            arrays[name] = np.frombuffer(raw, dtype=kind, count=count, offset=at)
+            at = _aligned(at + count * np.dtype(kind).itemsize, start)
+        if not len(arrays["targets"]):  # no sample has targets: every record ends at 0, in no memory
+            arrays["target_ends"] = np.broadcast_to(np.zeros(1, np.int64), arrays["labels"].shape)
         table = KeyTable()
         for name in ("blob", *_ARRAYS, "targets"):
             setattr(table, name, arrays[name])
@@ -169,7 +174,7 @@ def _parse(
             0 < len(labels) == len(table.ends) == len(table.offsets) == len(table.sizes) == len(table.target_ends)
             and table.ends[-1] == len(table.blob)
             and table.target_ends[-1] == len(table.targets)
-            and (extent >= header["extent"] or int((table.offsets + table.sizes).max()) <= extent)
+            and (extent >= header["extent"] or int((table.offsets.astype(np.int64) + table.sizes).max()) <= extent)
         )
     except Exception:  # unreadable, damaged or foreign: index the file itself
         return None
@@ -243,19 +248,32 @@ def _table(arrays: dict[str, np.ndarray]) -> KeyTable:
     return table
 
 
+def _narrowest(values: np.ndarray) -> str:
+    """The narrowest of _TYPES that holds every value (int64 arrays)."""
+    if not len(values):
+        return "<u4"
+    low, high = int(values.min()), int(values.max())
+    if low >= 0 and high < 2**32:
+        return "<u4"
+    return "<i4" if -(2**31) <= low and high < 2**31 else "<i8"
+
+
 def _serialize(found: Index, entry: Entry, mtime: int | None, signed: np.ndarray) -> bytes:
     """Version 4: one uint8 ``.npy`` member ("index") holding _MAGIC, the header's length and JSON,
     then the arrays of _LAYOUT, each from an 8-byte boundary."""
     table = found.table
     arrays = {
         "blob": np.asarray(table.blob, dtype=np.uint8),
-        **{name: np.asarray(getattr(table, name), dtype="<i8") for name in _ARRAYS},
+        **{name: np.asarray(getattr(table, name), dtype=np.int64) for name in _ARRAYS},
         "targets": np.asarray(table.targets, dtype=np.uint8),
         "verified": np.packbits(found.verified) if found.verified is not None else np.zeros(0, np.uint8),
     }
+    if not len(arrays["targets"]):
+        arrays["target_ends"] = np.zeros(0, np.int64)  # all 0: said by the empty targets
+    types = [_narrowest(arrays[name]) if name in _ARRAYS else "u1" for name in _LAYOUT]
     pieces = []
-    for name, dtype in _LAYOUT:  # each from an 8-byte boundary
-        data = arrays[name].astype(dtype, copy=False).tobytes()
+    for name, kind in zip(_LAYOUT, types):  # each from an 8-byte boundary
+        data = arrays[name].astype(kind, copy=False).tobytes()
         pieces.append(data + b"\0" * (-len(data) % 8))
     body = b"".join(pieces)
     header = json.dumps(
@@ -269,7 +287,8 @@ def _serialize(found: Index, entry: Entry, mtime: int | None, signed: np.ndarray
             "fields": [f for f in found.fields if f != tg.LABEL],
             "failed": [[i, found.failed[i]] for i in sorted(found.failed)],
             "verified": found.verified is not None,
-            "counts": [len(arrays[name]) for name, _ in _LAYOUT],
+            "counts": [len(arrays[name]) for name in _LAYOUT],
+            "types": types,
             # the bytes its samples lie in (offsets + sizes), and a CRC of the arrays' bytes as written
             "extent": int((arrays["offsets"] + arrays["sizes"]).max(initial=0)),
             "crc32": zlib.crc32(body),
