@@ -262,7 +262,7 @@ def _serialize(found: Index, entry: Entry, mtime: int | None, signed: np.ndarray
     """Version 4: one uint8 ``.npy`` member ("index") holding _MAGIC, the header's length and JSON,
     then the arrays of _LAYOUT, each from an 8-byte boundary."""
     table = found.table
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "blob": np.asarray(table.blob, dtype=np.uint8),
         **{name: np.asarray(getattr(table, name), dtype=np.int64) for name in _ARRAYS},
         "targets": np.asarray(table.targets, dtype=np.uint8),
