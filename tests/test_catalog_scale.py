@@ -164,3 +164,15 @@ def test_a_synthetic_shard_costs_a_byte_a_sample():
     assert shard.key(9_999_999) == "synthetic/9999999" and int(shard.labels[9_999_999]) == 9
     assert shard.targets(5) == b"" and shard.locate(5).length == 0 and shard.fields == ("label",)
     assert shard.id == "syn-10000000" and shard.nbytes == 0
+
+
+def test_the_shards_of_a_folder_or_a_glob_share_one_list_of_class_names(many_tars, tmp_path):
+    """(Describe sends a list once for the shards that share it; a list per shard would cost
+    the server a copy of 1,000 names per tar.)"""
+    for index in range(3):
+        shutil.copy(many_tars / f"shard-{index:05d}.tar", tmp_path)
+    (tmp_path / "classes.txt").write_text("\n".join("abcdefg"))
+    for data in (str(tmp_path), str(tmp_path / "shard-*.tar")):
+        shards = open_shards([data])
+        assert len(shards) == 3 and shards[0].class_names == list("abcdefg")
+        assert all(s.class_names is shards[0].class_names for s in shards), data

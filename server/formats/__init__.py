@@ -109,6 +109,7 @@ class Progress:
         self._counted = 0  # of the shards of the current path, those already counted one by one
         self._said = self.started
         self._lock = threading.Lock()
+        self.classes: dict[tuple[str, str], list[str]] = {}  # (storage, folder) -> its classes.txt, read once
         self._bar = None
         if sys.stderr is not None and sys.stderr.isatty():
             from tqdm import tqdm
@@ -233,7 +234,15 @@ def file_shards(
     if found.kind == "file":
         if not name.lower().endswith(suffixes):
             return None
-        return [make(name, read_classes(storage, name.rpartition("/")[0]), found.entry)]
+        folder = name.rpartition("/")[0]
+        progress = _progress.get()
+        if progress is None:
+            return [make(name, read_classes(storage, folder), found.entry)]
+        # A glob's files: classes.txt read once per folder, one list shared by its shards
+        key = (storage.url, folder)
+        if key not in progress.classes:
+            progress.classes[key] = read_classes(storage, folder)
+        return [make(name, progress.classes[key], found.entry)]
     files = [e for e in found.files if e.name.lower().endswith(suffixes)]
     if not files:
         return None
