@@ -52,6 +52,36 @@ STATE_VERSION = 3  # 3: the shuffled order is a keyed permutation, the digest ma
 IDENTITY = ("seed", "num_samples", "batch_size", "shuffle", "drop_last", "ordered")
 
 
+class FrameworkEpochs:
+    """What a framework reaches a loader's ``set_epoch`` through, at each epoch's start.
+
+    Lightning calls ``set_epoch(epoch)`` on ``loader.sampler`` and ``loader.batch_sampler.sampler``
+    when it finds them (on every loader it trains, validates or tests with, its own epoch count),
+    never on the loader itself; a ``DataLoader`` with a ``DistributedSampler`` needs no line from
+    the user for that. ``RemoteLoader.batch_sampler`` is one of these, whose ``sampler`` is itself:
+    the framework's ``set_epoch`` is the loader's, with its rules (``EpochPosition.set_epoch``: a
+    loaded position of that epoch is kept). So a run resumed from a checkpoint the framework took
+    at an epoch's end plays the next epoch, not epoch 0. It is not a sampler of sample ids (it has
+    no ``__iter__``), and no ``sampler`` attribute of the loader exists: Lightning would take one for
+    a ``DataLoader``'s and read ``batch_sampler`` beside it, to see whether it shuffles.
+
+    Args:
+        set_epoch: The loader's ``set_epoch`` (which checks the value).
+    """
+
+    def __init__(self, set_epoch: Callable[[int], None]):
+        self._set_epoch = set_epoch
+
+    @property
+    def sampler(self) -> FrameworkEpochs:
+        """Itself: Lightning looks for ``batch_sampler.sampler.set_epoch``."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the framework's next pass plays (``EpochPosition.set_epoch``)."""
+        self._set_epoch(epoch)
+
+
 class NextPass(enum.Enum):
     """What the next pass plays."""
 

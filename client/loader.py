@@ -35,7 +35,7 @@ from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFai
 from remoteloader.client.cuda_delivery import CudaDelivery
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
 from remoteloader.client.engine import EngineOptions
-from remoteloader.client.epoch import IDENTITY, EpochPosition, Pass
+from remoteloader.client.epoch import IDENTITY, EpochPosition, FrameworkEpochs, Pass
 from remoteloader.client.host_delivery import HostDelivery
 from remoteloader.client.link import LinkOptions
 from remoteloader.client.options import UINT64, LoaderOptions, Option, check_int
@@ -367,8 +367,8 @@ class RemoteLoader:
         """The number of ranks: as given, else torch.distributed's now (1 before it is initialized)."""
         return self._ranks.current().world_size
 
-    # Frameworks tell a DataLoader by these attributes and rewrite it (Lightning, Accelerate);
-    # RemoteLoader has neither, and says why when asked directly.
+    # Frameworks tell a DataLoader by its dataset and rewrite it (Lightning, Accelerate, Trainer's
+    # skip_first_batches); RemoteLoader has none, and says why when asked directly.
     @property
     def dataset(self) -> Any:
         raise AttributeError(
@@ -383,6 +383,14 @@ class RemoteLoader:
             "RemoteLoader has no sampler attribute: the epoch order is its own (set_epoch, shuffle, seed); a "
             "sampler passed to it is options.sampler"
         )
+
+    @property
+    def batch_sampler(self) -> FrameworkEpochs:
+        """Where a framework calls ``set_epoch`` at each epoch's start (Lightning calls
+        ``batch_sampler.sampler.set_epoch``): the loader's ``set_epoch``, so that a run resumed
+        from an end-of-epoch checkpoint plays the epoch the framework is at (``epoch.FrameworkEpochs``).
+        Not an iterable of batches: ``plan()`` gives this rank's batches of sample ids."""
+        return FrameworkEpochs(self.set_epoch)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (world size read now, when it was not given)."""

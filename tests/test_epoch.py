@@ -8,7 +8,7 @@ import json
 import pytest
 
 from remoteloader.client import plan as plan_module
-from remoteloader.client.epoch import EpochPosition
+from remoteloader.client.epoch import EpochPosition, FrameworkEpochs
 from remoteloader.client.ranks import Partition
 
 N, BATCH = 22, 3
@@ -130,6 +130,39 @@ def test_set_epoch_keeps_a_loaded_position_of_its_epoch_only():
     r.position.set_epoch(2)
     epoch, ids = r.play()
     assert epoch == 2 and len(ids) == len(make_plan(2, ONE).batches)
+
+
+class LoaderLike:
+    """What a framework sees of RemoteLoader's epochs: ``batch_sampler`` (RemoteLoader's property)."""
+
+    def __init__(self, position: EpochPosition):
+        self.batch_sampler = FrameworkEpochs(position.set_epoch)
+
+    def __iter__(self):
+        return iter(())
+
+
+def test_a_frameworks_set_epoch_reaches_the_position_with_its_rules():
+    """Lightning calls set_epoch on ``batch_sampler.sampler`` at every epoch start (fit, validation):
+    a run resumed from an end-of-epoch checkpoint (the next epoch at position 0, or no loader state
+    at all) plays the epoch Lightning is at, and a loaded mid-epoch position of that epoch is kept."""
+    data = pytest.importorskip("lightning.fabric.utilities.data")
+    shuffled = pytest.importorskip("lightning.pytorch.utilities.data")
+    fresh = Trainer()  # a fresh process resumed from an end-of-epoch checkpoint that holds no loader state
+    data._set_sampler_epoch(LoaderLike(fresh.position), 2)
+    assert fresh.play()[0] == 2
+    t = Trainer()
+    t.play()
+    t.play(4)
+    saved = t.state()
+    resumed = Trainer()
+    resumed.position.load(saved, identity(), None, ONE)
+    data._set_sampler_epoch(LoaderLike(resumed.position), 1)
+    epoch, ids = resumed.play()
+    assert epoch == 1 and ids == [b.tolist() for b in make_plan(1, ONE).batches[4:]]
+    # Lightning's check that a validation loader does not shuffle stops at "no sampler attribute"
+    assert not hasattr(LoaderLike(fresh.position), "sampler")
+    assert shuffled._is_dataloader_shuffled(LoaderLike(fresh.position)) is False
 
 
 def test_one_ranks_ordered_position_resumes_every_rank_of_its_world():

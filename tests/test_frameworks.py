@@ -1,8 +1,8 @@
 """RemoteLoader inside the frameworks people train with, each run for real in its own processes
 (the scripts in tests/frameworks/): Lightning (loaders passed to fit and made in hooks, DDP on
-two CPU processes, mid-epoch and end-of-epoch checkpoints), Accelerate (prepare, save_state and
-load_state, one process and two under `accelerate launch`) and torchrun (loaders made before
-and after init_process_group).
+two CPU processes, mid-epoch and end-of-epoch checkpoints of every kind Lightning writes, resumed
+with no line from the user), Accelerate (prepare, save_state and load_state, one process and two
+under `accelerate launch`) and torchrun (loaders made before and after init_process_group).
 
 One module-wide Cluster: two servers of 24 images each (48 samples: 12 batches of 4, or 6 per
 rank with two ranks).
@@ -64,20 +64,28 @@ def assert_ranks_split_every_epoch(ranks: list[dict[int, list[int]]], epochs: in
 
 # ---- Lightning ------------------------------------------------------------------------------
 CHECKPOINTS = (4, 12, 16)  # steps 4 and 16: mid-epoch (0 and 1); step 12: the end of epoch 0, after its last batch
+# The checkpoints Lightning users keep most, written once an epoch ends, and the step each resumes at:
+# ModelCheckpoint(every_n_epochs=1), which with validation loaders saves when validation ends (the
+# full run's), and one saved when the training epoch ends, with last.ckpt (a run of 2 epochs: its
+# last.ckpt is the end of epoch 1, resumed for a third). Lightning restores no loader state from them.
+EPOCH_END_CHECKPOINTS = {"full-val-end/epoch=0.ckpt": EPOCH, "full-val-end/epoch=1.ckpt": 2 * EPOCH,
+                         "short-train-end/epoch=0.ckpt": EPOCH, "short-train-end/last.ckpt": 2 * EPOCH}
 
 
 @pytest.fixture(scope="module")
 def lightning(servers, tmp_path_factory):
-    """Runs the one-process Lightning job once: 3 epochs with a checkpoint every 4 steps, then
-    resumed from three of them by fresh Trainers and loaders; returns its folder and a function
-    running more."""
+    """Runs the one-process Lightning job once: 3 epochs with a checkpoint every 4 steps and one at
+    each epoch's end, 2 epochs with a checkpoint (and last.ckpt) when each training epoch ends, then
+    resumed from three of the step checkpoints by fresh Trainers and loaders; returns its folder and
+    a function running more."""
     out = tmp_path_factory.mktemp("lightning")
 
     def job(*runs: dict) -> None:
         config = {"servers": servers, "out": str(out), "runs": list(runs)}
         run([sys.executable, str(JOBS / "lightning_job.py"), json.dumps(config)], "the Lightning job")
 
-    job({"name": "full", "devices": 1, "epochs": 3, "loaders": "fit", "ckpt_every": 4},
+    job({"name": "full", "devices": 1, "epochs": 3, "loaders": "fit", "ckpt_every": 4, "ckpt_epochs": "val-end"},
+        {"name": "short", "devices": 1, "epochs": 2, "loaders": "fit", "ckpt_epochs": "train-end"},
         *[{"name": f"resumed{step}", "devices": 1, "epochs": 3, "loaders": "hooks" if step == 16 else "fit",
            "resume": str(out / "full-ckpt" / f"step={step}.ckpt")} for step in CHECKPOINTS])
     return out, job
@@ -103,15 +111,35 @@ def test_lightning_checkpoints_mid_epoch_and_at_an_epoch_end_resume_exactly(ligh
         assert resumed == full[step:], f"resumed at step {step}: other pixels"
 
 
+def test_lightning_end_of_epoch_checkpoints_resume_exactly_in_a_fresh_process(lightning):
+    """No loader state, no set_epoch in the script: Lightning's own set_epoch at each epoch start
+    (on ``loader.batch_sampler.sampler``) makes the resumed epochs the uninterrupted run's."""
+    out, job = lightning
+    job(*[{"name": f"epoch-end{i}", "devices": 1, "epochs": 3, "loaders": "hooks" if i % 2 else "fit",
+           "resume": str(out / path)} for i, path in enumerate(EPOCH_END_CHECKPOINTS)])
+    full = read(out / "full-rank0.json")["train"]
+    assert read(out / "short-rank0.json")["train"] == full[: 2 * EPOCH], "a run of 2 epochs is not the first 2"
+    for i, (path, step) in enumerate(EPOCH_END_CHECKPOINTS.items()):
+        resumed = read(out / f"epoch-end{i}-rank0.json")["train"]
+        assert [s[:2] for s in resumed] == [s[:2] for s in full[step:]], f"resumed from {path}: other batches"
+        assert resumed == full[step:], f"resumed from {path}: other pixels"
+
+
 def test_lightning_ddp_ranks_are_disjoint_and_complete_with_loaders_passed_to_fit_or_made_in_hooks(lightning):
     out, job = lightning
-    job({"name": "ddp-fit", "devices": 2, "epochs": 2, "loaders": "fit"},
+    job({"name": "ddp-fit", "devices": 2, "epochs": 2, "loaders": "fit", "ckpt_epochs": "val-end"},
         {"name": "ddp-hooks", "devices": 2, "epochs": 2, "loaders": "hooks"})
     for name in ("ddp-fit", "ddp-hooks"):
         records = [read(out / f"{name}-rank{r}.json") for r in range(2)]
         assert_ranks_split_every_epoch([by_epoch(r["train"]) for r in records], 2, name)
         validated = sorted(i for r in records for e, sanity, ids in r["val"] if e == 0 and not sanity for i in ids)
         assert validated == list(range(TOTAL)), f"{name}: validation is not split over the ranks"
+    # resumed in a fresh process from the checkpoint of epoch 0's end: each rank plays its part of epoch 1
+    job({"name": "ddp-resumed", "devices": 2, "epochs": 2, "loaders": "hooks",
+         "resume": str(out / "ddp-fit-val-end" / "epoch=0.ckpt")})
+    for r in range(2):
+        full = read(out / f"ddp-fit-rank{r}.json")["train"]
+        assert read(out / f"ddp-resumed-rank{r}.json")["train"] == full[EPOCH // 2:], f"DDP rank {r}: not epoch 1"
 
 
 # ---- Accelerate -----------------------------------------------------------------------------

@@ -7,7 +7,12 @@ fits, run one after another in this process, each with ``name``, ``devices`` (2:
 processes), ``epochs``, ``loaders`` ("fit": made before the Trainer and passed to ``fit``, as
 the loaders' ranks are not known yet; "hooks": made in the LightningModule's
 ``train_dataloader``/``val_dataloader``), and optionally ``ckpt_every`` (a ModelCheckpoint
-every N training steps, into ``out/<name>-ckpt``) and ``resume`` (a checkpoint to resume from).
+every N training steps, into ``out/<name>-ckpt``), ``ckpt_epochs`` (the checkpoints Lightning
+users keep most, once an epoch, into ``out/<name>-<kind>``: "val-end",
+``ModelCheckpoint(every_n_epochs=1)``, which with validation loaders saves when validation ends;
+"train-end", one saved when the training epoch ends, with ``save_last``; Lightning allows one
+of them per Trainer) and ``resume`` (a checkpoint to resume from). No run calls ``set_epoch``:
+Lightning's own calls are all the loaders get.
 
 Each rank of each run writes ``out/<name>-rank<R>.json``: ``train``, one ``[epoch, ids, pixels
 digest]`` per training step, and ``val``, one ``[epoch, sanity check?, ids]`` per validation step.
@@ -78,13 +83,26 @@ class HookModel(Model):
 
 for run in config["runs"]:
     callbacks = []
+    folder = os.path.join(config["out"], run["name"])
     if run.get("ckpt_every"):
         callbacks.append(
             ModelCheckpoint(
-                dirpath=os.path.join(config["out"], f"{run['name']}-ckpt"),
-                filename="{step}",
-                every_n_train_steps=run["ckpt_every"],
+                dirpath=f"{folder}-ckpt", filename="{step}", every_n_train_steps=run["ckpt_every"], save_top_k=-1
+            )
+        )
+    if run.get("ckpt_epochs") == "val-end":
+        callbacks.append(
+            ModelCheckpoint(dirpath=f"{folder}-val-end", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+        )
+    elif run.get("ckpt_epochs") == "train-end":
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=f"{folder}-train-end",
+                filename="{epoch}",
+                every_n_epochs=1,
                 save_top_k=-1,
+                save_on_train_epoch_end=True,
+                save_last=True,
             )
         )
     trainer = L.Trainer(
