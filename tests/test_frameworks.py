@@ -125,6 +125,25 @@ def test_lightning_end_of_epoch_checkpoints_resume_exactly_in_a_fresh_process(li
         assert resumed == full[step:], f"resumed from {path}: other pixels"
 
 
+def test_lightning_reaches_the_loaders_set_epoch_and_finds_no_shuffling_sampler():
+    """The two paths of Lightning's that the loader's ``batch_sampler`` is for, run as Lightning runs
+    them (tests/test_epoch.py has the rules they reach): set_epoch at each epoch's start, and the
+    check that a validation loader does not shuffle, which must not read it as a DataLoader's."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+
+    from remoteloader.client.epoch import FrameworkEpochs
+
+    class LoaderLike:
+        def __init__(self, set_epoch):
+            self.batch_sampler = FrameworkEpochs(set_epoch)
+
+    epochs: list[int] = []
+    _set_sampler_epoch(LoaderLike(epochs.append), 3)
+    assert epochs == [3]
+    assert _is_dataloader_shuffled(LoaderLike(epochs.append)) is False
+
+
 def test_lightning_ddp_ranks_are_disjoint_and_complete_with_loaders_passed_to_fit_or_made_in_hooks(lightning):
     out, job = lightning
     job({"name": "ddp-fit", "devices": 2, "epochs": 2, "loaders": "fit", "ckpt_epochs": "val-end"},
