@@ -2,7 +2,9 @@
 (the scripts in tests/frameworks/): Lightning (loaders passed to fit and made in hooks, DDP on
 two CPU processes, mid-epoch and end-of-epoch checkpoints of every kind Lightning writes, resumed
 with no line from the user), Accelerate (prepare, save_state and load_state, one process and two
-under `accelerate launch`) and torchrun (loaders made before and after init_process_group).
+under `accelerate launch`), Hugging Face's Trainer (RemoteTrainer: epochs with evaluation, resumed
+mid-epoch and at an epoch's end in a fresh process, accumulation, max_steps, torchrun) and
+torchrun (loaders made before and after init_process_group).
 
 One module-wide Cluster: two servers of 24 images each (48 samples: 12 batches of 4, or 6 per
 rank with two ranks).
@@ -159,6 +161,107 @@ def test_lightning_ddp_ranks_are_disjoint_and_complete_with_loaders_passed_to_fi
     for r in range(2):
         full = read(out / f"ddp-fit-rank{r}.json")["train"]
         assert read(out / f"ddp-resumed-rank{r}.json")["train"] == full[EPOCH // 2:], f"DDP rank {r}: not epoch 1"
+
+
+# ---- Hugging Face Trainer (RemoteTrainer) ----------------------------------------------------
+# Runs of tests/frameworks/transformers_job.py: 12 batches an epoch, one process.
+TRAINER_RUNS = [
+    {"name": "full", "epochs": 3, "eval": True, "save": 4},  # checkpoints every 4 steps: 12 and 24 end epochs
+    {"name": "accum", "epochs": 2, "accumulate": 5, "save": "epoch"},  # 5 + 5 + 2 batches: 3 steps an epoch
+    {"name": "capped", "max_steps": 5, "accumulate": 5, "save": 2},  # stops 10 batches into epoch 1
+]
+# Resumed in a fresh process: (run, checkpoint, the batch of the run it resumes at).
+TRAINER_RESUMES = {"mid-epoch": ("full", "checkpoint-16", 16), "epoch-end": ("full", "checkpoint-12", 12),
+                   "accum-epoch": ("accum", "checkpoint-3", 12), "capped-mid": ("capped", "checkpoint-2", 10)}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(servers, tmp_path_factory):
+    """The Trainer job's runs in one process, then resumed from their checkpoints in another."""
+    out = tmp_path_factory.mktemp("transformers")
+
+    def job(*runs: dict) -> None:
+        config = {"servers": servers, "out": str(out), "runs": list(runs)}
+        run([sys.executable, str(JOBS / "transformers_job.py"), json.dumps(config)], "the Trainer job")
+
+    job(*TRAINER_RUNS)
+    options = {r["name"]: r for r in TRAINER_RUNS}
+    job(*[{**options[of], "save": None, "name": name, "resume": str(out / of / checkpoint)}
+          for name, (of, checkpoint, _batch) in TRAINER_RESUMES.items()],
+        # resumed with other TrainingArguments: Trainer would count another position than the loader's
+        {**options["accum"], "save": None, "accumulate": 1, "name": "mismatch", "refused": True,
+         "resume": str(out / "accum" / "checkpoint-3")})
+    return out
+
+
+def test_trainer_trains_every_sample_once_per_epoch_in_a_new_order_and_evaluates_after_each(trainer_runs):
+    record = read(trainer_runs / "full-rank0.json")
+    assert record["len"] == EPOCH and record["global_step"] == 3 * EPOCH
+    assert_ranks_split_every_epoch([by_epoch(record["train"])], 3, "RemoteTrainer")
+    for evaluation in range(3):  # the eval loader's batches in order, the same each time
+        ids = [i for n, batch in record["eval"] if n == evaluation for i in batch]
+        assert ids == list(range(TOTAL)), f"evaluation {evaluation} is not every sample once, in order"
+    assert len(record["eval"]) == 3 * EPOCH, "an evaluation too many"
+
+
+def test_trainer_resumes_mid_epoch_and_at_an_epochs_end_in_a_fresh_process_exactly(trainer_runs):
+    for name, (of, checkpoint, batch) in TRAINER_RESUMES.items():
+        assert (trainer_runs / of / checkpoint / "remoteloader_state.json").is_file(), f"{checkpoint}: no loader state"
+        full, resumed = read(trainer_runs / f"{of}-rank0.json"), read(trainer_runs / f"{name}-rank0.json")
+        assert [s[:2] for s in resumed["train"]] == [s[:2] for s in full["train"][batch:]], f"{name}: other batches"
+        assert resumed["train"] == full["train"][batch:], f"{name}: other pixels"
+        assert resumed["global_step"] == full["global_step"], name
+        assert resumed["delivered"] == len(resumed["train"]), f"{name}: decoded batches it did not train"
+    evaluated = read(trainer_runs / "mid-epoch-rank0.json")["eval"]
+    assert [i for _n, batch in evaluated for i in batch] == list(range(TOTAL)) * 2, "resumed: not evaluated"
+    refused = read(trainer_runs / "mismatch-rank0.json")
+    assert "its RemoteLoader state is at batch 0 of epoch 1, and Trainer resumes at batch 3 of epoch 0" in (
+        refused["error"] or ""), refused["error"]
+    assert refused["train"] == [], "a resume that cannot be exact trained something"
+
+
+def test_trainer_gradient_accumulation_max_steps_and_save_strategy_epoch_as_with_its_own_loaders(trainer_runs):
+    full = read(trainer_runs / "full-rank0.json")["train"]
+    accum, capped = read(trainer_runs / "accum-rank0.json"), read(trainer_runs / "capped-rank0.json")
+    # 12 batches an epoch in steps of 5, 5 and 2: 3 optimizer steps an epoch, a checkpoint at each epoch's end
+    assert accum["global_step"] == 6 and accum["train"] == full[: 2 * EPOCH]
+    assert sorted(p.name for p in (trainer_runs / "accum").iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    # max_steps=5: epoch 0, then 2 steps (10 batches) of epoch 1
+    assert capped["global_step"] == 5 and capped["train"] == full[: EPOCH + 10]
+    assert capped["delivered"] == EPOCH + 10, "max_steps: batches decoded beyond the last step"
+
+
+def test_trainer_under_torchrun_splits_every_epoch_over_the_ranks_and_resumes_each(servers, tmp_path, free_port):
+    runs = [{"name": "ddp", "epochs": 2, "eval": True, "save": 3},  # 6 steps an epoch on each rank
+            {"name": "ddp-resumed", "epochs": 2, "eval": True, "resume": str(tmp_path / "ddp" / "checkpoint-3")}]
+    config = {"servers": servers, "out": str(tmp_path), "runs": runs}
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(JOBS / "transformers_job.py"), json.dumps(config)],
+        "the Trainer job under torchrun")
+    records = [read(tmp_path / f"ddp-rank{r}.json") for r in range(2)]
+    assert [r["len"] for r in records] == [EPOCH // 2] * 2 and [r["global_step"] for r in records] == [EPOCH] * 2
+    assert_ranks_split_every_epoch([by_epoch(r["train"]) for r in records], 2, "RemoteTrainer under torchrun")
+    for evaluation in range(2):
+        ids = sorted(i for r in records for n, batch in r["eval"] if n == evaluation for i in batch)
+        assert ids == list(range(TOTAL)), f"evaluation {evaluation} is not split over the ranks"
+    for r in range(2):  # each rank's own state file, its own part of the rest
+        assert (tmp_path / "ddp" / "checkpoint-3" / f"remoteloader_state_{r}.json").is_file()
+        assert read(tmp_path / f"ddp-resumed-rank{r}.json")["train"] == records[r]["train"][3:], f"rank {r}"
+
+
+def test_trainer_batches_become_the_models_arguments_or_say_what_they_hold():
+    from remoteloader.integrations.transformers import model_inputs
+
+    assert model_inputs(("pixel_values", "labels"))(("x", "y")) == {"pixel_values": "x", "labels": "y"}
+    assert model_inputs(("pixel_values", "labels", None))(("x", "y", "ids")) == {"pixel_values": "x", "labels": "y"}
+    assert model_inputs({"images": "pixel_values"})({"images": "x", "mask": "m"}) == {"pixel_values": "x"}
+    assert model_inputs(lambda b: {"x": b[0]})(("x", "y")) == {"x": "x"}
+    with pytest.raises(ValueError, match=r"names 2 elements, and the batches have 3 \(\(images, labels, ids\)\)"):
+        model_inputs(("pixel_values", "labels"))(("x", "y", "ids"))
+    with pytest.raises(ValueError, match=r"pass a mapping from those keys"):
+        model_inputs(("pixel_values", "labels"))({"images": "x"})
+    with pytest.raises(ValueError, match=r"input_names='pixel_values'"):
+        model_inputs("pixel_values")
 
 
 # ---- Accelerate -----------------------------------------------------------------------------

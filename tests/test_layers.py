@@ -5,8 +5,9 @@ chunk checks: a lower room never reaches up (e.g. reassembly into the engine's s
 
 The contracts are import-linter's, in pyproject.toml ([tool.importlinter]). The repository
 has no remoteloader/ folder (pyproject's package-dir maps client/, server/, protos/ and tools/
-onto it), so the packages are copied under one into a temporary directory and checked there.
-Every import counts, those inside functions too.
+onto it, and client/integrations/ onto remoteloader.integrations), so the packages are copied
+as package-dir installs them into a temporary directory and checked there. Every import counts,
+those inside functions too.
 """
 
 from __future__ import annotations
@@ -26,18 +27,31 @@ import tomllib
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("client", "server", "protos", "tools")
+# {package: folder}, as setuptools installs them
+LAYOUT: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 LINT = "import sys\nfrom importlinter.cli import lint_imports\nsys.exit(lint_imports(config_filename=sys.argv[1], " \
        "no_cache=True, no_logo=True))\n"
 
 
 def stage(root: pathlib.Path) -> pathlib.Path:
-    """The sources as the installed ``remoteloader`` package, under ``root``."""
+    """The sources as the installed ``remoteloader`` package, under ``root``: each folder of
+    package-dir where its package goes, less the subfolders installed as another package."""
     package = root / "remoteloader"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in PACKAGES:
-        shutil.copytree(ROOT / name, package / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
+    mapped = {pathlib.Path(folder): name for name, folder in LAYOUT.items()}
+    for name, folder in LAYOUT.items():
+        target = root.joinpath(*name.split("."))
+        if target.exists():  # a subpackage, copied with its parent's folder
+            continue
+
+        def ignore(directory: str, names: list[str], name: str = name, folder: str = folder) -> list[str]:
+            here = pathlib.Path(directory).relative_to(ROOT)
+            package_here = ".".join([name, *here.relative_to(folder).parts])
+            return [n for n in names if n == "__pycache__" or n.endswith((".so", ".c"))
+                    or mapped.get(here / n, f"{package_here}.{n}") != f"{package_here}.{n}"]
+
+        shutil.copytree(ROOT / folder, target, ignore=ignore)
     return package
 
 
@@ -68,6 +82,10 @@ def test_import_contracts_are_kept(tmp_path):
                                                                            "remoteloader.client.assembly"),
     ("client/receiver_service.py", "from remoteloader.client import process_receiver",
      "remoteloader.client.receiver_service -> remoteloader.client.process_receiver"),
+    ("client/loader.py", "def f():\n    from remoteloader.integrations import transformers",
+     "remoteloader.client is not allowed to import remoteloader.integrations"),
+    ("integrations/transformers.py", "from remoteloader.server import config",
+     "remoteloader.integrations is not allowed to import remoteloader.server"),
 ])
 def test_a_forbidden_import_breaks_a_contract(tmp_path, module, line, broken):
     """The check can fail: one import across a layer, even inside a function, is reported."""

@@ -55,6 +55,19 @@ def test_client_imports_without_server_dependencies(tmp_path):
     assert not [m for m in modules if m.split(".")[0] in SERVER_ONLY]
 
 
+def test_client_imports_without_transformers_and_the_integration_says_how_to_get_it(tmp_path):
+    """transformers is an optional extra, imported by remoteloader.integrations.transformers alone."""
+    result = run_python(CLIENT_IMPORT.format(blocked=("transformers",)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    modules = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not [m for m in modules if m.split(".")[0] == "transformers" or m.startswith("remoteloader.integrations")]
+    integration = CLIENT_IMPORT.format(blocked=("transformers",)).replace(
+        "from remoteloader.client import LoaderError, RemoteLoader, SampleFailure",
+        "import remoteloader.integrations\nimport remoteloader.integrations.transformers")
+    result = run_python(integration, cwd=tmp_path)
+    assert result.returncode == 1 and "pip install 'remoteloader[transformers]'" in result.stderr, result.stderr
+
+
 def test_generated_protos_are_in_sync_with_the_proto(tmp_path):
     pytest.importorskip("grpc_tools")
     result = subprocess.run([sys.executable, "-m", "remoteloader.protos.generate", "--check"], cwd=tmp_path,
