@@ -38,7 +38,7 @@ from remoteloader.server.service import LoaderService
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sources import open_source
 from remoteloader.server.storage import ObjectStorage
-from remoteloader.server.worker_pool import WorkerPool
+from remoteloader.server.worker_pool import WorkerPool, start_fork_server
 
 log = logging.getLogger("remoteloader.server")
 
@@ -193,6 +193,8 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     token = read_token(config.token_file) if config.token_file else None  # fail before starting anything
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
+    if config.data or config.source:
+        start_fork_server()  # its imports run while the data is indexed
     shards = open_shards(
         list(config.data),
         FormatOptions(
@@ -220,14 +222,13 @@ async def create_server(config: ServerConfig) -> LoaderServer:
 def sample_layout(shards, count: int = 16) -> tuple[int, int]:
     """(JPEGs, JPEGs whose crops decode only their own MCUs) among ``count`` samples spread over
     the shards (needs the native region decoder)."""
-    total = sum(len(s) for s in shards)
+    starts = np.cumsum([0] + [len(s) for s in shards])
+    total = int(starts[-1])
     jpegs = packed = 0
     for position in sorted({total * k // count for k in range(count)} if total else ()):
-        for shard in shards:  # position -> (shard, index)
-            if position < len(shard):
-                break
-            position -= len(shard)
-        location = shard.locate(position)
+        at = int(np.searchsorted(starts, position, side="right")) - 1  # position -> (shard, index)
+        shard = shards[at]
+        location = shard.locate(position - int(starts[at]))
         try:
             if shard.remote and shard.storage is not None:  # a range of the object, like the workers' reads
                 name = location.path.removeprefix(shard.storage.url + "/")

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, NamedTuple
@@ -159,6 +160,21 @@ _MAX_SPECS = 64  # pipeline specs a worker remembers before it is told to forget
 _TASK_PIPE_BYTES = 256 << 10
 
 
+def _context() -> mp.context.ForkServerContext:
+    """Where decode workers come from: a fork server that has imported their code once."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["remoteloader.server.worker_process"])
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Starts the fork server the decode workers will come from, and its imports (OpenCV,
+    albumentations: seconds of CPU), without waiting for them: a server calls it before indexing
+    its data, which then runs beside those imports."""
+    _context()
+    forkserver.ensure_running()
+
+
 class WorkerPool:
     """Persistent worker processes fed over pipes, driven from the asyncio loop.
 
@@ -211,9 +227,7 @@ class WorkerPool:
             indexed_ns=indexed_ns,
             sources=sources,
         )
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["remoteloader.server.worker_process"])
-        self._ctx = ctx
+        self._ctx = _context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
         self._queue: FairQueue[_Queued] = FairQueue()
