@@ -375,7 +375,8 @@ def shard_rounds(title: str, packs: dict[int, pathlib.Path], args, image_size: i
             t0 = time.perf_counter()
             before = rss(me)
             loaders[k] = RemoteLoader(servers[k].address, batch_size=args.batch_size, image_size=image_size,
-                                      pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0)
+                                      pipeline="train", shuffle=True, seed=0, drop_last=True, reconnect_timeout=5.0,
+                                      shared_memory=args.transport == "same-host")
             setup[k] = {"construct_s": time.perf_counter() - t0, "rss_growth_mb": (rss(me) - before) / MB,
                         "samples": loaders[k].num_samples, "shards": len(tars(packs[k]))}
         n = loaders[counts[0]].num_samples
@@ -759,6 +760,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--workers", type=int, default=cores, help=f"server --workers (default {cores})")
+    p.add_argument("--transport", choices=("same-host", "grpc"), default="same-host",
+                   help="how batches reach this process: the same-host path (default for a local server) or "
+                        "gRPC (RemoteLoader(shared_memory=False), as from another machine)")
     p.add_argument("--plan-samples", type=_ints, default=[10**6, 10**8, 10**9])
     p.add_argument("--plan-world-size", type=int, default=8)
     p.add_argument("--loader-samples", type=_ints, default=[10**6, 10**8, 10**9],
