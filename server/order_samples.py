@@ -31,13 +31,14 @@ class Samples:
         indices: Each sample's index in its shard.
     """
 
-    __slots__ = ("shards", "which", "indices", "_generated", "_remote")
+    __slots__ = ("shards", "which", "indices", "_ids", "_generated", "_remote")
 
     def __init__(self, shards: tuple[Shard, ...], which: np.ndarray, indices: np.ndarray):
         self.shards = shards
         self.which = which
         self.indices = indices
         # Per shard, looked up once for an order and shared by its chunks (its slices).
+        self._ids = [s.id for s in shards]
         self._generated = np.fromiter((isinstance(s, SyntheticShard) for s in shards), np.bool_, len(shards))
         self._remote = np.fromiter((s.remote for s in shards), np.bool_, len(shards))
 
@@ -84,7 +85,7 @@ class Samples:
     def __getitem__(self, part: slice) -> Samples:
         sliced = Samples.__new__(Samples)
         sliced.shards, sliced.which, sliced.indices = self.shards, self.which[part], self.indices[part]
-        sliced._generated, sliced._remote = self._generated, self._remote
+        sliced._ids, sliced._generated, sliced._remote = self._ids, self._generated, self._remote
         return sliced
 
     def pairs(self) -> Iterator[tuple[Shard, int]]:
@@ -105,7 +106,7 @@ class Samples:
 
     def shard_ids(self) -> tuple[str, ...]:
         """Each sample's shard id."""
-        ids = [s.id for s in self.shards]
+        ids = self._ids
         return tuple(ids[w] for w in self.which.tolist())
 
     def seeds(self, seed: int, epoch: int) -> list[int]:
