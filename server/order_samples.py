@@ -60,7 +60,7 @@ class Samples:
         if len(set(order.shard_ids)) != len(shards):
             raise OrderError("it names a shard twice in shard_ids")
         n = len(order.indices)
-        indices = np.fromiter(order.indices, np.int64, n)
+        indices = np.fromiter(order.indices, np.uint64, n)  # (any uint64 may come: checked below)
         if order.shards:
             if len(order.shards) != n:
                 raise OrderError(f"it has {n} indices but {len(order.shards)} shard positions")
@@ -71,13 +71,13 @@ class Samples:
             which = np.zeros(n, np.int64)
         else:
             raise OrderError(f"it names {len(shards)} shards but not which sample is of which (Order.shards)")
-        sizes = np.fromiter((len(s) for s in shards), np.int64, len(shards))[which]
+        sizes = np.fromiter((len(s) for s in shards), np.uint64, len(shards))[which]
         bad = np.flatnonzero(indices >= sizes)
         if bad.size:
             k = int(bad[0])
             shard = shards[which[k]]
             raise OrderError(f"index {int(indices[k])} is out of range for shard {shard.id} of {len(shard)} samples")
-        return cls(shards, which, indices)
+        return cls(shards, which, indices.astype(np.int64))
 
     def __len__(self) -> int:
         return len(self.indices)

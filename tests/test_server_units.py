@@ -305,6 +305,7 @@ def test_an_order_over_several_shards_is_checked_and_each_sample_keeps_its_own_s
         (dict(shard_ids=[a.id, b.id], shards=[0], indices=[0, 1]), "2 indices but 1 shard positions"),
         (dict(shard_ids=[a.id, b.id], shards=[0, 2], indices=[0, 1]), "shard position 2 is past its 2 shard_ids"),
         (dict(shard_ids=[a.id, b.id], shards=[1, 0], indices=[6, 5]), f"index 5 is out of range for shard {a.id} of 5"),
+        (dict(shard_ids=[a.id], indices=[2**64 - 1]), f"index {2**64 - 1} is out of range"),
     ]:
         with pytest.raises(OrderError, match=why):
             Samples.of_order(loader_pb2.Order(**bad), held)
