@@ -439,25 +439,28 @@ def test_metrics_count_exactly_what_an_epoch_served(servers):
                       return_ids=True, on_error=failures.extend, connect_timeout=10) as loader:
         ids = _bounded_epoch(loader, 60)
         assert servers.metrics()["remoteloader_active_streams"] == 1
-    n = servers.n_metered
+        n = servers.n_metered
+        # A chunk is counted once its write completes, which the server may learn after the
+        # client has it (and never, if the stream is closed meanwhile): read, stream open, until
+        # the last ones are.
+        counted = ("remoteloader_images_served_total", "remoteloader_bytes_served_bytes_total",
+                   "remoteloader_decode_errors_total")
+
+        def delta() -> dict[str, float]:
+            after = servers.metrics()
+            return {k: after[k] - before.get(k, 0.0) for k in after}
+
+        wait_until_equal(lambda: tuple(delta()[k] for k in counted), (n, n * SIZE * SIZE * 3, servers.n_corrupt),
+                         f"{counted} over the epoch")
+
+        def untimed() -> float:
+            d = delta()
+            assert d["remoteloader_orders_total"] > 0
+            return d["remoteloader_orders_total"] - d["remoteloader_order_duration_seconds_count"]
+
+        wait_until_equal(untimed, 0.0, "orders counted but not timed")
     assert sorted(ids) == list(range(n))
     assert len(failures) == servers.n_corrupt
-    # (counted as each chunk is sent: read until the last ones are)
-    counted = ("remoteloader_images_served_total", "remoteloader_bytes_served_bytes_total",
-               "remoteloader_decode_errors_total")
-
-    def delta() -> dict[str, float]:
-        after = servers.metrics()
-        return {k: after[k] - before.get(k, 0.0) for k in after}
-
-    wait_until_equal(lambda: tuple(delta()[k] for k in counted), (n, n * SIZE * SIZE * 3, servers.n_corrupt),
-                     f"{counted} over the epoch")
-    def untimed() -> float:
-        d = delta()
-        assert d["remoteloader_orders_total"] > 0
-        return d["remoteloader_orders_total"] - d["remoteloader_order_duration_seconds_count"]
-
-    wait_until_equal(untimed, 0.0, "orders counted but not timed")
     deadline = time.monotonic() + 10
     while servers.metrics()["remoteloader_active_streams"] != 0 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -222,9 +222,12 @@ class Servers:
         return totals
 
     def counted_since(self, before: dict[str, float], expected: dict[str, float], servers=(0, 1)) -> dict[str, float]:
-        """The counts once those named in ``expected`` have gone up by as much since ``before``
-        (a chunk is counted after it is sent: the client can have it first); fails the test
-        with both values if they do not within a bound."""
+        """The counts once those named in ``expected`` have gone up by as much since ``before``;
+        fails the test with both values if they do not within a bound.
+
+        A chunk is counted once its write has completed, which the server may learn after the
+        client has the chunk; a client that closes its stream meanwhile ends that write
+        uncounted. So call this while the loaders are still open."""
         last: dict[str, float] = {}
 
         def grown() -> dict[str, float]:
@@ -304,15 +307,15 @@ def test_jobs_with_one_plan_get_the_same_batches_each_sample_once_each_decoded_o
     try:
         results = together(*[lambda lo=lo: play(lo, epochs=(0, 1)) for lo in loaders])
         shared = [lo.stats()["images_shared"] for lo in loaders]
+        total = 2 * 2 * PER_CLASS
+        # Each sample of each epoch decoded once; the other two jobs joined it.
+        servers.counted_since(before, {"served": 3 * 2 * total, "rendered": 2 * total, "joined": 2 * 2 * total})
     finally:
         for lo in loaders:
             lo.close()
-    total = 2 * 2 * PER_CLASS
     for batches in results:
         assert_each_sample_once(batches, total, epochs=(0, 1))
         assert_same_batches(results[0], batches)
-    # Each sample of each epoch decoded once; the other two jobs joined it.
-    servers.counted_since(before, {"served": 3 * 2 * total, "rendered": 2 * total, "joined": 2 * 2 * total})
     assert sum(shared) == 2 * 2 * total
     served = servers.cluster.metrics(0)
     assert served['remoteloader_job_images_served_total{job="seed-sweep-1"}'] >= 2 * PER_CLASS * 2
@@ -329,13 +332,13 @@ def test_jobs_that_differ_in_seed_pipeline_or_say_share_false_never_share(server
     try:
         results = together(*[lambda lo=lo: play(lo) for lo in loaders])
         assert [lo.stats()["images_shared"] for lo in loaders] == [0, 0, 0, 0]
+        total = 2 * 2 * PER_CLASS
+        servers.counted_since(before, {"served": 4 * total, "joined": 0, "rendered": 4 * total})
     finally:
         for lo in loaders:
             lo.close()
-    total = 2 * 2 * PER_CLASS
     for batches in results:
         assert_each_sample_once(batches, total)
-    servers.counted_since(before, {"served": 4 * total, "joined": 0, "rendered": 4 * total})
     assert_same_batches(results[0], results[3])  # share=False: the same batches, decoded apart
 
 
@@ -345,11 +348,11 @@ def test_a_late_job_joins_what_is_kept_and_renders_what_is_not(servers):
         start = servers.counts(everyone)
         with loader(address, seed=55, batch_size=4) as first:
             alone = play(first)
-        before = servers.counted_since(start, {"served": total}, everyone)
+            before = servers.counted_since(start, {"served": total}, everyone)
         with loader(address, seed=55, batch_size=4) as late:
             again = play(late)
             shared = late.stats()["images_shared"]
-        after = servers.counted_since(before, {"served": total}, everyone)
+            after = servers.counted_since(before, {"served": total}, everyone)
         assert_each_sample_once(again, total)
         assert_same_batches(alone, again)
         rendered = after["rendered"] - before["rendered"]
