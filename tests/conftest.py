@@ -13,8 +13,10 @@ No test chooses a port for a server: each binds its own (``--port 0``, ``--metri
 ``cluster.health_port(i)``). A port picked here, released and handed to a server could be taken
 by another test's server in between (xdist runs several at once).
 
-Server counters settle after the client has its batches (a chunk is counted once it is sent):
-compare them with ``wait_until_equal``, which reads until they reach the expected values.
+Server counters settle after the client has its batches: a chunk is counted once its write
+completes, which the server may learn after the client has the chunk, and never if the client
+closes its stream meanwhile. Compare them with ``wait_until_equal``, which reads until they
+reach the expected values, while the loader whose chunks they count is still open.
 
 Fixtures:
     cluster: a fresh, empty Cluster for one test (tests that stop, kill or restart servers).
@@ -229,8 +231,9 @@ def scrape(port: int) -> dict[str, float]:
 
 def wait_until_equal(read: Callable[[], Any], expected: Any, what: str, timeout: float = SETTLE_TIMEOUT) -> Any:
     """Calls ``read()`` until it returns ``expected``; fails the test with both values if it
-    has not within ``timeout`` seconds. For server counters, which count a chunk after it is
-    sent: a client can hold its last batch before the server has counted it."""
+    has not within ``timeout`` seconds. For server counters, which count a chunk once its write
+    completes: a client can hold its last batch before the server has counted it (read them
+    before closing that client: see the module's notes)."""
     deadline = time.monotonic() + timeout
     while True:
         value = read()
