@@ -160,15 +160,16 @@ def run(args: argparse.Namespace) -> dict:
         for name, path, remote in (("local", str(packed), False), ("bucket", "s3://bench/shards", True)):
             if not remote:
                 evict(sorted(packed.iterdir()))
-            port = shaped_links_free_port()
             cache = pathlib.Path(args.cache_dir or work) / f"cache-{name}-{os.getpid()}"
-            server = LocalServer(path, args=["--workers", str(args.workers), "--metrics-port", str(port),
-                                             "--cache-dir", str(cache), "--log-level", "WARNING"],
+            # (-1: it binds a free port and logs which, at INFO)
+            server = LocalServer(path, args=["--workers", str(args.workers), "--metrics-port", "-1",
+                                             "--cache-dir", str(cache)],
                                  env=env)
             server.launch()
             server.wait_ready(120)
             try:
-                results[name] = epochs(server, args, port, remote, store.pid)
+                assert server.metrics_port is not None
+                results[name] = epochs(server, args, server.metrics_port, remote, store.pid)
             finally:
                 server.stop(30)
     local = statistics.median(r["images_per_s"] for r in results["local"][1:] or results["local"])
@@ -204,14 +205,6 @@ def run(args: argparse.Namespace) -> dict:
     }
     print(json.dumps(summary, indent=2))
     return {"summary": summary, "epochs": results}
-
-
-def shaped_links_free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

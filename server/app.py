@@ -25,7 +25,16 @@ from grpc_health.v1 import health, health_pb2_grpc
 from remoteloader.protos import limits, malloc
 from remoteloader.protos.same_host import host_id
 from remoteloader.server.catalog import Shard, SyntheticShard
-from remoteloader.server.config import CANNOT_BIND, LISTENING, ServerConfig, bracketed, check_port_free
+from remoteloader.server.config import (
+    CANNOT_BIND,
+    HEALTH_ON,
+    LISTENING,
+    METRICS_ON,
+    ServerConfig,
+    bind_port,
+    bracketed,
+    check_port_free,
+)
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.formats import FormatOptions, open_shards
 from remoteloader.server.health import Health
@@ -283,7 +292,7 @@ async def _serve_on(
     health_port = 0
     if config.health_port:
         try:
-            health_port = await server_health.serve_port(config.host.strip("[]"), config.health_port)
+            health_port = await server_health.serve_port(config.host.strip("[]"), bind_port(config.health_port))
         except OSError:
             await server.stop(None)
             raise
@@ -293,7 +302,7 @@ async def _serve_on(
         # garbage collector, it would be shut down on an event loop already closed (a traceback),
         # and one never started keeps its port bound.
         try:
-            metrics_port = service.metrics.serve(config.metrics_port, config.host.strip("[]"))
+            metrics_port = service.metrics.serve(bind_port(config.metrics_port), config.host.strip("[]"))
         except OSError as exc:
             await server.stop(None)
             await server_health.close()
@@ -359,9 +368,9 @@ def _log_start(
             else "any local process: no --token-file",
         )
     if metrics_port:
-        log.info("Prometheus metrics on http://%s:%d/metrics", bracketed(config.host), metrics_port)
+        log.info("%s http://%s:%d/metrics", METRICS_ON, bracketed(config.host), metrics_port)
     if health_port:
-        log.info("gRPC health alone, plaintext and without a token, on %s:%d", bracketed(config.host), health_port)
+        log.info("%s %s:%d", HEALTH_ON, bracketed(config.host), health_port)
     warning = auth_warning(config)
     if warning:
         log.warning(warning)

@@ -26,6 +26,13 @@ ENV_PREFIX = "REMOTELOADER_"
 # "remoteloader-server listening on HOST:PORT"; when its port is taken, "cannot bind ...".
 LISTENING = "listening on"
 CANNOT_BIND = "cannot bind"
+# And, logged at INFO before that, the other ports it bound: "... METRICS_ON http://HOST:PORT/metrics"
+# and "... HEALTH_ON HOST:PORT".
+METRICS_ON = "Prometheus metrics on"
+HEALTH_ON = "gRPC health alone, plaintext and without a token, on"
+# --metrics-port and --health-port: 0 turns them off (compose, Kubernetes and the docs rely on
+# that), so "a free one" is this value; the server logs the port it bound (server/app.py).
+ANY_PORT = -1
 MAX_IMAGE_SIDE = 8192
 MiB = limits.MiB
 
@@ -61,6 +68,11 @@ def check_port_free(host: str, port: int, flag: str) -> None:
                     f"choose another {flag}"
                 ) from None
             # (other failures, e.g. an address this machine lacks: gRPC's bind says why)
+
+
+def bind_port(port: int) -> int:
+    """The port to bind for a --metrics-port or --health-port that is on: ``ANY_PORT`` is 0 (a free one)."""
+    return 0 if port == ANY_PORT else port
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -122,7 +134,9 @@ class ServerConfig:
     # For probes that speak neither TLS nor tokens (Kubernetes' grpc probes, Docker's HEALTHCHECK
     # through `remoteloader probe`); the health service only, never the Loader service.
     health_port: int = _setting(
-        0, "also answer gRPC health checks on this port, in plaintext and without a token (0: off)"
+        0,
+        f"also answer gRPC health checks on this port, in plaintext and without a token (0: off; {ANY_PORT}: a free "
+        "port, which the server logs)",
     )
     # Work
     workers: int = field(default_factory=default_workers, metadata={"help": "decode/augment worker processes"})
@@ -192,7 +206,9 @@ class ServerConfig:
         "before the stream is ended; 10 s while a stream waits for a free slot",
     )
     # Operations
-    metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
+    metrics_port: int = _setting(
+        0, f"serve Prometheus metrics on this port (0: off; {ANY_PORT}: a free port, which the server logs)"
+    )
     grace: float = _setting(30.0, "seconds in-flight work may take to finish after SIGTERM")
     log_level: str = _setting("INFO", "logging level")
     log_format: str = _setting("text", "text or json")  # json: one JSON object per line
@@ -205,9 +221,10 @@ class ServerConfig:
             raise ValueError("data: no shard paths given; pass --data DIR (or REMOTELOADER_DATA) or --source")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port}: expected 0..65535 (0 picks a free port)")
-        if not 0 <= self.health_port <= 65535 or (self.health_port and self.health_port == self.port):
+        if not ANY_PORT <= self.health_port <= 65535 or (self.health_port > 0 and self.health_port == self.port):
             raise ValueError(
-                f"health_port={self.health_port}: expected 0..65535 (0 turns it off), not the Loader's port {self.port}"
+                f"health_port={self.health_port}: expected 0..65535 (0 turns it off) or {ANY_PORT} (a free port), "
+                f"not the Loader's port {self.port}"
             )
         if self.source:
             module, _, name = self.source.partition(":")
@@ -272,8 +289,10 @@ class ServerConfig:
             raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes}: expected >= 0")
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", scratch_folder())
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off)")
+        if not ANY_PORT <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port={self.metrics_port}: expected 0..65535 (0 turns metrics off) or {ANY_PORT} (a free port)"
+            )
         if not isinstance(logging.getLevelName(str(self.log_level).upper()), int):
             raise ValueError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         if self.log_format not in ("text", "json"):

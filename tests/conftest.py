@@ -3,15 +3,26 @@
 A ``Cluster`` starts ``remoteloader-server`` processes with the one launcher
 (``remoteloader.tools.local.LocalServer``), waits (bounded) for each one's
 ``listening on HOST:PORT`` line, and can stop (SIGTERM), kill (SIGKILL), restart (same
-port, same data) and add servers. Every server runs in its own process group, so its
+ports, same data) and add servers. Every server runs in its own process group, so its
 decode workers and forkserver go with it; whatever is still running at teardown is
 terminated, then killed. When a test fails, the tail of every server's stderr is
 attached to the report.
 
+No test chooses a port for a server: each binds its own (``--port 0``, ``--metrics-port -1``,
+``--health-port -1``) and says which it got (``cluster.address(i)``, ``cluster.metrics_port(i)``,
+``cluster.health_port(i)``). A port picked here, released and handed to a server could be taken
+by another test's server in between (xdist runs several at once).
+
+Server counters settle after the client has its batches: a chunk is counted once its write
+completes, which the server may learn after the client has the chunk, and never if the client
+closes its stream meanwhile. Compare them with ``wait_until_equal``, which reads until they
+reach the expected values, while the loader whose chunks they count is still open.
+
 Fixtures:
     cluster: a fresh, empty Cluster for one test (tests that stop, kill or restart servers).
     module_cluster: an empty Cluster shared by one test module (tests that only read from it).
-    free_port: a function returning a TCP port on 127.0.0.1 that nothing listens on.
+    closed_port: a function returning a TCP port on 127.0.0.1 that refuses connections; it is
+        held (bound, never listening) until the test ends, so nothing else can take it.
     run_bounded: a function running one epoch of a loader, failing the test if it hangs.
     eval_reference: a function computing, locally, what the "eval" preset makes of a file.
 """
@@ -27,7 +38,10 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,6 +53,8 @@ from remoteloader.tools.local import LocalServer, ServerProcess
 from remoteloader.tools.textures import encode_jpeg, make_image, make_imagefolder
 
 READY_TIMEOUT = 90.0  # seconds a server may take to index its data and bind (the suite runs 3 workers on 2 cores)
+SETTLE_TIMEOUT = 30.0  # seconds server counters may take to reach what a finished client saw
+ANY_PORT = "-1"  # --metrics-port / --health-port: the server binds a free one and logs it
 STOP_TIMEOUT = 30.0  # seconds a SIGTERMed server may take to drain and exit
 DEFAULT_ARGS = ("--workers", "1", "--grace", "5", "--log-level", "INFO")
 # How a `python -m` command that caught Ctrl-C, cleaned up and returned 130 may end: with 130,
@@ -144,6 +160,18 @@ class Cluster:
     def address(self, i: int) -> str:
         return self.servers[i].address
 
+    def metrics_port(self, i: int) -> int:
+        """The port server ``i`` serves /metrics on (started with ``--metrics-port -1``, say)."""
+        return _bound(self.servers[i].metrics_port, i, "--metrics-port")
+
+    def health_port(self, i: int) -> int:
+        """The port server ``i`` answers health alone on (started with ``--health-port -1``, say)."""
+        return _bound(self.servers[i].health_port, i, "--health-port")
+
+    def metrics(self, i: int) -> dict[str, float]:
+        """Server ``i``'s /metrics now: ``name`` or ``name{labels}`` -> value."""
+        return scrape(self.metrics_port(i))
+
     @property
     def addresses(self) -> list[str]:
         """Every server's address, in the order they were added (stopped ones included)."""
@@ -187,6 +215,35 @@ class Cluster:
         return "\n".join(parts)
 
 
+def _bound(port: int | None, i: int, flag: str) -> int:
+    if not port:
+        raise RuntimeError(f"server {i} reported no {flag} (start it with {flag} {ANY_PORT}, and INFO logs)")
+    return port
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The samples of ``http://127.0.0.1:PORT/metrics``: ``name`` or ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-zA-Z_:][^\s{]*(?:\{.*\})?) (\S+)$", text, re.M)}
+
+
+def wait_until_equal(read: Callable[[], Any], expected: Any, what: str, timeout: float = SETTLE_TIMEOUT) -> Any:
+    """Calls ``read()`` until it returns ``expected``; fails the test with both values if it
+    has not within ``timeout`` seconds. For server counters, which count a chunk once its write
+    completes: a client can hold its last batch before the server has counted it (read them
+    before closing that client: see the module's notes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if value == expected:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: {value!r}, expected {expected!r} (still after {timeout:g}s)")
+        time.sleep(0.05)
+
+
 @atexit.register
 def _kill_leftovers() -> None:  # a crash of the test process itself
     for cluster in list(_LIVE):
@@ -218,16 +275,23 @@ def module_cluster(tmp_path_factory):
         yield c
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+@pytest.fixture
+def closed_port():
+    """Returns a function giving a port on 127.0.0.1 that refuses connections (at once: the
+    kernel answers with a reset). Its socket is bound and never listens, and stays bound until
+    the test ends, so that no server can take the port meanwhile (a port released at once could
+    be another test's server's by the time it is connected to)."""
+    held: list[socket.socket] = []
+
+    def take() -> int:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.append(s)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-@pytest.fixture(scope="session")
-def free_port():
-    """Returns a function giving a port on 127.0.0.1 that nothing listens on (just released)."""
-    return _free_port
+    yield take
+    for s in held:
+        s.close()
 
 
 def _eval_reference(path, size: int | tuple[int, int]):

@@ -22,6 +22,7 @@ import urllib.request
 
 import grpc
 import pytest
+from conftest import ANY_PORT
 
 from remoteloader.client import RemoteLoader, thread_receiver
 from remoteloader.protos import codec, loader_pb2
@@ -65,10 +66,9 @@ class Autoscaler:
     under ``lock`` with the loader's ``iter``) says which epoch a change happened in.
     """
 
-    def __init__(self, cluster, data, free_port, period: float = 0.25, stabilization: float = 1.5):
+    def __init__(self, cluster, data, period: float = 0.25, stabilization: float = 1.5):
         self.cluster = cluster
         self.data = data
-        self.free_port = free_port
         self.period = period
         self.stabilization = stabilization
         self.lock = threading.Lock()
@@ -83,11 +83,10 @@ class Autoscaler:
     def add_server(self) -> tuple[str, int]:
         """Starts a replica and lists it (a pod turning ready); returns its address and the
         epoch that was playing then: the replica may join only at the next one."""
-        port = self.free_port()
-        index = self.cluster.add(self.data, "--metrics-port", str(port))
+        index = self.cluster.add(self.data, "--metrics-port", ANY_PORT)
         address = self.cluster.address(index)
         with self.lock:
-            self.running.append((index, port))
+            self.running.append((index, self.cluster.metrics_port(index)))
             self.listed.append(address)
             return address, self.epoch
 
@@ -140,8 +139,8 @@ def dataset(tmp_path_factory):
 
 
 def test_servers_scaled_on_their_busy_ratio_join_and_leave_at_epochs_without_losing_a_sample(
-        cluster, dataset, free_port, monkeypatch):
-    scaler = Autoscaler(cluster, dataset, free_port)
+        cluster, dataset, monkeypatch):
+    scaler = Autoscaler(cluster, dataset)
     first, _ = scaler.add_server()
     real = thread_receiver.discover
     monkeypatch.setattr(thread_receiver, "discover", lambda address: real(list(scaler.listed)))

@@ -358,8 +358,8 @@ def test_client_refuses_a_size_the_server_does_not_offer(data):
 
 
 # ---- unreachable servers -----------------------------------------------------------------
-def test_unreachable_server_raises_connection_error_in_time(free_port):
-    address = f"127.0.0.1:{free_port()}"
+def test_unreachable_server_raises_connection_error_in_time(closed_port):
+    address = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()
     with pytest.raises(ConnectionError) as info:
         RemoteLoader(address, batch_size=4, image_size=SIZE, connect_timeout=2)
@@ -368,8 +368,8 @@ def test_unreachable_server_raises_connection_error_in_time(free_port):
     assert elapsed < 10, f"took {elapsed:.1f}s with connect_timeout=2"
 
 
-def test_one_unreachable_server_among_live_ones_is_named(data, free_port):
-    dead = f"127.0.0.1:{free_port()}"
+def test_one_unreachable_server_among_live_ones_is_named(data, closed_port):
+    dead = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()
     with pytest.raises(ConnectionError) as info:
         RemoteLoader([data.address, dead], batch_size=4, image_size=SIZE, connect_timeout=2)

@@ -218,11 +218,11 @@ def test_prepare_with_connect_still_refuses_a_foreign_folder(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("address, message", [
-    ("127.0.0.1:{free}", "refused the connection: nothing listens there"),  # at once, not after connect_timeout
+    ("127.0.0.1:{closed}", "refused the connection: nothing listens there"),  # at once, not after connect_timeout
     ("127.0.0.1:{silent}", "did not answer within 2s"),  # a port that accepts and never answers
     ("no-port-here", "expected host:port"),
 ])
-def test_connect_to_no_server_is_a_one_line_error(monkeypatch, free_port, address, message):
+def test_connect_to_no_server_is_a_one_line_error(monkeypatch, closed_port, address, message):
     import functools
     import socket
 
@@ -234,7 +234,7 @@ def test_connect_to_no_server_is_a_one_line_error(monkeypatch, free_port, addres
     with socket.socket() as silent:  # listens (the kernel accepts) but never speaks gRPC
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        address = address.format(free=free_port(), silent=silent.getsockname()[1])
+        address = address.format(closed=closed_port(), silent=silent.getsockname()[1])
         started = time.monotonic()
         with pytest.raises(SystemExit) as info:
             main(["demo", "--connect", address])
@@ -266,9 +266,9 @@ def test_a_server_subcommand_without_the_server_extra_says_how_to_install_it(tmp
 
 
 @pytest.mark.timeout(60)
-def test_probe_needs_only_the_client(free_port):
+def test_probe_needs_only_the_client(closed_port):
     code = CLIENT_ONLY + (f"from remoteloader.tools.cli import main\n"
-                          f"sys.exit(main(['probe', '127.0.0.1:{free_port()}', '--timeout', '1']))\n")
+                          f"sys.exit(main(['probe', '127.0.0.1:{closed_port()}', '--timeout', '1']))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr, result.stderr  # it ran: nothing listens
     assert "Traceback" not in result.stderr and "server extra" not in result.stderr

@@ -25,6 +25,7 @@ import time
 
 import pytest
 import yaml
+from conftest import ANY_PORT
 
 try:
     import tomllib
@@ -526,12 +527,12 @@ def test_a_sigterm_while_the_server_starts_ends_it_at_once(tmp_path):
 
 # ---- run what compose runs ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def compose_server(tmp_path_factory, free_port):
-    """loader-0 exactly as compose starts it, but on a local ImageFolder, a free port and 127.0.0.1."""
+def compose_server(tmp_path_factory):
+    """loader-0 exactly as compose starts it, but on a local ImageFolder, free ports (it binds
+    them: --port 0, REMOTELOADER_HEALTH_PORT=-1) and 127.0.0.1."""
     service = _compose()["services"]["loader-0"]
     stages = _dockerfile()
     data = make_imagefolder(tmp_path_factory.mktemp("compose-data"), ["x", "y"], 5, size=(48, 64), seed=5)
-    port = free_port()
     entry = _exec_form(_inherited(stages, "server", "ENTRYPOINT"))
     command = list(service["command"])
     argv = [_script_path(entry[0])] + entry[1:]
@@ -540,18 +541,17 @@ def compose_server(tmp_path_factory, free_port):
             arg = str(data)
         elif i > 0 and command[i - 1] == "--port":
             assert arg == str(CONTAINER_PORT)
-            arg = str(port)
+            arg = "0"
         argv.append(arg)
-    assert str(data) in argv and str(port) in argv, argv
-    env = _container_env(service, stages, free_port)
+    assert str(data) in argv and argv[argv.index("--port") + 1] == "0", argv
+    env = _container_env(service, stages)
     process = ServerProcess(argv, env=env)
-    process.container_env = env  # what the HEALTHCHECK runs with, as inside the container
     try:
         try:
             process.wait_ready(45)
         except ServerStartError as exc:
             pytest.fail(str(exc))
-        assert process.port == port, f"listening on {process.port}, expected the --port {port}"
+        process.container_env = _bound_health(env, process)  # what the HEALTHCHECK runs with, as inside the container
         yield process
     finally:
         process.kill()
@@ -569,15 +569,22 @@ def test_compose_server_command_serves_a_full_epoch(compose_server, run_bounded)
     assert "with 2 workers" in compose_server.stderr(), compose_server.stderr()  # compose's --workers 2 took effect
 
 
-def _container_env(service: dict, stages: dict[str, Stage], free_port) -> dict[str, str]:
+def _container_env(service: dict, stages: dict[str, Stage]) -> dict[str, str]:
     """The environment of a server container: the image's ENV, then compose's, with the host
-    and the health port moved for a test on this machine."""
+    and the health port moved for a test on this machine (a free one, which the server binds:
+    ``_bound_health`` says which once it is ready)."""
     env = dict(_env(stages, "server"))  # the image's ENV (on top of ours, less its REMOTELOADER_* settings) ...
     env.update({k: str(v) for k, v in (service.get("environment") or {}).items()})  # ... then compose's
     assert env["REMOTELOADER_HOST"] == "0.0.0.0"
     env["REMOTELOADER_HOST"] = "127.0.0.1"  # never bind other interfaces in tests
-    env["REMOTELOADER_HEALTH_PORT"] = str(free_port())
+    env["REMOTELOADER_HEALTH_PORT"] = ANY_PORT
     return env
+
+
+def _bound_health(env: dict[str, str], process: ServerProcess) -> dict[str, str]:
+    """``env`` with the health port the ready ``process`` bound: the container's, as its HEALTHCHECK reads it."""
+    assert process.health_port, f"the server logged no health port:\n{process.stderr()}"
+    return {**env, "REMOTELOADER_HEALTH_PORT": str(process.health_port)}
 
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -587,17 +594,17 @@ def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
 
 
-def test_healthcheck_command_against_the_server_and_a_free_port(compose_server, free_port):
+def test_healthcheck_command_against_the_server_and_a_free_port(compose_server, closed_port):
     ok = _probe(compose_server.container_env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "SERVING" in ok.stdout
     started = time.monotonic()
-    down = _probe({**compose_server.container_env, "REMOTELOADER_HEALTH_PORT": str(free_port())})
+    down = _probe({**compose_server.container_env, "REMOTELOADER_HEALTH_PORT": str(closed_port())})
     assert down.returncode != 0, down.stdout + down.stderr
     assert time.monotonic() - started < 20
 
 
-def test_health_checks_pass_with_tls_a_token_and_any_port(tmp_path, free_port):
+def test_health_checks_pass_with_tls_a_token_and_any_port(tmp_path):
     """The image's HEALTHCHECK and the kubelet's grpc probes (plaintext, no token) pass against
     a server on another port with TLS and a token; the Loader service is not on the health port."""
     import grpc
@@ -612,14 +619,14 @@ def test_health_checks_pass_with_tls_a_token_and_any_port(tmp_path, free_port):
     token = tmp_path / "token"
     token.write_text("t" * 32)
     data = make_imagefolder(tmp_path / "data", ["x"], 2, size=(16, 16))
-    port = free_port()
-    env = _container_env(_compose()["services"]["loader-0"], _dockerfile(), free_port)
-    argv = [_script_path("remoteloader-server"), "--data", str(data), "--port", str(port), "--workers", "1",
+    env = _container_env(_compose()["services"]["loader-0"], _dockerfile())
+    argv = [_script_path("remoteloader-server"), "--data", str(data), "--port", "0", "--workers", "1",
             "--tls-cert", write_cert(tmp_path / "server.pem", cert), "--tls-key", write_key(tmp_path / "key", key),
             "--token-file", str(token)]
     process = ServerProcess(argv, env=env)
     try:
-        process.wait_ready(45)
+        port = process.wait_ready(45)
+        env = _bound_health(env, process)
         ok = _probe(env)
         assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
         health_port = int(env["REMOTELOADER_HEALTH_PORT"])
@@ -968,15 +975,15 @@ def test_k8s_hpa_scales_the_statefulset_whose_every_pod_serves_the_whole_dataset
 
 
 @pytest.fixture(scope="module")
-def metrics_text(module_cluster, tmp_path_factory, free_port, run_bounded):
+def metrics_text(module_cluster, tmp_path_factory, run_bounded):
     """/metrics of a real server after it served an epoch."""
     import urllib.request
 
     from remoteloader.client import RemoteLoader
 
     data = make_imagefolder(tmp_path_factory.mktemp("metrics-data"), ["x", "y"], 6, size=(48, 64), seed=2)
-    port = free_port()
-    index = module_cluster.add(data, "--metrics-port", str(port))
+    index = module_cluster.add(data, "--metrics-port", ANY_PORT)
+    port = module_cluster.metrics_port(index)
     with RemoteLoader(module_cluster.address(index), batch_size=4, image_size=32, drop_last=False,
                       connect_timeout=10) as loader:
         run_bounded(loader, 60)
@@ -1061,7 +1068,7 @@ def _shell(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**os.environ, **env, "PATH": path})
 
 
-def test_compose_s3_profile_packs_the_demo_into_the_store_and_serves_it(tmp_path, free_port, run_bounded):
+def test_compose_s3_profile_packs_the_demo_into_the_store_and_serves_it(tmp_path, run_bounded):
     from remoteloader.client import RemoteLoader
     from remoteloader.tools.local_s3 import LocalS3
 
@@ -1082,15 +1089,15 @@ def test_compose_s3_profile_packs_the_demo_into_the_store_and_serves_it(tmp_path
         service = services["loader-s3"]
         stages = _dockerfile()
         entry = _exec_form(_inherited(stages, "server", "ENTRYPOINT"))
-        port = free_port()
-        argv = [_script_path(entry[0]), *entry[1:], *[str(port) if a == str(CONTAINER_PORT) else a
+        argv = [_script_path(entry[0]), *entry[1:], *["0" if a == str(CONTAINER_PORT) else a
                                                       for a in service["command"]]]
-        env = _container_env(service, stages, free_port)
+        env = _container_env(service, stages)
         env.update(local)
         env["REMOTELOADER_CACHE_DIR"] = str(tmp_path / "cache")  # the service's cache volume
         process = ServerProcess(argv, env=env)
         try:
-            process.wait_ready(60)
+            port = process.wait_ready(60)
+            env = _bound_health(env, process)
             ok = _probe(env)
             assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
             with RemoteLoader(f"127.0.0.1:{port}", batch_size=8, image_size=32, drop_last=False,

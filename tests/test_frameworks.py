@@ -266,14 +266,14 @@ def test_trainer_batches_become_the_models_arguments_or_say_what_they_hold():
 
 # ---- Accelerate -----------------------------------------------------------------------------
 @pytest.mark.parametrize("processes", [1, 2])
-def test_accelerate_prepare_and_a_mid_epoch_save_state_resume_every_rank_exactly(servers, tmp_path, free_port,
-                                                                               processes):
+def test_accelerate_prepare_and_a_mid_epoch_save_state_resume_every_rank_exactly(servers, tmp_path, processes):
     if processes == 1:
         launch = [sys.executable]
     else:  # on CPU, --multi_gpu with Accelerator(cpu=True) starts two gloo processes
+        # (port 0: Accelerate picks the port as it launches, not seconds before as a test would)
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
+                  "--main_process_ip", "127.0.0.1", "--main_process_port", "0"]
     save_at = 2
     for phase in ("train", "resume"):
         config = {"servers": servers, "out": str(tmp_path), "phase": phase, "save_at": save_at}
@@ -289,11 +289,11 @@ def test_accelerate_prepare_and_a_mid_epoch_save_state_resume_every_rank_exactly
 
 
 # ---- torchrun -------------------------------------------------------------------------------
-def test_torchrun_ranks_are_disjoint_with_the_loader_made_before_or_after_init_process_group(servers, tmp_path,
-                                                                                            free_port):
+def test_torchrun_ranks_are_disjoint_with_the_loader_made_before_or_after_init_process_group(servers, tmp_path):
     config = {"servers": servers, "out": str(tmp_path)}
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(JOBS / "torchrun_job.py"), json.dumps(config)], "torchrun")
+    # --standalone: its rendezvous store binds a free port itself, and the ranks meet on it.
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(JOBS / "torchrun_job.py"), json.dumps(config)], "torchrun")
     records = [read(tmp_path / f"rank{r}.json") for r in range(2)]
     for made in ("before", "after"):
         assert [r[made]["len"] for r in records] == [EPOCH // 2] * 2, f"made {made}: len() is not per rank"

@@ -22,6 +22,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from conftest import ANY_PORT, wait_until_equal
 
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import codec, loader_pb2
@@ -274,10 +275,10 @@ def _epoch_pixels(address: str, run_bounded) -> dict[int, np.ndarray]:
     return out
 
 
-def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounded, free_port):
+def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounded):
     data = make_imagefolder(tmp_path / "data", ["p", "q"], N // 2, size=(48, 64), seed=21)
-    metrics_port = free_port()
-    cluster.add(data, "--allow-custom-pipelines", "--metrics-port", str(metrics_port))
+    cluster.add(data, "--allow-custom-pipelines", "--metrics-port", ANY_PORT)
+    metrics_port = cluster.metrics_port(0)
     address = cluster.address(0)
     before = _epoch_pixels(address, run_bounded)
 
@@ -315,10 +316,7 @@ def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounde
     assert calls > 20, f"only {calls} fuzz calls in {elapsed:.1f}s"
 
     # Every stream the fuzzer opened is closed again on the server.
-    deadline = time.monotonic() + 10
-    while _metric(metrics_port, "remoteloader_active_streams") != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _metric(metrics_port, "remoteloader_active_streams") == 0
+    wait_until_equal(lambda: _metric(metrics_port, "remoteloader_active_streams"), 0, "streams open after the fuzzing")
 
     after = _epoch_pixels(address, run_bounded)
     for i in range(N):

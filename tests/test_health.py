@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from conftest import ANY_PORT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remoteloader.client import LoaderError, RemoteLoader
@@ -71,29 +72,38 @@ class HealthLog(threading.Thread):
                     status = -1
                 self.seen.append((time.monotonic() - started, status))
 
+    def wait_for_last(self, status: int, timeout: float) -> bool:
+        """Whether the latest answer is ``status``, waiting up to ``timeout`` for one that is."""
+        deadline = time.monotonic() + timeout
+        while not (self.seen and self.seen[-1][1] == status):
+            if time.monotonic() >= deadline or not self.is_alive():
+                return False
+            time.sleep(0.05)
+        return True
+
 
 def test_stopped_decode_workers_make_health_not_serving_then_are_replaced_and_the_epoch_completes(
-    cluster, data, free_port, run_bounded
+    cluster, data, run_bounded
 ):
-    health_port = free_port()
-    i = cluster.add(data, "--workers", "2", "--worker-timeout", "6", "--health-port", str(health_port))
+    i = cluster.add(data, "--workers", "2", "--worker-timeout", "6", "--health-port", ANY_PORT)
     workers = decode_workers(cluster.pid(i))
     assert len(workers) == 2, workers
-    watch = HealthLog(health_port)
+    watch = HealthLog(cluster.health_port(i))
     watch.start()
     try:
         stop_all(workers)
         with RemoteLoader(cluster.address(i), batch_size=4, image_size=32, return_ids=True, drop_last=False,
                           connect_timeout=20) as loader:
             ids = [i for _images, _labels, batch in run_bounded(loader, 60) for i in batch.tolist()]
-        time.sleep(1.5)  # health looks at the workers every second
+        # Health looks at the workers every second: it says SERVING again once it has looked.
+        back = watch.wait_for_last(SERVING, 20)
     finally:
         watch.stop.set()
         watch.join(5)
     assert sorted(ids) == list(range(24)), "the epoch lost or repeated samples"
     statuses = [status for _, status in watch.seen]
     assert NOT_SERVING in statuses, f"health never said NOT_SERVING while both workers were stopped: {watch.seen}"
-    assert statuses[-1] == SERVING, f"health did not come back once the workers were replaced: {watch.seen}"
+    assert back, f"health did not come back once the workers were replaced: {watch.seen}"
     went_down = next(t for t, status in watch.seen if status == NOT_SERVING)
     assert went_down < 6, f"NOT_SERVING only after {went_down:.1f}s (a third of --worker-timeout is 2 s)"
     log = cluster.stderr(i)

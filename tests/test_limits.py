@@ -3,7 +3,7 @@ metrics, and the SIGTERM drain.
 
 Two servers for the module:
     small   --max-streams-per-client 2 --max-order-samples 8 --max-inflight-orders 2
-    metered --max-streams 3 --metrics-port P --grace 2, with a few corrupt images
+    metered --max-streams 3 --metrics-port -1 (a port it binds) --grace 2, with a few corrupt images
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import urllib.request
 
 import grpc
 import pytest
-from conftest import _run_bounded
+from conftest import ANY_PORT, _run_bounded, wait_until_equal
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from remoteloader.client import RemoteLoader
@@ -36,9 +36,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class Servers:
-    def __init__(self, cluster, metrics_port: int, n_metered: int, n_corrupt: int):
+    def __init__(self, cluster, n_metered: int, n_corrupt: int):
         self.cluster = cluster
-        self.metrics_port = metrics_port
+        self.metrics_port = cluster.metrics_port(METERED)
         self.n_metered = n_metered
         self.n_corrupt = n_corrupt
 
@@ -61,7 +61,7 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(module_cluster, tmp_path_factory, free_port):
+def servers(module_cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("limits")
     small = make_imagefolder(base / "small", ["a", "b"], 6, size=(48, 64), seed=1)
     metered = make_imagefolder(base / "metered", ["a", "b"], GOOD // 2, size=(48, 64), seed=2)
@@ -69,16 +69,15 @@ def servers(module_cluster, tmp_path_factory, free_port):
     corrupt = dict(CORRUPT, **{"b/truncated.jpg": valid[: len(valid) // 3]})
     for key, data in corrupt.items():
         (metered / key).write_bytes(data)
-    metrics_port = free_port()
     c = module_cluster
     # --max-rate: an order of 8 stays in flight 0.2 s, so that orders sent back to back find it
     # there even when a loaded machine delays the second (the tests of in-flight limits failed so).
     c.add(small, "--max-streams-per-client", "2", "--max-order-samples", "8", "--max-inflight-orders", "2",
           "--max-rate", "40", wait=False)
-    c.add(metered, "--max-streams", "3", "--metrics-port", str(metrics_port), "--grace", "2", wait=False)
+    c.add(metered, "--max-streams", "3", "--metrics-port", ANY_PORT, "--grace", "2", wait=False)
     c.wait_ready(SMALL)
     c.wait_ready(METERED)
-    return Servers(c, metrics_port, GOOD + len(corrupt), len(corrupt))
+    return Servers(c, GOOD + len(corrupt), len(corrupt))
 
 
 # ---- raw streams ----------------------------------------------------------------------------
@@ -272,8 +271,8 @@ def test_streams_over_the_server_limit_are_refused_and_counted(servers):
         finally:
             for stream in held:
                 stream.close()
-    after = servers.metrics()
-    assert after["remoteloader_refused_streams_total"] - before["remoteloader_refused_streams_total"] == 30
+    refused = "remoteloader_refused_streams_total"
+    wait_until_equal(lambda: servers.metrics()[refused] - before[refused], 30, "streams refused, by the server's count")
 
 
 # ---- order limits ---------------------------------------------------------------------------
@@ -440,15 +439,28 @@ def test_metrics_count_exactly_what_an_epoch_served(servers):
                       return_ids=True, on_error=failures.extend, connect_timeout=10) as loader:
         ids = _bounded_epoch(loader, 60)
         assert servers.metrics()["remoteloader_active_streams"] == 1
-    n = servers.n_metered
+        n = servers.n_metered
+        # A chunk is counted once its write completes, which the server may learn after the
+        # client has it (and never, if the stream is closed meanwhile): read, stream open, until
+        # the last ones are.
+        counted = ("remoteloader_images_served_total", "remoteloader_bytes_served_bytes_total",
+                   "remoteloader_decode_errors_total")
+
+        def delta() -> dict[str, float]:
+            after = servers.metrics()
+            return {k: after[k] - before.get(k, 0.0) for k in after}
+
+        wait_until_equal(lambda: tuple(delta()[k] for k in counted), (n, n * SIZE * SIZE * 3, servers.n_corrupt),
+                         f"{counted} over the epoch")
+
+        def untimed() -> float:
+            d = delta()
+            assert d["remoteloader_orders_total"] > 0
+            return d["remoteloader_orders_total"] - d["remoteloader_order_duration_seconds_count"]
+
+        wait_until_equal(untimed, 0.0, "orders counted but not timed")
     assert sorted(ids) == list(range(n))
     assert len(failures) == servers.n_corrupt
-    after = servers.metrics()
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    assert delta["remoteloader_images_served_total"] == n
-    assert delta["remoteloader_bytes_served_bytes_total"] == n * SIZE * SIZE * 3
-    assert delta["remoteloader_decode_errors_total"] == servers.n_corrupt
-    assert delta["remoteloader_orders_total"] == delta["remoteloader_order_duration_seconds_count"] > 0
     deadline = time.monotonic() + 10
     while servers.metrics()["remoteloader_active_streams"] != 0 and time.monotonic() < deadline:
         time.sleep(0.1)

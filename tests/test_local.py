@@ -84,6 +84,42 @@ def test_a_busy_metrics_port_is_a_one_line_error_and_stops_everything(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_free_metrics_and_health_ports_are_bound_by_the_server_reported_and_kept_on_restart(tmp_path):
+    """--metrics-port -1 and --health-port -1: the server binds free ports and logs them; the
+    launcher reads them and a restart binds them again. 0 stays "off"; -2 names itself."""
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from remoteloader.server.config import ServerConfig
+
+    for flag in ("metrics_port", "health_port"):
+        with pytest.raises(ValueError, match=f"{flag}=-2: expected 0..65535 .* or -1 \\(a free port\\)"):
+            ServerConfig(synthetic=8, **{flag: -2})
+    root = make_imagefolder(tmp_path / "data", ["a", "b"], 2, size=(32, 32), seed=0)
+    server = LocalServer(root, args=["--workers", "1", "--metrics-port", "-1", "--health-port", "-1"]).start()
+    try:
+        ports = (server.port, server.metrics_port, server.health_port)
+        assert all(ports) and len(set(ports)) == 3, ports
+        for _ in range(2):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as reply:
+                assert b"remoteloader_images_served_total" in reply.read()
+            with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            server.restart()
+            assert (server.port, server.metrics_port, server.health_port) == ports
+    finally:
+        server.stop()
+    off = LocalServer([], args=["--synthetic", "8", "--workers", "1"]).start()
+    try:
+        assert (off.metrics_port, off.health_port) == (None, None)
+        assert "Prometheus" not in off.process.stderr() and "gRPC health alone" not in off.process.stderr()
+    finally:
+        off.stop()
+
+
 def test_stop_signals_repeated_as_the_server_exits_leave_exit_code_0():
     """A supervisor that sends SIGTERM again while the server exits (the race behind a flaky
     drain test): the process still ends with 0, not by the signal."""

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import ANY_PORT
 
 from remoteloader.client import LoaderError, RemoteLoader
 from remoteloader.server.object_cache import _coalesce, _Gate, _Mirror, _overlapping, _subtract
@@ -478,14 +479,14 @@ def test_pack_writes_shards_and_their_indexes_to_a_bucket(data, tmp_path, monkey
 
 
 def test_the_disk_cache_keeps_to_its_byte_limit_and_refetches_what_it_dropped(cluster, data, run_bounded,
-                                                                             tmp_path, free_port):
+                                                                             tmp_path):
     import urllib.request
 
     limit = 200_000  # a fraction of the ImageFolder's 48 images
-    port = free_port()
     cache = tmp_path / "cache"
-    i = cluster.add([data.bucket_path("folder")], "--disk-cache-bytes", str(limit), "--metrics-port", str(port),
+    i = cluster.add([data.bucket_path("folder")], "--disk-cache-bytes", str(limit), "--metrics-port", ANY_PORT,
                     "--cache-dir", str(cache), env=data.s3.env())
+    port = cluster.metrics_port(i)
 
     def metric(name: str) -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -505,16 +506,15 @@ def test_the_disk_cache_keeps_to_its_byte_limit_and_refetches_what_it_dropped(cl
     assert fetched[1] - fetched[0] > folder_bytes - limit, "what the limit dropped was not fetched again"
 
 
-def test_a_first_epoch_fetches_its_samples_bytes_once_and_nothing_else(cluster, data, run_bounded, tmp_path,
-                                                                      free_port):
+def test_a_first_epoch_fetches_its_samples_bytes_once_and_nothing_else(cluster, data, run_bounded, tmp_path):
     """From packed tars: each image's bytes once, not the whole tars (as fetching whole blocks
     would), and a second epoch nothing, the shards being within --disk-cache-bytes."""
     import tarfile
     import urllib.request
 
-    port = free_port()
-    i = cluster.add([data.url("packed")], "--metrics-port", str(port), "--cache-dir", str(tmp_path / "cache"),
+    i = cluster.add([data.url("packed")], "--metrics-port", ANY_PORT, "--cache-dir", str(tmp_path / "cache"),
                     env=data.s3.env())
+    port = cluster.metrics_port(i)
 
     def fetched() -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

