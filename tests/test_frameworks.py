@@ -231,13 +231,13 @@ def test_trainer_gradient_accumulation_max_steps_and_save_strategy_epoch_as_with
     assert capped["delivered"] == EPOCH + 10, "max_steps: batches decoded beyond the last step"
 
 
-def test_trainer_under_torchrun_splits_every_epoch_over_the_ranks_and_resumes_each(servers, tmp_path, free_port):
+def test_trainer_under_torchrun_splits_every_epoch_over_the_ranks_and_resumes_each(servers, tmp_path):
     runs = [{"name": "ddp", "epochs": 2, "eval": True, "save": 3},  # 6 steps an epoch on each rank
             {"name": "ddp-resumed", "epochs": 2, "eval": True, "resume": str(tmp_path / "ddp" / "checkpoint-3")}]
     config = {"servers": servers, "out": str(tmp_path), "runs": runs}
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(JOBS / "transformers_job.py"), json.dumps(config)],
-        "the Trainer job under torchrun")
+    # --standalone: its rendezvous store binds a free port itself, and the ranks meet on it.
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(JOBS / "transformers_job.py"), json.dumps(config)], "the Trainer job under torchrun")
     records = [read(tmp_path / f"ddp-rank{r}.json") for r in range(2)]
     assert [r["len"] for r in records] == [EPOCH // 2] * 2 and [r["global_step"] for r in records] == [EPOCH] * 2
     assert_ranks_split_every_epoch([by_epoch(r["train"]) for r in records], 2, "RemoteTrainer under torchrun")
