@@ -218,25 +218,38 @@ def ensure_packed(root: pathlib.Path, workers: int) -> pathlib.Path:
     # Re-made too once the native module is built: without it, pack copies the files as they are.
     # "pack" 2: its indexes mark the rewritten JPEGs verified (region-decoded from the first epoch).
     source = {**json.loads((root / MANIFEST).read_text()), "rewritten": can_transcode(), "pack": 2}
-    packed = root.with_name(root.name + "-packed")
-    marker = packed / MANIFEST
-    if marker.exists() and json.loads(marker.read_text()) == source:
-        return packed
-    if packed.exists():
+    return pack_cached(root, root.with_name(root.name + "-packed"), source, workers)
+
+
+def pack_cached(src: pathlib.Path, dst: pathlib.Path, made_from: dict, workers: int, *pack_args: str) -> pathlib.Path:
+    """``remoteloader pack SRC DST [PACK_ARGS]`` into ``dst``, kept while it was ``made_from`` the
+    same (a JSON-able description of the source and the arguments) and re-made otherwise; a
+    ``dst`` this function did not make is never touched. Packing is not timed."""
+    marker = dst / MANIFEST
+    if marker.exists() and json.loads(marker.read_text()) == made_from:
+        return dst
+    if dst.exists():
         if not marker.exists():
-            raise SystemExit(f"{packed} exists and was not made by this benchmark (no {MANIFEST}); move it away")
-        shutil.rmtree(packed)
-    tmp = packed.with_name(f".{packed.name}.{os.getpid()}.tmp")
+            raise SystemExit(f"{dst} exists and was not made by this benchmark (no {MANIFEST}); move it away")
+        shutil.rmtree(dst)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"packing {root} into {packed} (remoteloader pack, {workers} processes) ...", file=sys.stderr, flush=True)
+    print(f"packing {src} into {dst} (remoteloader pack {' '.join(pack_args)}, {workers} processes) ...",
+          file=sys.stderr, flush=True)
+    started = time.perf_counter()
     try:
-        subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", str(root), str(tmp),
+        subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", str(src), str(tmp), *pack_args,
                         "--workers", str(workers), "--quiet"], check=True)
-        (tmp / MANIFEST).write_text(json.dumps(source))
-        os.replace(tmp, packed)
+        (tmp / MANIFEST).write_text(json.dumps(made_from))
+        try:
+            os.replace(tmp, dst)
+        except OSError:  # another run made it meanwhile: keep theirs if it is the same
+            if not (marker.exists() and json.loads(marker.read_text()) == made_from):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return packed
+    print(f"  packed in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
+    return dst
 
 
 def list_samples(root: pathlib.Path) -> tuple[list[tuple[str, int]], list[str]]:

@@ -167,31 +167,8 @@ def ensure_tiny(root: pathlib.Path, count: int, size: int, processes: int) -> pa
 
 def _pack(src: pathlib.Path, dst: pathlib.Path, shard_size: int, workers: int, source: dict) -> pathlib.Path:
     """``remoteloader pack SRC DST --shard-size S`` into a cached folder (re-made when its source changed)."""
-    marker = dst / _common.MANIFEST
-    wanted = {**source, "shard_size": shard_size, "scale_pack": PACK_VERSION}
-    if marker.exists() and json.loads(marker.read_text()) == wanted:
-        return dst
-    if dst.exists():
-        if not marker.exists():
-            raise SystemExit(f"{dst} exists and was not made by this benchmark (no {_common.MANIFEST}); move it away")
-        shutil.rmtree(dst)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"remoteloader pack {src} {dst.name} --shard-size {shard_size} ...", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    try:
-        subprocess.run([sys.executable, "-m", "remoteloader.tools.cli", "pack", str(src), str(tmp),
-                        "--shard-size", str(shard_size), "--workers", str(workers), "--quiet"], check=True)
-        (tmp / _common.MANIFEST).write_text(json.dumps(wanted))
-        try:
-            os.replace(tmp, dst)
-        except OSError:  # another run made it meanwhile: keep theirs if it is the same
-            if not (marker.exists() and json.loads(marker.read_text()) == wanted):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"  packed in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
-    return dst
+    made_from = {**source, "shard_size": shard_size, "scale_pack": PACK_VERSION}
+    return _common.pack_cached(src, dst, made_from, workers, "--shard-size", str(shard_size))
 
 
 def tars(folder: pathlib.Path) -> list[pathlib.Path]:
