@@ -99,7 +99,7 @@ class Order:
     def split(self, count: int, order_id: int) -> Order:
         """Takes the first ``count`` samples out as an order of their own (this one keeps the rest)."""
         head = self._part(order_id, slice(None, count))
-        self.positions, self.shards, self.local = self.positions[count:], self.shards[count:], self.local[count:]
+        self.drop_first(count)
         return head
 
     def rest(self, order_id: int) -> Order:
