@@ -38,7 +38,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, limits, loader_pb2
-from remoteloader.server.catalog import Shard
+from remoteloader.server.catalog import Catalog
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_samples import OrderError, Samples
@@ -103,7 +103,7 @@ class OrderStream:
         peer: The client, as logged.
         spec: The stream's checked pipeline.
         config: The server's settings (chunk_bytes, max_order_samples, max_inflight_orders).
-        shards: The server's shards by id.
+        catalog: The server's shards.
         renderer: Starts rendering chunks.
         slots: The shared slots.
         renders: The renderings streams share, by chunk.
@@ -124,7 +124,7 @@ class OrderStream:
         spec: PipelineSpec,
         *,
         config: ServerConfig,
-        shards: dict[str, Shard],
+        catalog: Catalog,
         renderer: Renderer,
         slots: Slots,
         renders: SharedRenders,
@@ -141,7 +141,7 @@ class OrderStream:
         self._peer = peer
         self._spec = spec
         self._config = config
-        self._shards = shards
+        self._catalog = catalog
         self._renderer = renderer
         self._slots = slots
         self._renders = renders
@@ -310,7 +310,7 @@ class OrderStream:
                 f"order {order.order_id} has {n} samples; expected 1..{c.max_order_samples} (max_order_samples)",
             )
         try:
-            samples = Samples.of_order(order, self._shards)
+            samples = Samples.of_order(order, self._catalog)
         except OrderError as exc:
             return _End(grpc.StatusCode.INVALID_ARGUMENT, f"order {order.order_id}: {exc}")
         if order.order_id in self._live:  # (its chunks, its cancel, its end could not be told apart)

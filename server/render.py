@@ -23,7 +23,7 @@ import numpy as np
 
 from remoteloader.protos import limits, loader_pb2
 from remoteloader.protos.wire import RAW
-from remoteloader.server.catalog import Location, Shard
+from remoteloader.server.catalog import Catalog, Location
 from remoteloader.server.fair_queue import Job
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_samples import Samples
@@ -42,23 +42,22 @@ class Renderer:
     """Starts rendering chunks of samples into slots through the worker pool.
 
     Args:
-        shards: The server's shards.
+        catalog: The server's shards.
         pool: The decode workers.
         cache: The shared cache of encoded samples, if any.
         objects: The local copies of object-store samples, where shards are in a store.
     """
 
     def __init__(
-        self, shards: list[Shard], pool: WorkerPool, cache: SampleCache | None, objects: ObjectCache | None = None
+        self, catalog: Catalog, pool: WorkerPool, cache: SampleCache | None, objects: ObjectCache | None = None
     ):
+        self.catalog = catalog
         self.pool = pool
         self.cache = cache
         self.objects = objects
-        # Samples that have decoded whole without error, a byte per sample: at first those the
-        # shard's index knows (Shard.verified), then as samples decode.
-        self._decoded = {
-            s.id: s.verified.copy() if s.verified is not None else np.zeros(len(s), np.bool_) for s in shards
-        }
+        # Samples that have decoded whole without error, a byte per sample (by server-wide id): at
+        # first those the shard's index knows (Shard.verified), then as samples decode.
+        self._decoded = catalog.verified()
 
     def prefetch(self, spec: PipelineSpec, samples: Samples) -> None:
         """An order arrived: starts fetching its samples' bytes from their object store (those
@@ -77,7 +76,7 @@ class Renderer:
             future.set_result(Rendered([], [b""] * len(samples) if spec.fields else []))
             return future
         located = [shard.locate(index) for shard, index in samples.pairs()]
-        failures = [shard.failure(index) for shard, index in samples.pairs()]
+        failures = self.catalog.failures(samples.which, samples.indices)
         if self.objects is None or not samples.remote:
             return self._render(spec, samples, seeds, slot, job, located, failures)
         fetches = _fetches(spec, samples, located)
@@ -139,9 +138,10 @@ class Renderer:
         cache = self.cache
         tasks: list[TaskSample | None] = []  # None: a --synthetic sample, never decoded
         fills = []
-        pairs = list(samples.pairs())
+        ids = samples.ids()
+        verified = self._decoded[ids].tolist()
         generated = samples.generated().tolist()
-        for pos, (shard, index) in enumerate(pairs):
+        for pos, (shard, index) in enumerate(samples.pairs()):
             if generated[pos]:
                 tasks.append(None)
                 continue
@@ -149,7 +149,6 @@ class Renderer:
             mode, cache_offset = cache.plan(shard.id, index, length) if cache is not None else (PLAIN_READ, 0)
             if mode == CACHE_FILL:
                 fills.append((pos, shard.id, index, cache_offset))
-            stored = shard.targets(index) if spec.fields else b""
             tasks.append(
                 TaskSample(
                     path=path,
@@ -157,8 +156,8 @@ class Renderer:
                     length=length,
                     cache_mode=mode,
                     cache_offset=cache_offset,
-                    verified=bool(self._decoded[shard.id][index]),
-                    targets=stored,
+                    verified=verified[pos],
+                    targets=shard.targets(index) if spec.fields else b"",
                     source=shard.source,
                     failure=failures[pos],
                 )
@@ -178,8 +177,9 @@ class Renderer:
             # again), and its cache fill stands.
             failed = {pos for pos, _ in f.result().errors} if not f.cancelled() else None
             if failed is not None:
-                for pos, (shard, index) in enumerate(pairs):
-                    self._decoded[shard.id][index] = pos not in failed
+                clean = np.ones(len(ids), np.bool_)
+                clean[list(failed)] = False
+                self._decoded[ids] = clean
             if cache is not None:
                 for pos, shard_id, index, cache_offset in fills:
                     cache.filled(shard_id, index, cache_offset, failed is not None and pos not in failed)

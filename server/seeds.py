@@ -46,7 +46,7 @@ def sample_seeds(seed: int, epoch: int, shard_key: int | np.ndarray, indices: np
     with np.errstate(over="ignore"):
         x = np.uint64(seed) * np.uint64(GOLDEN) ^ np.uint64(epoch) * np.uint64(_M1)
         x = indices.astype(np.uint64) * np.uint64(_M2) ^ x ^ np.uint64(shard_key)
-    return [int(v) for v in splitmix64(splitmix64(x))]
+    return splitmix64(splitmix64(x)).tolist()
 
 
 def stream_seeds(seed: int, count: int) -> list[int]:

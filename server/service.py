@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from remoteloader.protos import SERVICE, loader_pb2
 from remoteloader.protos.jobs import job_name_error, parse_weights
 from remoteloader.server.admission import StreamAdmission, client_address
-from remoteloader.server.catalog import Shard
+from remoteloader.server.catalog import Catalog, Shard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.describe import ShardPages
 from remoteloader.server.metrics import Metrics
@@ -66,7 +66,7 @@ class LoaderService:
         objects: ObjectCache | None = None,
     ):
         self.config = config
-        self.shards = {s.id: s for s in shards}
+        self.catalog = Catalog(shards)
         self.pages = ShardPages(shards)
         self.checks = checks
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
@@ -74,7 +74,7 @@ class LoaderService:
         self.renders = SharedRenders(self.slots)
         self.weights = parse_weights(config.job_weights)
         self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
-        self.renderer = Renderer(shards, pool, cache, objects)
+        self.renderer = Renderer(self.catalog, pool, cache, objects)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.metrics = Metrics()
         self.metrics.queue_depth.set_function(lambda: pool.outstanding)
@@ -151,7 +151,7 @@ class LoaderService:
     async def GetKeys(
         self, request: loader_pb2.GetKeysRequest, context: grpc.aio.ServicerContext
     ) -> loader_pb2.GetKeysResponse:
-        shard = self.shards.get(request.shard_id)
+        shard = self.catalog.get(request.shard_id)
         if shard is None:
             await _abort(context, grpc.StatusCode.NOT_FOUND, f"no shard {request.shard_id!r} on this server")
         if request.count > MAX_KEYS_PER_CALL:
@@ -211,7 +211,7 @@ class LoaderService:
                 peer,
                 spec,
                 config=self.config,
-                shards=self.shards,
+                catalog=self.catalog,
                 renderer=self.renderer,
                 slots=self.slots,
                 renders=self.renders,

@@ -134,6 +134,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
 
     import numpy as np
 
+    from remoteloader.server.catalog import Catalog
     from remoteloader.server.fair_queue import Job
     from remoteloader.server.formats import open_shards
     from remoteloader.server.order_samples import Samples
@@ -143,6 +144,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
     from remoteloader.server.worker_pool import WorkerPool
 
     (shard,) = open_shards([str(make_imagefolder(tmp_path / "data", ["a"], 4, size=(64, 64)))])
+    catalog = Catalog([shard])
     spec = PipelineSpec("eval", 32, 32)
 
     async def run():
@@ -150,10 +152,10 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
         pool = WorkerPool(arena, workers=1, allow_custom=False, max_pixels=10**8, worker_timeout=1.0)
         try:
             pool.start()
-            renderer = Renderer([shard], pool, None)
+            renderer = Renderer(catalog, pool, None)
             first = [w.process.pid for w in pool._workers]
             stop_all(first)
-            pending = renderer.render(spec, Samples.of_shard(shard, np.arange(4)), [0, 1, 2, 3], 0, Job())
+            pending = renderer.render(spec, Samples.of_shard(catalog, shard, np.arange(4)), [0, 1, 2, 3], 0, Job())
             while [w.process.pid for w in pool._workers] == first:  # replaced after 1 s of silence
                 await asyncio.sleep(0.05)
             assert pool.silent_for() < 1.0
@@ -163,7 +165,7 @@ def test_work_that_stalls_two_workers_fails_its_samples_and_the_pool_lives_on(tm
             # first task on a loaded machine (CI failed so: a third and fourth "stall"), and the test
             # of timeouts is over.
             pool.worker_timeout = 30.0
-            samples = Samples.of_shard(shard, np.arange(4))
+            samples = Samples.of_shard(catalog, shard, np.arange(4))
             served = await asyncio.wait_for(renderer.render(spec, samples, [0, 1, 2, 3], 1, Job()), 30)
             return stalled, served, pool.stalls, pool.workers
         finally:

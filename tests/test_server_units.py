@@ -232,6 +232,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
 
     import numpy as np
 
+    from remoteloader.server.catalog import Catalog
     from remoteloader.server.order_samples import Samples
     from remoteloader.server.pipelines import PipelineSpec
     from remoteloader.server.render import Renderer
@@ -240,8 +241,9 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
     from remoteloader.tools.textures import make_imagefolder
 
     (shard,) = open_shards([str(make_imagefolder(tmp_path / "data", ["a"], 8, size=(192, 256)))])
+    catalog = Catalog([shard])
     spec = PipelineSpec("train", 64, 64)
-    eight = Samples.of_shard(shard, np.arange(8))
+    eight = Samples.of_shard(catalog, shard, np.arange(8))
     window = 1.0
 
     async def run() -> tuple[float, float, float]:
@@ -249,7 +251,7 @@ def test_worker_pool_busy_share_reads_idle_then_saturated(tmp_path):
         pool = WorkerPool(arena, workers=2, allow_custom=False, max_pixels=10**8, busy_window=window)
         try:
             pool.start()
-            renderer = Renderer([shard], pool, None)
+            renderer = Renderer(catalog, pool, None)
             # Started and waiting: a warm-up task each, then a whole window with no work.
             await asyncio.gather(
                 *(renderer.render(spec, eight, list(range(8)), s, Job()) for s in range(2))
@@ -281,12 +283,12 @@ def test_an_order_over_several_shards_is_checked_and_each_sample_keeps_its_own_s
     import numpy as np
 
     from remoteloader.protos import loader_pb2
-    from remoteloader.server.catalog import SyntheticShard
+    from remoteloader.server.catalog import Catalog, SyntheticShard
     from remoteloader.server.order_samples import OrderError, Samples
     from remoteloader.server.seeds import sample_seeds, shard_key
 
     a, b = SyntheticShard(5), SyntheticShard(7)
-    held = {a.id: a, b.id: b}
+    held = Catalog([a, b])
     order = loader_pb2.Order(shard_ids=[b.id, a.id], shards=[0, 1, 1, 0], indices=[6, 0, 4, 3], seed=9, epoch=2)
     samples = Samples.of_order(order, held)
     assert [(s.id, i) for s, i in samples.pairs()] == [(b.id, 6), (a.id, 0), (a.id, 4), (b.id, 3)]
