@@ -12,7 +12,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -204,18 +203,7 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
     if config.data or config.source:
         start_fork_server()  # its imports run while the data is indexed
-    shards = open_shards(
-        list(config.data),
-        FormatOptions(
-            image_root=config.image_root,
-            coco_masks=config.coco_masks,
-            lmdb_unpickle=config.lmdb_unpickle,
-            tfrecord_features=config.tfrecord_features,
-            parquet_columns=config.parquet_columns,
-            index_folder=os.path.join(config.cache_dir, "indexes"),
-            retry_seconds=config.store_timeout,
-        ),
-    )
+    shards = open_shards(list(config.data), FormatOptions.of(config))
     if config.source:
         shards.append(open_source(config.source, config.source_args))
     if config.synthetic:

@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import SERVICE, loader_pb2
-from remoteloader.protos.jobs import job_name_error, parse_weights
+from remoteloader.protos.jobs import job_name_error
 from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Shard
 from remoteloader.server.config import ServerConfig
@@ -72,7 +72,7 @@ class LoaderService:
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
         self.slots = Slots(arena, config.stall_timeout)
         self.renders = SharedRenders(self.slots)
-        self.weights = parse_weights(config.job_weights)
+        self.weights = config.job_weights
         self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
         self.renderer = Renderer(shards, pool, cache, objects)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None

@@ -49,7 +49,7 @@ class LmdbShard(IndexedFile):
 
     Args:
         storage / name: The database's folder (where ``data.mdb`` is).
-        options: ``lmdb_unpickle`` (read pickled values) and ``index_folder``.
+        options: ``index_folder``, and the config's ``lmdb_unpickle`` (read pickled values).
     """
 
     kind = "lmdb"
@@ -70,7 +70,7 @@ class LmdbShard(IndexedFile):
             entry,
             basename(self.folder),
             classes,
-            lambda: self._scan(options.lmdb_unpickle, entry.size),
+            lambda: self._scan(options.config.lmdb_unpickle, entry.size),
             options.index_folder,
             where=self.folder,
         )

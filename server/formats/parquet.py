@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import pathlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,14 +50,18 @@ BBOX_FORMATS = ("coco", "pascal_voc")
 EXTRACT_HEAD = b"remoteloader parquet images 1\n"
 
 
-def columns(spec: str) -> dict[str, str]:
-    """The columns named by ``spec`` (JSON; {} when empty). ValueError: not such an object."""
+def columns(spec: str | Mapping[str, str]) -> dict[str, str]:
+    """The columns ``--parquet-columns`` names (a JSON object, or one parsed already; {} when
+    empty), checked. ValueError: not such an object."""
     if not spec:
         return {}
-    try:
-        named = json.loads(spec)
-    except ValueError as exc:
-        raise ValueError(f"parquet_columns={spec!r} is not JSON: {exc}") from None
+    if isinstance(spec, str):
+        try:
+            named = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"parquet_columns={spec!r} is not JSON: {exc}") from None
+    else:
+        named = dict(spec)
     if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
         raise ValueError(f'parquet_columns={spec!r}: expected a JSON object, e.g. {{"image": "img", "label": "y"}}')
     unknown = sorted(set(named) - set(COLUMNS))
@@ -73,7 +78,8 @@ class ParquetShard(IndexedFile):
     Args:
         storage / name: The file (here or in an object store).
         class_names: ``classes.txt`` beside the files, if any (else the ClassLabel names).
-        options: ``parquet_columns`` and ``index_folder`` (the extracts go beside it).
+        options: ``index_folder`` (the extracts go beside it) and the config's ``parquet_columns``
+            (parsed there).
         entry: Its size and version, where the caller listed them.
     """
 
@@ -90,7 +96,7 @@ class ParquetShard(IndexedFile):
         folder = pathlib.Path(options.index_folder).parent / "parquet"
         self.path = str(folder / f"{key}.images")  # the extract the workers read
         self.extract = self.path  # (for the log)
-        named = columns(options.parquet_columns)
+        named = options.config.parquet_columns
         names = class_names or _class_names(storage, name, named)
         # The index is kept with the extract, never beside the Parquet file; it is used only with
         # the whole extract (a missing one holds no samples: extent 0).

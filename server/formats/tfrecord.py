@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -61,15 +62,16 @@ FEATURES = {
 _MASK_DELTA = 0xA282EAD8
 
 
-def features(spec: str) -> dict[str, str]:
-    """The feature names to read: FEATURES, with ``spec``'s JSON object of renamings (ValueError:
-    not such an object, or a key FEATURES does not have)."""
-    if not spec:
-        return dict(FEATURES)
-    try:
-        renamed = json.loads(spec)
-    except ValueError as exc:
-        raise ValueError(f"tfrecord_features={spec!r} is not JSON: {exc}") from None
+def renamed_features(spec: str | Mapping[str, str]) -> dict[str, str]:
+    """The renamings of ``--tfrecord-features`` (a JSON object, or one parsed already), checked
+    (ValueError: not such an object, or a key FEATURES does not have)."""
+    if isinstance(spec, str):
+        try:
+            renamed = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"tfrecord_features={spec!r} is not JSON: {exc}") from None
+    else:
+        renamed = dict(spec)
     if not isinstance(renamed, dict) or not all(isinstance(v, str) for v in renamed.values()):
         raise ValueError(
             f'tfrecord_features={spec!r}: expected a JSON object of feature names, e.g. {{"image": "jpeg"}}'
@@ -77,7 +79,7 @@ def features(spec: str) -> dict[str, str]:
     unknown = sorted(set(renamed) - set(FEATURES))
     if unknown:
         raise ValueError(f"tfrecord_features={spec!r}: {', '.join(unknown)} not among {', '.join(FEATURES)}")
-    return {**FEATURES, **renamed}
+    return renamed
 
 
 def masked_crc(data: bytes | memoryview) -> int:
@@ -103,7 +105,7 @@ class TFRecordShard(IndexedFile):
     Args:
         storage / name: The file (here or in an object store).
         class_names: Names of the labels (``classes.txt`` beside the files), may be empty.
-        options: ``tfrecord_features`` and ``index_folder``.
+        options: ``index_folder`` and the config's ``tfrecord_features`` (parsed there).
         entry: Its size and version, where the caller listed them.
     """
 
@@ -116,7 +118,7 @@ class TFRecordShard(IndexedFile):
         self.storage, self.remote = storage, storage.remote
         entry = entry or storage.head(name)
         self.etag = entry.etag
-        names = features(options.tfrecord_features)
+        names = {**FEATURES, **options.config.tfrecord_features}
         self._open_index(
             storage,
             entry,
