@@ -37,6 +37,7 @@ from remoteloader.server.config import (
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.formats import FormatOptions, open_shards
 from remoteloader.server.health import Health
+from remoteloader.server.jobs import Jobs
 from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipeline_checks import PipelineChecks
@@ -96,6 +97,7 @@ class RenderResources:
                 indexed_ns,
                 ((config.source, config.source_args),) if config.source else (),
                 worker_timeout=config.worker_timeout,
+                jobs=Jobs(config.job_weights),
             )
             undo.callback(pool.close)
             checks = PipelineChecks(

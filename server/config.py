@@ -256,19 +256,11 @@ class ServerConfig:
                 f"health_port={self.health_port}: expected 0..65535 (0 turns it off) or {ANY_PORT} (a free port), "
                 f"not the Loader's port {self.port}"
             )
-        if self.source:
-            module, _, name = self.source.partition(":")
-            if not module or not name.isidentifier():
-                raise ValueError(f"source={self.source!r}: expected package.module:factory")
-        try:
-            args = json.loads(self.source_args)
-        except ValueError as exc:
-            raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
+        self._check_source()
         for f in dataclasses.fields(self):  # the settings given as text, parsed once here
-            if f.metadata.get("parse") is not None:
-                object.__setattr__(self, f.name, f.metadata.get("parse")(getattr(self, f.name)))
+            parse = f.metadata.get("parse")
+            if parse is not None:
+                object.__setattr__(self, f.name, parse(getattr(self, f.name)))
         if self.image_root and not is_remote(self.image_root) and not os.path.isdir(self.image_root):
             raise ValueError(f"image_root={self.image_root!r}: no such folder")
         _positive(
@@ -326,6 +318,18 @@ class ServerConfig:
             raise ValueError(f"log_format={self.log_format!r}: expected 'text' or 'json'")
         if self.grace < 0:
             raise ValueError(f"grace={self.grace}: expected seconds >= 0")
+
+    def _check_source(self) -> None:
+        if self.source:
+            module, _, name = self.source.partition(":")
+            if not module or not name.isidentifier():
+                raise ValueError(f"source={self.source!r}: expected package.module:factory")
+        try:
+            args = json.loads(self.source_args)
+        except ValueError as exc:
+            raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
 
     @property
     def index_folder(self) -> str:

@@ -7,6 +7,7 @@ import struct
 
 import pytest
 
+from remoteloader.protos.jobs import parse_weights
 from remoteloader.server import config as config_module
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.formats import FormatOptions, open_shards
@@ -70,3 +71,19 @@ def test_the_formats_read_the_parsed_settings_from_the_config(tmp_path):
     assert options.config is config and options.index_folder == str(tmp_path / "cache" / "indexes")
     (shard,) = open_shards(list(config.data), options)
     assert "no 'jpeg' feature" in shard.failure(0)
+
+
+def test_job_weights_are_checked_where_the_operator_gives_them():
+    assert parse_weights("sweep=3, probe=0.5") == {"sweep": 3.0, "probe": 0.5}
+    for bad, reason in [
+        ("sweep", "NAME=WEIGHT"),
+        ("sweep=0", "from 0.001 to 1000"),
+        ("a=1e-320", "from 0.001"),
+        ("a=nan", "from 0.001"),
+        ("a=1e4", "to 1000"),
+        ("a=1,a=2", "twice"),
+        ("a b=1", "letters"),
+        ("=2", "empty"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            ServerConfig(data=("/tmp",), job_weights=bad)
