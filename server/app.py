@@ -12,7 +12,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -38,6 +37,7 @@ from remoteloader.server.config import (
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.formats import FormatOptions, open_shards
 from remoteloader.server.health import Health
+from remoteloader.server.jobs import Jobs
 from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipeline_checks import PipelineChecks
@@ -97,6 +97,7 @@ class RenderResources:
                 indexed_ns,
                 ((config.source, config.source_args),) if config.source else (),
                 worker_timeout=config.worker_timeout,
+                jobs=Jobs(config.job_weights),
             )
             undo.callback(pool.close)
             checks = PipelineChecks(
@@ -204,18 +205,7 @@ async def create_server(config: ServerConfig) -> LoaderServer:
     indexed_ns = time.time_ns()  # files written after this are never region-decoded (worker_process.main)
     if config.data or config.source:
         start_fork_server()  # its imports run while the data is indexed
-    shards = open_shards(
-        list(config.data),
-        FormatOptions(
-            image_root=config.image_root,
-            coco_masks=config.coco_masks,
-            lmdb_unpickle=config.lmdb_unpickle,
-            tfrecord_features=config.tfrecord_features,
-            parquet_columns=config.parquet_columns,
-            index_folder=os.path.join(config.cache_dir, "indexes"),
-            retry_seconds=config.store_timeout,
-        ),
-    )
+    shards = open_shards(list(config.data), FormatOptions.of(config))
     if config.source:
         shards.append(open_source(config.source, config.source_args))
     if config.synthetic:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,9 +76,33 @@ def bind_port(port: int) -> int:
     return 0 if port == ANY_PORT else port
 
 
-def _setting(default: Any, help: str) -> Any:
-    """A ServerConfig field and its one description, which ``--help`` prints."""
-    return field(default=default, metadata={"help": help})
+def _setting(default: Any, help: str, parse: Callable[[Any], Any] | None = None) -> Any:
+    """A ServerConfig field and its one description, which ``--help`` prints. ``parse``: the flag
+    is text (its variable too) that ``ServerConfig`` parses once into the value it keeps (the
+    parser takes the text, or a value already parsed; ValueError names the setting)."""
+    return field(default=default, metadata={"help": help, "parse": parse})
+
+
+def _job_weights(value: str | Mapping[str, float]) -> dict[str, float]:
+    if not isinstance(value, str):  # given parsed (a ServerConfig made in code): checked as the text is
+        value = ",".join(f"{name}={weight!r}" for name, weight in value.items())
+    return parse_weights(value)
+
+
+def _tfrecord_features(value: str | Mapping[str, str]) -> dict[str, str]:
+    if not value:
+        return {}
+    from remoteloader.server.formats import tfrecord  # (its parser knows the features)
+
+    return tfrecord.renamed_features(value)
+
+
+def _parquet_columns(value: str | Mapping[str, str]) -> dict[str, str]:
+    if not value:
+        return {}
+    from remoteloader.server.formats import parquet  # (its parser knows the columns)
+
+    return parquet.columns(value)
 
 
 @dataclass(frozen=True)
@@ -98,15 +123,18 @@ class ServerConfig:
     coco_masks: bool = _setting(
         False, "keep COCO segmentations: a semantic mask (the 'mask' field) and an instance mask per box ('masks')"
     )
-    tfrecord_features: str = _setting(
+    # (these two are kept parsed: a dict of the names given, {} for none)
+    tfrecord_features: dict[str, str] = _setting(
         "",
         'TFRecord feature names other than TensorFlow\'s usual ones, as JSON: {"image": "jpeg", "label": "cls"} '
         "(image, label, xmin, ymin, xmax, ymax, bbox_label, width, height)",
+        _tfrecord_features,
     )
-    parquet_columns: str = _setting(
+    parquet_columns: dict[str, str] = _setting(
         "",
         'Parquet columns other than those found by type, as JSON: {"image": "img", "label": "y"} '
         "(image, label, labels, objects, bbox_format: coco or pascal_voc)",
+        _parquet_columns,
     )
     # Unpickling runs code from the file: only the operator may ask for it, never a client.
     lmdb_unpickle: bool = _setting(
@@ -167,11 +195,13 @@ class ServerConfig:
     cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
     # Concurrent jobs: their shares of the decode (server.fair_queue); a client names its job with
     # RemoteLoader(job=...). A job not listed weighs 1 for each stream it has open (as do streams
-    # that name no job): naming a job changes its share only once it is listed here.
-    job_weights: str = _setting(
+    # that name no job): naming a job changes its share only once it is listed here. Kept parsed:
+    # job name -> weight.
+    job_weights: dict[str, float] = _setting(
         "",
         "shares of the decode workers by job, as NAME=WEIGHT,... (e.g. sweep=3,probe=1; 0.001 to 1000 each); "
         "a job not listed weighs 1 for each of its streams",
+        _job_weights,
     )
     # For sharing a machine, and for tests of uneven servers.
     max_rate: float = _setting(0.0, "most images per second this server renders (0: unlimited)")
@@ -226,21 +256,11 @@ class ServerConfig:
                 f"health_port={self.health_port}: expected 0..65535 (0 turns it off) or {ANY_PORT} (a free port), "
                 f"not the Loader's port {self.port}"
             )
-        if self.source:
-            module, _, name = self.source.partition(":")
-            if not module or not name.isidentifier():
-                raise ValueError(f"source={self.source!r}: expected package.module:factory")
-        try:
-            args = json.loads(self.source_args)
-        except ValueError as exc:
-            raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
-        if self.tfrecord_features or self.parquet_columns:
-            from remoteloader.server.formats import parquet, tfrecord  # (their parsers say what is wrong)
-
-            tfrecord.features(self.tfrecord_features)
-            parquet.columns(self.parquet_columns)
+        self._check_source()
+        for f in dataclasses.fields(self):  # the settings given as text, parsed once here
+            parse = f.metadata.get("parse")
+            if parse is not None:
+                object.__setattr__(self, f.name, parse(getattr(self, f.name)))
         if self.image_root and not is_remote(self.image_root) and not os.path.isdir(self.image_root):
             raise ValueError(f"image_root={self.image_root!r}: no such folder")
         _positive(
@@ -274,7 +294,6 @@ class ServerConfig:
         for name in ("cache_bytes", "max_rate", "synthetic"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected >= 0 (0 turns it off)")
-        parse_weights(self.job_weights)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: give both PEM files, or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -299,6 +318,23 @@ class ServerConfig:
             raise ValueError(f"log_format={self.log_format!r}: expected 'text' or 'json'")
         if self.grace < 0:
             raise ValueError(f"grace={self.grace}: expected seconds >= 0")
+
+    def _check_source(self) -> None:
+        if self.source:
+            module, _, name = self.source.partition(":")
+            if not module or not name.isidentifier():
+                raise ValueError(f"source={self.source!r}: expected package.module:factory")
+        try:
+            args = json.loads(self.source_args)
+        except ValueError as exc:
+            raise ValueError(f"source_args={self.source_args!r} is not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"source_args={self.source_args!r}: expected a JSON object of keyword arguments")
+
+    @property
+    def index_folder(self) -> str:
+        """Where indexes go that cannot be kept beside their files (and Parquet's extracts beside it)."""
+        return os.path.join(self.cache_dir, "indexes")
 
     @property
     def max_sample_bytes(self) -> int:
@@ -357,10 +393,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help=f"{doc} [env {env}]",
             )
         else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            kind = str if f.metadata.get("parse") else {"int": int, "float": float, "str": str}[str(f.type)]
             default = getattr(defaults, f.name)
             # (an empty default means "none"; a help text that says its default keeps its words)
-            shown = "" if default == "" or "(default" in doc else f" (default {default})"
+            shown = "" if default in ("", {}) or "(default" in doc else f" (default {default})"
             parser.add_argument(
                 flag, type=_typed(kind, env), default=os.environ.get(env), help=f"{doc}{shown} [env {env}]"
             )

@@ -1,7 +1,8 @@
 """The decode queue's order: jobs share the workers by weight (start-time fair queueing).
 
 Every task belongs to a job (a name the operator may weigh with ``--job-weights``, or one
-stream on its own; server.slots says what a job weighs now) and costs its samples. Each
+stream on its own; the registry, server.jobs, says what a job weighs now, when its task is
+queued) and costs its samples. Each
 job's tasks keep their order; among jobs, the next task is the one whose job has had the
 least decode for its weight, so that jobs with work waiting get shares of the workers in
 proportion to their weights (3:1 when weighed 3 and 1), and a job with nothing waiting
@@ -17,20 +18,27 @@ import itertools
 from collections import deque
 from typing import Generic, NamedTuple, TypeVar
 
+from remoteloader.server.jobs import Jobs
+
 T = TypeVar("T")
 
 
 class Job(NamedTuple):
-    """Whom decode work is for: a job's name (``#n`` for stream n, which names none) and its weight."""
+    """Whom decode work is for: a job's name (``#n`` for stream n, which names none); what it
+    weighs is the registry's (server.jobs)."""
 
     name: str = ""
-    weight: float = 1.0
 
 
 class FairQueue(Generic[T]):
-    """Tasks by job, taken in weighted-fair order; each job's in the order it put them."""
+    """Tasks by job, taken in weighted-fair order; each job's in the order it put them.
 
-    def __init__(self) -> None:
+    Args:
+        jobs: What each job weighs (default: a registry without weights, every job 1).
+    """
+
+    def __init__(self, jobs: Jobs | None = None) -> None:
+        self._jobs = jobs if jobs is not None else Jobs()
         # job -> ((start tag, tie-break), task), in order: ties go to the task put first
         self._queues: dict[str, deque[tuple[tuple[float, int], T]]] = {}
         self._finish: dict[str, float] = {}  # job -> finish tag of its last task put
@@ -44,11 +52,12 @@ class FairQueue(Generic[T]):
         return bool(self._queues)
 
     def put(self, job: Job, cost: float, task: T) -> None:
-        """Queues ``task`` for ``job``, costing ``cost`` (its samples)."""
-        assert job.weight > 0, job
+        """Queues ``task`` for ``job``, costing ``cost`` (its samples) at the job's weight now."""
         name = job.name
+        weight = self._jobs.weight(name)
+        assert weight > 0, (job, weight)
         start = max(self._now, self._finish.get(name, 0.0))
-        self._finish[name] = start + cost / job.weight
+        self._finish[name] = start + cost / weight
         self._queues.setdefault(name, deque()).append(((start, next(self._puts)), task))
         if len(self._finish) > 2 * len(self._queues) + 64:  # (jobs long idle are level with now: forget them)
             self._finish = {j: f for j, f in self._finish.items() if f > self._now or j in self._queues}

@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from remoteloader.protos import codec, limits, loader_pb2
 from remoteloader.server.catalog import Catalog
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.fair_queue import Job
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_samples import OrderError, Samples
 from remoteloader.server.pipelines import PipelineSpec
@@ -107,8 +108,8 @@ class OrderStream:
         renderer: Starts rendering chunks.
         slots: The shared slots.
         renders: The renderings streams share, by chunk.
-        job: Whom the stream's decode is for: its job's name ("#n" for stream n, which names none).
-        job_weight: The operator's weight of the job (--job-weights), or None: 1 a stream.
+        job: Whom the stream's decode is for: its job's name ("#n" for stream n, which names none);
+            what it weighs is the job registry's (server.jobs, which the slots open it in).
         job_label: The job as the metrics name it (Metrics.job_label).
         exclusive: Never share a rendering (Setup.exclusive).
         limiter: The server-wide rate limit, if any.
@@ -129,7 +130,6 @@ class OrderStream:
         slots: Slots,
         renders: SharedRenders,
         job: str,
-        job_weight: float | None,
         job_label: str,
         exclusive: bool,
         limiter: RateLimiter | None,
@@ -157,7 +157,8 @@ class OrderStream:
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, Samples, float] | _End | None] = asyncio.Queue()
-        self._slot_counts = slots.open(job, job_weight)
+        self._slot_counts = slots.open(job)
+        self._job = Job(job)
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
@@ -362,8 +363,7 @@ class OrderStream:
                 await self._limiter.take(count)
 
             def render(slot: int, part: Samples = part, chunk_seeds: list[int] = seeds[start : start + count]):
-                job = self._slots.job(self._slot_counts)  # (its weight as of now)
-                return self._renderer.render(self._spec, part, chunk_seeds, slot, job)
+                return self._renderer.render(self._spec, part, chunk_seeds, slot, self._job)
 
             slot, future, joined = await self._renders.start(self._slot_counts, key, render)
             if not joined:

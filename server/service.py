@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from remoteloader.protos import SERVICE, loader_pb2
-from remoteloader.protos.jobs import job_name_error, parse_weights
+from remoteloader.protos.jobs import job_name_error
 from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Catalog, Shard
 from remoteloader.server.config import ServerConfig
@@ -70,9 +70,8 @@ class LoaderService:
         self.pages = ShardPages(shards)
         self.checks = checks
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
-        self.slots = Slots(arena, config.stall_timeout)
+        self.slots = Slots(arena, config.stall_timeout, pool.jobs)
         self.renders = SharedRenders(self.slots)
-        self.weights = parse_weights(config.job_weights)
         self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
         self.renderer = Renderer(self.catalog, pool, cache, objects)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
@@ -187,7 +186,7 @@ class LoaderService:
             if job_error:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Setup.{job_error}")
             job = setup.job or f"#{next(self._streams)}"  # (no name: a job of its own)
-            weight = self.weights.get(setup.job)  # None: 1 for each stream of the job
+            weight = self.slots.jobs.weighed(setup.job)  # None: 1 for each stream of the job
             if setup.shared_memory and not self.local_socket:
                 await _abort(
                     context,
@@ -216,7 +215,6 @@ class LoaderService:
                 slots=self.slots,
                 renders=self.renders,
                 job=job,
-                job_weight=weight,
                 job_label=self.metrics.job_label(setup.job),
                 exclusive=setup.exclusive,
                 limiter=self.limiter,

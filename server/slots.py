@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from remoteloader.server.fair_queue import Job
+from remoteloader.server.jobs import Jobs
 from remoteloader.server.shared_memory import Arena
 
 # A stream whose client leaves a chunk unread this long while another stream waits for a
@@ -71,13 +71,14 @@ class Slots:
     Args:
         arena: The shared slots.
         stall_timeout: Seconds a chunk may wait to be read before its stream is ended.
+        jobs: The job registry (server.jobs), which the decode queue reads too; the slots open
+            and close the streams' jobs in it.
     """
 
-    def __init__(self, arena: Arena, stall_timeout: float):
+    def __init__(self, arena: Arena, stall_timeout: float, jobs: Jobs | None = None):
         self.arena = arena
         self.stall_timeout = stall_timeout
-        # The open streams' jobs: name -> (the operator's weight, or None: 1 a stream; streams open)
-        self._jobs: dict[str, tuple[float | None, int]] = {}
+        self.jobs = jobs if jobs is not None else Jobs()
         self._freed = asyncio.Condition()
         self._waiters = 0  # takes waiting for a free slot, all streams together
         self._holders: dict[int, int] = {}  # slot -> streams holding it (out of the arena, not kept)
@@ -85,36 +86,21 @@ class Slots:
         self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, kept: oldest first
         self.forget: Callable[[int], None] = lambda slot: None  # told when a slot goes back to the arena
 
-    def open(self, job: str, weight: float | None) -> StreamSlots:
-        """A stream of ``job`` opens (after its Setup), which the operator weighed ``weight`` (None:
-        not weighed); its counts, to ``close`` when it ends."""
-        _, streams = self._jobs.get(job, (weight, 0))
-        self._jobs[job] = (weight, streams + 1)
+    def open(self, job: str) -> StreamSlots:
+        """A stream of ``job`` opens (after its Setup): registered in the job registry; its counts,
+        to ``close`` when it ends."""
+        self.jobs.open(job)
         return StreamSlots(job)
 
     def close(self, stream: StreamSlots) -> None:
         """The stream has ended (its slots given back or to be given back as workers finish)."""
-        weight, streams = self._jobs[stream.job]
-        if streams > 1:
-            self._jobs[stream.job] = (weight, streams - 1)
-        else:
-            del self._jobs[stream.job]
+        self.jobs.close(stream.job)
         asyncio.ensure_future(self._notify_freed())  # (the others' shares grew)
-
-    def job(self, stream: StreamSlots) -> Job:
-        """The stream's job as the decode queue weighs it now."""
-        return Job(stream.job, self._weight(*self._jobs[stream.job]))
-
-    @staticmethod
-    def _weight(weight: float | None, streams: int) -> float:
-        return float(streams) if weight is None else weight
 
     def fair_share(self, stream: StreamSlots) -> int:
         """Most slots ``stream`` may hold now."""
-        count = self.arena.count
-        weight, streams = self._jobs[stream.job]
-        total = sum(self._weight(*job) for job in self._jobs.values())
-        return max(2, min(count - 2, int(count * self._weight(weight, streams) / total / streams)))
+        count, jobs, job = self.arena.count, self.jobs, stream.job
+        return max(2, min(count - 2, int(count * jobs.weight(job) / jobs.total() / jobs.streams(job))))
 
     @property
     def kept(self) -> int:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from remoteloader.protos import limits
 from remoteloader.server.fair_queue import FairQueue, Job
+from remoteloader.server.jobs import Jobs
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.worker_messages import (
     DefinePipeline,
@@ -195,6 +196,7 @@ class WorkerPool:
         sources: The server's ``--source`` (spec, JSON arguments), which each worker loads.
         busy_window: Seconds over which ``busy_share`` is measured (default 5).
         worker_timeout: Seconds a worker may hold work without answering before it is replaced.
+        jobs: What each job weighs, for the fair queue (server.jobs; default: none weighed).
     """
 
     AHEAD = 2
@@ -211,6 +213,7 @@ class WorkerPool:
         sources: tuple[tuple[str, str], ...] = (),
         busy_window: float = limits.BUSY_WINDOW,
         worker_timeout: float = 30.0,
+        jobs: Jobs | None = None,
     ):
         self.size = workers
         self.worker_timeout = worker_timeout
@@ -230,7 +233,8 @@ class WorkerPool:
         self._ctx = _context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: list[_Worker] = []
-        self._queue: FairQueue[_Queued] = FairQueue()
+        self.jobs = jobs if jobs is not None else Jobs()  # (the slots read and open them too: server.jobs)
+        self._queue: FairQueue[_Queued] = FairQueue(self.jobs)
         self._next_id = 0
         self._closed = False
         self._meter = BusyMeter(busy_window)

@@ -21,6 +21,7 @@ import pytest
 
 from remoteloader.client import RemoteLoader
 from remoteloader.server.catalog import CatalogError
+from remoteloader.server.config import ServerConfig
 from remoteloader.server.formats import FormatOptions, open_shards
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -203,9 +204,10 @@ def test_mistaken_inputs_are_refused_at_start_with_what_to_do(tmp_path, data):
     pq.write_table(pa.table({"image": [b"\xff\xd8\xff"], "label": ["ant"]}), tmp_path / "strings.parquet")
     with pytest.raises(CatalogError, match="column 'label' is string, not what a label column holds"):
         open_shards([str(tmp_path / "strings.parquet")], options)
+    named = ServerConfig(data=("-",), parquet_columns='{"image": "nope"}')
     with pytest.raises(CatalogError, match="no image column 'nope'"):
         open_shards([str(data / "classification" / "classification.parquet")],
-                    FormatOptions(index_folder=str(tmp_path / "indexes"), parquet_columns='{"image": "nope"}'))
+                    FormatOptions(str(tmp_path / "indexes"), named))
     pickled = write_lmdb(tmp_path / "pickled", [(b"0", pickle.dumps((reference("classification.tar")[0][0], 0)))])
     with pytest.raises(CatalogError, match="--lmdb-unpickle"):
         open_shards([str(pickled)], options)

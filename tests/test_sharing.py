@@ -26,9 +26,6 @@ from conftest import ANY_PORT, wait_until_equal
 
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import SERVICE, loader_pb2
-from remoteloader.protos.jobs import parse_weights
-from remoteloader.server.config import ServerConfig
-from remoteloader.server.fair_queue import FairQueue, Job
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import Arena
 from remoteloader.server.sharing import ChunkKey, SharedRenders
@@ -41,62 +38,6 @@ pytestmark = pytest.mark.timeout(180)
 PER_CLASS = 12  # x 2 classes: 24 samples a shard, 48 an epoch over servers 0 and 1
 BATCH = 8
 SIZE = 32
-
-
-# ---- the fair queue ---------------------------------------------------------------------------
-
-
-def test_jobs_with_work_waiting_share_the_queue_by_weight_each_in_its_own_order():
-    queue: FairQueue[tuple[str, int]] = FairQueue()
-    heavy, light = Job("heavy", 3.0), Job("light", 1.0)
-    for i in range(400):
-        queue.put(heavy, 8, ("heavy", i))
-        queue.put(light, 8, ("light", i))
-    taken = [queue.take() for _ in range(400)]
-    assert sum(1 for job, _ in taken if job == "heavy") == 300
-    for name in ("heavy", "light"):
-        order = [i for job, i in taken if job == name]
-        assert order == sorted(order)
-
-
-def test_a_job_that_had_nothing_waiting_is_not_owed_the_time_it_was_idle():
-    queue: FairQueue[str] = FairQueue()
-    for _ in range(100):  # "a" alone for a while
-        queue.put(Job("a"), 8, "a")
-        queue.take()
-    for _ in range(50):
-        queue.put(Job("a"), 8, "a")
-        queue.put(Job("b"), 8, "b")
-    taken = [queue.take() for _ in range(20)]
-    assert taken.count("b") == 10  # level from now on, not 100 tasks of "b" first
-
-
-def test_a_task_given_back_goes_first():
-    queue: FairQueue[str] = FairQueue()
-    for name in "abc":
-        queue.put(Job(name), 8, name)
-    queue.take()
-    queue.put_first(Job("c"), "again")
-    assert queue.take() == "again" and len(queue) == 2
-    empty: FairQueue[str] = FairQueue()  # (the only task, given back by a stalled worker)
-    empty.put_first(Job("a"), "alone")
-    assert empty.take() == "alone" and not empty
-
-
-def test_job_weights_are_checked_where_the_operator_gives_them():
-    assert parse_weights("sweep=3, probe=0.5") == {"sweep": 3.0, "probe": 0.5}
-    for bad, reason in [
-        ("sweep", "NAME=WEIGHT"),
-        ("sweep=0", "from 0.001 to 1000"),
-        ("a=1e-320", "from 0.001"),
-        ("a=nan", "from 0.001"),
-        ("a=1e4", "to 1000"),
-        ("a=1,a=2", "twice"),
-        ("a b=1", "letters"),
-        ("=2", "empty"),
-    ]:
-        with pytest.raises(ValueError, match=reason):
-            ServerConfig(data=("/tmp",), job_weights=bad)
 
 
 # ---- renderings shared over real slots ----------------------------------------------------------
@@ -129,7 +70,7 @@ class Renders:
 def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
     async def run():
         r = Renders(12)
-        a, b = r.slots.open("#1", None), r.slots.open("#2", None)
+        a, b = r.slots.open("#1"), r.slots.open("#2")
         first = await r.start(a, key(0))
         second = await r.start(b, key(0))
         assert len(r.started) == 1 and second.joined and not first.joined
@@ -144,7 +85,7 @@ def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
         assert r.arena.free == 9  # b still holds it
         r.slots.give(b, second.slot)
         assert r.arena.free == 9 and r.slots.kept == 1  # clean: kept for a later stream
-        c = r.slots.open("#3", None)
+        c = r.slots.open("#3")
         later = await r.start(c, key(0))
         assert later.joined and later.slot == first.slot and r.slots.kept == 0 and len(r.started) == 3
         r.slots.give(c, later.slot)
@@ -161,7 +102,7 @@ def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
 def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
     async def run():
         r = Renders(3)
-        a = r.slots.open("#1", None)
+        a = r.slots.open("#1")
         for first in (0, 4, 8):
             started = await r.start(a, key(first))
             r.started[-1].set_result(Rendered([], []))
@@ -173,33 +114,6 @@ def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
         assert len(r.renders) == 3
 
     asyncio.run(asyncio.wait_for(run(), 10))
-
-
-def test_slots_are_shared_by_job_weight_and_evenly_among_a_jobs_streams():
-    async def run():
-        slots = Slots(Arena(12, 4096), stall_timeout=60)
-        heavy = slots.open("heavy", 3.0)
-        light = slots.open("light", 1.0)
-        assert (slots.fair_share(heavy), slots.fair_share(light)) == (9, 3)
-        second = slots.open("heavy", 3.0)  # a weighed job's weight is the job's, however many streams
-        assert slots.fair_share(second) == slots.fair_share(heavy) == 4
-        assert slots.job(second) == Job("heavy", 3.0)
-        slots.close(second)
-        slots.close(light)
-        assert slots.fair_share(heavy) == 10  # alone: all but two
-
-    asyncio.run(run())
-
-
-def test_a_job_nobody_weighed_weighs_one_a_stream_named_or_not():
-    async def run():
-        slots = Slots(Arena(24, 4096), stall_timeout=60)
-        ranks = [slots.open("ddp-job", None) for _ in range(4)]  # a named job of 4 ranks
-        others = [slots.open(f"#{n}", None) for n in range(2)]  # two streams that name no job
-        assert {slots.fair_share(s) for s in ranks + others} == {4}  # 24 / 6 streams, as unnamed
-        assert slots.job(ranks[0]) == Job("ddp-job", 4.0) and slots.job(others[0]) == Job("#0", 1.0)
-
-    asyncio.run(run())
 
 
 # ---- real servers -----------------------------------------------------------------------------

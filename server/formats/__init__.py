@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from remoteloader.server.catalog import CLASSES_FILE, CatalogError, Shard, basename, grouped_warnings
+from remoteloader.server.config import ServerConfig
 from remoteloader.server.storage import Entry, Storage, StorageError, open_storage
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,24 @@ GLOB = "*?["
 PROGRESS_SECONDS = 15.0  # where stderr is not a terminal: a progress line this often while indexing
 
 
+def _defaults() -> ServerConfig:
+    return ServerConfig(data=("-",))
+
+
 @dataclass(frozen=True)
 class FormatOptions:
-    """How the server reads its formats (ServerConfig's flags of the same names)."""
+    """How the server reads its formats: where indexes go that cannot be kept beside their files
+    (``ServerConfig.index_folder``, or a tool's own folder) and the server's settings, whose
+    format flags a format reads from ``config`` as ServerConfig parsed them (``image_root``,
+    ``coco_masks``, ``lmdb_unpickle``, ``tfrecord_features``, ``parquet_columns``,
+    ``store_timeout``). ``of(config)`` makes the server's."""
 
-    image_root: str = ""  # a COCO file's images (default: its folder)
-    coco_masks: bool = False  # serve COCO segmentations as the "mask" field
-    index_folder: str = ""  # where indexes go that cannot be kept beside their files
-    retry_seconds: float = 60.0  # an object store's retries
-    lmdb_unpickle: bool = False  # read LMDB values that are pickles (runs code from the file)
-    tfrecord_features: str = ""  # JSON: feature names other than TensorFlow's usual ones
-    parquet_columns: str = ""  # JSON: column names other than those found by type
+    index_folder: str = ""
+    config: ServerConfig = field(default_factory=_defaults)
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> FormatOptions:
+        return cls(config.index_folder, config)
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ def open_shards(paths: list[str], options: FormatOptions | None = None) -> list[
         token = _progress.set(progress)
         try:
             for raw in paths:
-                storage, name = open_storage(raw, options.retry_seconds)
+                storage, name = open_storage(raw, options.config.store_timeout)
                 expanded = _expand(storage, name, raw)
                 progress.expect(len(expanded))
                 for path, found in expanded:

@@ -227,4 +227,6 @@ def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions)
     """A COCO annotation ``.json`` file is one shard."""
     if found.kind != "file" or not name.lower().endswith(".json"):
         return None
-    return [CocoShard(storage, name, options.image_root, options.coco_masks, options.retry_seconds)]
+    return [
+        CocoShard(storage, name, options.config.image_root, options.config.coco_masks, options.config.store_timeout)
+    ]

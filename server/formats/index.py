@@ -1,10 +1,11 @@
 """A file shard's index kept between starts: ``<file>.index.npz`` beside it, or in an index folder.
 
 Indexing a tar (or a TFRecord file) means reading all of it; its index is saved so that the
-next start reads only that. It is kept beside the file where that can be written (a local
-folder; ``pack`` writes one too), else in the index folder (``--cache-dir/indexes``: a
-read-only mount, or an object store, which the server only reads). An index is used only when
-it was made from this very file: its ETag where the store gave one; on a local disk its size
+next start reads only that (the rule, load else scan and save, is ``formats/indexed.py``'s).
+It is kept beside the file where that can be written (a local folder; ``pack`` writes one
+too), else in the index folder (``--cache-dir/indexes``: a read-only mount, or an object
+store, which the server only reads). An index is used only when it was made from this very
+file: its ETag where the store gave one; on a local disk its size
 and modification time; else (a copy, which has a new one) its size and a hash of its first and
 last 64 KiB (which survive a copy, to a bucket too, and catch a rewrite): a copy's index found
 so is written again with the copy's time, where it can be, so that later starts skip the hash.
@@ -46,15 +47,17 @@ _TYPES = ("u1", "<u4", "<i4", "<i8")
 
 
 class Index(NamedTuple):
-    """A loaded index: the shard's table, the digest of the file's members, its target fields,
-    the samples known to be bad with why (``Shard.failed``) and those known to decode whole
-    (``Shard.verified``)."""
+    """A loaded (or scanned) index: the shard's table, the digest of the file's members, its
+    target fields, the samples known to be bad with why (``Shard.failed``) and those known to
+    decode whole (``Shard.verified``); from a scan, the class names the file itself gives (an
+    LMDB's ``classes.txt`` key), which the kept index does not hold."""
 
     table: KeyTable
     digest: str
     fields: tuple[str, ...]
     failed: dict[int, str]
     verified: np.ndarray | None = None
+    classes: tuple[str, ...] = ()
 
 
 def signature(storage: Storage, entry: Entry) -> np.ndarray:

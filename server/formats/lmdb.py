@@ -16,7 +16,7 @@ Three layouts of values, told apart by what the database holds:
 The lmdb module is needed only to index. The decode workers read each image from ``data.mdb``
 by offset, as from a tar: a value's offset in the file is its address in LMDB's map, less the
 map's start (read once from ``/proc/self/maps``). The index is kept as a tar's is
-(``formats/index.py``), so a restart does not walk the database again. A database in an
+(``formats/indexed.py``), so a restart does not walk the database again. A database in an
 object store is refused: LMDB maps its file into memory, so it must be on this machine.
 """
 
@@ -26,7 +26,6 @@ import hashlib
 import logging
 import os
 import pickle
-import time
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ from remoteloader.server import targets as tg
 from remoteloader.server.catalog import MAX_JSON_BYTES, CatalogError, KeyTable, Location, Shard, basename, utf8
 from remoteloader.server.formats import FormatOptions, Found, members, protowire, read_classes
 from remoteloader.server.formats import index as shard_index
+from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,15 @@ JPEG, PNG, PICKLE = b"\xff\xd8\xff", b"\x89PNG", b"\x80"
 CLASSES_KEY = b"classes.txt"
 
 
-class LmdbShard(Shard):
+class LmdbShard(IndexedFile):
     """Every image of an LMDB database, in key order.
 
     Args:
         storage / name: The database's folder (where ``data.mdb`` is).
-        options: ``lmdb_unpickle`` (read pickled values) and ``index_folder``.
+        options: ``index_folder``, and the config's ``lmdb_unpickle`` (read pickled values).
     """
+
+    kind = "lmdb"
 
     def __init__(self, storage: Storage, name: str, options: FormatOptions):
         if storage.remote:
@@ -60,31 +62,24 @@ class LmdbShard(Shard):
             )
         self.folder = storage.location(name)
         self.path = os.path.join(self.folder, DATA)
-        self.object = storage.head(storage.join(name, DATA))
         self.storage = storage
         classes = read_classes(storage, name)
-        cached = shard_index.load(storage, self.object, options.index_folder)
-        if cached is not None:
-            table, index_digest, fields = cached.table, cached.digest, cached.fields
-        else:
-            started = time.perf_counter()
-            table, index_digest, fields, from_db = self._scan(options.lmdb_unpickle, self.object.size)
-            self.scanned = True
-            classes = classes or from_db
-            log.info("%s: indexed %d samples in %.1fs", self.folder, len(table), time.perf_counter() - started)
-        self.index_digest = index_digest
-        ident = members.fingerprint("lmdb", index_digest, table.labels, classes, table.targets)
-        super().__init__(basename(self.folder), table, classes, ident, fields)
-        if cached is None:
-            self.index_kept, self.index_error = shard_index.save(
-                storage, self.object, self, index_digest, options.index_folder
-            )
+        entry = storage.head(storage.join(name, DATA))
+        self._open_index(
+            storage,
+            entry,
+            basename(self.folder),
+            classes,
+            lambda: self._scan(options.config.lmdb_unpickle, entry.size),
+            options.index_folder,
+            where=self.folder,
+        )
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
 
-    def _scan(self, unpickle: bool, size: int) -> tuple[KeyTable, str, tuple[str, ...], list[str]]:
-        """Walks the database: (table, index digest, fields, class names a classes.txt key gives)."""
+    def _scan(self, unpickle: bool, size: int) -> shard_index.Index:
+        """Walks the database (the class names a ``classes.txt`` key gives in ``classes``)."""
         try:
             import lmdb
         except ImportError:
@@ -148,9 +143,7 @@ def _address(value: memoryview, base: int) -> int:
     return int(np.frombuffer(value, np.uint8).ctypes.data) - base if len(value) else 0
 
 
-def _index(
-    cursor: Any, layout: str, base: int, size: int, where: str
-) -> tuple[KeyTable, str, tuple[str, ...], list[str]]:
+def _index(cursor: Any, layout: str, base: int, size: int, where: str) -> shard_index.Index:
     table = KeyTable()
     digest = hashlib.sha256(layout.encode())
     extras: dict[int, dict[str, object]] = {}
@@ -223,7 +216,9 @@ def _index(
     if not len(table):
         raise CatalogError(f"{where}: the database holds no images")
     fields = members.add_targets(table, extras, where)
-    return table, digest.hexdigest(), tuple(f for f in fields if f != tg.LABEL), classes
+    return shard_index.Index(
+        table, digest.hexdigest(), tuple(f for f in fields if f != tg.LABEL), {}, None, tuple(classes)
+    )
 
 
 def _datum(value: memoryview) -> tuple[int, int, int] | None:

@@ -29,15 +29,16 @@ import json
 import logging
 import os
 import pathlib
-import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
-from remoteloader.server.formats import FormatOptions, Found, file_shards, members
+from remoteloader.server.formats import FormatOptions, Found, file_shards
 from remoteloader.server.formats import index as shard_index
+from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,18 @@ BBOX_FORMATS = ("coco", "pascal_voc")
 EXTRACT_HEAD = b"remoteloader parquet images 1\n"
 
 
-def columns(spec: str) -> dict[str, str]:
-    """The columns named by ``spec`` (JSON; {} when empty). ValueError: not such an object."""
+def columns(spec: str | Mapping[str, str]) -> dict[str, str]:
+    """The columns ``--parquet-columns`` names (a JSON object, or one parsed already; {} when
+    empty), checked. ValueError: not such an object."""
     if not spec:
         return {}
-    try:
-        named = json.loads(spec)
-    except ValueError as exc:
-        raise ValueError(f"parquet_columns={spec!r} is not JSON: {exc}") from None
+    if isinstance(spec, str):
+        try:
+            named = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"parquet_columns={spec!r} is not JSON: {exc}") from None
+    else:
+        named = dict(spec)
     if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
         raise ValueError(f'parquet_columns={spec!r}: expected a JSON object, e.g. {{"image": "img", "label": "y"}}')
     unknown = sorted(set(named) - set(COLUMNS))
@@ -67,15 +72,18 @@ def columns(spec: str) -> dict[str, str]:
     return named
 
 
-class ParquetShard(Shard):
+class ParquetShard(IndexedFile):
     """Every row of one Parquet file, in file order, its images extracted once (see above).
 
     Args:
         storage / name: The file (here or in an object store).
         class_names: ``classes.txt`` beside the files, if any (else the ClassLabel names).
-        options: ``parquet_columns`` and ``index_folder`` (the extracts go beside it).
+        options: ``index_folder`` (the extracts go beside it) and the config's ``parquet_columns``
+            (parsed there).
         entry: Its size and version, where the caller listed them.
     """
+
+    kind = "parquet"
 
     def __init__(
         self, storage: Storage, name: str, class_names: list[str], options: FormatOptions, entry: Entry | None = None
@@ -88,32 +96,22 @@ class ParquetShard(Shard):
         folder = pathlib.Path(options.index_folder).parent / "parquet"
         self.path = str(folder / f"{key}.images")  # the extract the workers read
         self.extract = self.path  # (for the log)
-        # The index is kept with the extract, never beside the Parquet file.
-        extracted = os.path.getsize(self.path) if os.path.isfile(self.path) else None
-        cached = shard_index.load(storage, self.object, str(folder), beside=False, extent=extracted or 0)
-        if cached is not None and extracted:
-            table, digest, fields = cached.table, cached.digest, cached.fields
-        else:
-            cached = None
-            started = time.perf_counter()
-            table, digest, fields = _extract(storage, name, self.path, columns(options.parquet_columns))
-            self.scanned = True
-            log.info(
-                "%s: extracted %d images (%.1f MB) into %s in %.1fs; later starts reuse them",
-                self.origin,
-                len(table),
-                os.path.getsize(self.path) / 1e6,
-                self.path,
-                time.perf_counter() - started,
-            )
-        names = class_names or _class_names(storage, name, columns(options.parquet_columns))
-        self.index_digest = digest
-        ident = members.fingerprint("parquet", digest, table.labels, names, table.targets)
-        super().__init__(basename(name), table, names, ident, fields)
-        if cached is None:
-            kept, error = shard_index.save(storage, self.object, self, digest, str(folder), beside=False)
-            if not kept:
-                log.warning("%s: its index could not be kept in %s (%s)", self.origin, folder, error)
+        named = options.config.parquet_columns
+        names = class_names or _class_names(storage, name, named)
+        # The index is kept with the extract, never beside the Parquet file; it is used only with
+        # the whole extract (a missing one holds no samples: extent 0).
+        extracted = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
+        self._open_index(
+            storage,
+            self.object,
+            basename(name),
+            names,
+            lambda: _extract(storage, name, self.path, named),
+            str(folder),
+            beside=False,
+            extent=extracted,
+            where=self.origin,
+        )
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
@@ -191,9 +189,9 @@ def _find_columns(schema: Any, named: dict[str, str], where: str) -> dict[str, s
     return found
 
 
-def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> tuple[KeyTable, str, tuple[str, ...]]:
+def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> shard_index.Index:
     """Copies every image into ``out`` (whole, or not at all), row group by row group; returns
-    the index: the table, its digest and the target fields."""
+    its index."""
     where = storage.location(name)
     file = _parquet(storage, name)
     found = _find_columns(file.schema_arrow, named, where)
@@ -235,7 +233,10 @@ def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> tu
         raise
     if not len(table):
         raise CatalogError(f"{where}: it holds no rows")
-    return table, digest.hexdigest(), tuple(fields)
+    log.info(
+        "%s: extracted %d images (%.1f MB) into %s; later starts reuse them", where, len(table), written / 1e6, out
+    )
+    return shard_index.Index(table, digest.hexdigest(), tuple(fields), {})
 
 
 def _empty(field: str) -> np.ndarray:

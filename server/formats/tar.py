@@ -3,7 +3,7 @@
 
 A ``.tar`` file, or a folder of them (with ``classes.txt`` naming the labels), here or in an
 object store. A tar is indexed from its ``<tar>.index.npz`` (``formats/index.py``), or
-scanned once and its index kept for the next start.
+scanned once and its index kept for the next start (``formats/indexed.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import tarfile
-import time
 
 import numpy as np
 
@@ -30,12 +29,13 @@ from remoteloader.server.catalog import (
 )
 from remoteloader.server.formats import FormatOptions, Found, file_shards, members
 from remoteloader.server.formats import index as shard_index
+from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage
 
 log = logging.getLogger(__name__)
 
 
-class TarShard(Shard):
+class TarShard(IndexedFile):
     """A WebDataset tar: members ``<key>.jpg|jpeg|png`` with optional ``<key>.cls`` labels,
     ``<key>.json`` targets (an object of the fields in ``targets.py``) and ``<key>.mask.png``
     semantic masks.
@@ -45,6 +45,8 @@ class TarShard(Shard):
     writes them), with a fallback for those that are not. A ``.json`` that is not usable
     makes its sample fail with the reason when served, as a damaged image does.
     """
+
+    kind = "tar"
 
     def __init__(
         self,
@@ -59,38 +61,18 @@ class TarShard(Shard):
         writer, `remoteloader pack`, knows them): kept in the index it writes."""
         self.path = storage.location(name)
         self.storage, self.remote = storage, storage.remote
-        self.object = entry or storage.head(name)  # its size and version, as indexed
-        self.etag = self.object.etag
-        cached = shard_index.load(storage, self.object, index_folder)
-        path = self.path
-        if cached is not None:
-            table, index_digest, fields = cached.table, cached.digest, cached.fields
-            super().__init__(
-                basename(name),
-                table,
-                class_names,
-                members.fingerprint("tar", index_digest, table.labels, class_names, table.targets),
-                fields,
-            )
-            self.index_digest = index_digest
-            self.verified = cached.verified
-        else:
-            started = time.perf_counter()
-            self._scan(storage, name, class_names)
-            self.scanned = True
+        entry = entry or storage.head(name)  # its size and version, as indexed
+        self.etag = entry.etag
+
+        def scan() -> shard_index.Index:
+            found = self._scan(storage, name)
             if verified is not None:
-                assert len(verified) == len(self), "one flag per sample, in the tar's order"
-                self.verified = verified
-            log.debug(  # (open_shards says how many were scanned, in one line)
-                "%s has no index: scanned it (%d samples, %.1f MB) in %.1fs",
-                self.path,
-                len(self),
-                self.object.size / 1e6,
-                time.perf_counter() - started,
-            )
-            self.index_kept, self.index_error = shard_index.save(
-                storage, self.object, self, self.index_digest, index_folder
-            )
+                assert len(verified) == len(found.table), "one flag per sample, in the tar's order"
+                return found._replace(verified=verified)
+            return found
+
+        self._open_index(storage, entry, basename(name), class_names, scan, index_folder)
+        path = self.path
         unlabelled = int(np.count_nonzero(self.labels < 0))
         # A tar made by hand: without this, every sample is served as class -1 without a word
         # (a tar of other targets needs no class).
@@ -124,7 +106,8 @@ class TarShard(Shard):
                 f"{path}: labels go up to {top} but {named}; {fails}",
             )
 
-    def _scan(self, storage: Storage, name: str, class_names: list[str]) -> None:
+    def _scan(self, storage: Storage, name: str) -> shard_index.Index:
+        """Reads the tar's headers once (and its small ``.cls`` and ``.json`` members)."""
         path = self.path
         table = KeyTable()
         digest = hashlib.sha256()
@@ -185,9 +168,7 @@ class TarShard(Shard):
                     if pieces:
                         extras.setdefault(index, {}).update(pieces)
         fields = members.add_targets(table, extras, path)
-        self.index_digest = digest.hexdigest()
-        super().__init__(basename(name), table, class_names, "", fields)
-        self.id = members.fingerprint("tar", self.index_digest, self.labels, class_names, table.targets)
+        return shard_index.Index(table, digest.hexdigest(), fields, {})
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)

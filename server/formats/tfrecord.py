@@ -14,7 +14,7 @@ and ``--tfrecord-features`` names others (JSON: ``{"image": "jpeg", "label": "cl
 A file is indexed in one pass that checks both CRCs of every record (TFRecord's masked
 CRC32C) and parses each Example by hand (``protowire.py``) to find where its image bytes lie,
 so that the decode workers read them by offset as from a tar; the index is kept as a tar's is
-(``formats/index.py``: beside the file, or in the index folder on a read-only mount), as DALI's
+(``formats/indexed.py``: beside the file, or in the index folder on a read-only mount), as DALI's
 ``tfrecord2idx`` does. A record whose data CRC fails, or whose Example is malformed or lacks
 an image, is a sample that fails with the reason when served; a bad length CRC ends the
 file's usable records there, with a warning. ``classes.txt`` beside the files names labels.
@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 import struct
-import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -34,8 +34,9 @@ import numpy as np
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename, warn_shard
 from remoteloader.server.decode import DecodeError, read_size
-from remoteloader.server.formats import FormatOptions, Found, file_shards, members, protowire
+from remoteloader.server.formats import FormatOptions, Found, file_shards, protowire
 from remoteloader.server.formats import index as shard_index
+from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage
 
 google_crc32c: Any
@@ -61,15 +62,16 @@ FEATURES = {
 _MASK_DELTA = 0xA282EAD8
 
 
-def features(spec: str) -> dict[str, str]:
-    """The feature names to read: FEATURES, with ``spec``'s JSON object of renamings (ValueError:
-    not such an object, or a key FEATURES does not have)."""
-    if not spec:
-        return dict(FEATURES)
-    try:
-        renamed = json.loads(spec)
-    except ValueError as exc:
-        raise ValueError(f"tfrecord_features={spec!r} is not JSON: {exc}") from None
+def renamed_features(spec: str | Mapping[str, str]) -> dict[str, str]:
+    """The renamings of ``--tfrecord-features`` (a JSON object, or one parsed already), checked
+    (ValueError: not such an object, or a key FEATURES does not have)."""
+    if isinstance(spec, str):
+        try:
+            renamed = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"tfrecord_features={spec!r} is not JSON: {exc}") from None
+    else:
+        renamed = dict(spec)
     if not isinstance(renamed, dict) or not all(isinstance(v, str) for v in renamed.values()):
         raise ValueError(
             f'tfrecord_features={spec!r}: expected a JSON object of feature names, e.g. {{"image": "jpeg"}}'
@@ -77,7 +79,7 @@ def features(spec: str) -> dict[str, str]:
     unknown = sorted(set(renamed) - set(FEATURES))
     if unknown:
         raise ValueError(f"tfrecord_features={spec!r}: {', '.join(unknown)} not among {', '.join(FEATURES)}")
-    return {**FEATURES, **renamed}
+    return renamed
 
 
 def masked_crc(data: bytes | memoryview) -> int:
@@ -97,41 +99,35 @@ def _read(file: Any, size: int) -> bytes:
     return data
 
 
-class TFRecordShard(Shard):
+class TFRecordShard(IndexedFile):
     """Every Example of one TFRecord file, in file order.
 
     Args:
         storage / name: The file (here or in an object store).
         class_names: Names of the labels (``classes.txt`` beside the files), may be empty.
-        options: ``tfrecord_features`` and ``index_folder``.
+        options: ``index_folder`` and the config's ``tfrecord_features`` (parsed there).
         entry: Its size and version, where the caller listed them.
     """
+
+    kind = "tfrecord"
 
     def __init__(
         self, storage: Storage, name: str, class_names: list[str], options: FormatOptions, entry: Entry | None = None
     ):
         self.path = storage.location(name)
         self.storage, self.remote = storage, storage.remote
-        self.object = entry or storage.head(name)
-        self.etag = self.object.etag
-        cached = shard_index.load(storage, self.object, options.index_folder)
-        if cached is not None:
-            table, digest, fields, failed = cached.table, cached.digest, cached.fields, cached.failed
-        else:
-            started = time.perf_counter()
-            table, digest, fields, failed = _scan(storage, name, self.path, features(options.tfrecord_features))
-            self.scanned = True
-            log.debug(  # (open_shards says how many were read, in one line)
-                "%s has no index: read it (%d records, %.1f MB) in %.1fs",
-                self.path,
-                len(table),
-                self.object.size / 1e6,
-                time.perf_counter() - started,
-            )
-        self.index_digest = digest
-        ident = members.fingerprint("tfrecord", digest, table.labels, class_names, table.targets)
-        super().__init__(basename(name), table, class_names, ident, fields)
-        self.failed = failed
+        entry = entry or storage.head(name)
+        self.etag = entry.etag
+        names = {**FEATURES, **options.config.tfrecord_features}
+        self._open_index(
+            storage,
+            entry,
+            basename(name),
+            class_names,
+            lambda: _scan(storage, name, self.path, names),
+            options.index_folder,
+        )
+        failed = self.failed
         if failed:
             fails = "each fails with the reason when served"
             warn_shard(
@@ -141,18 +137,12 @@ class TFRecordShard(Shard):
                 f"{self.path}: {len(failed)} record(s) cannot be used (e.g. record {min(failed)}: "
                 f"{failed[min(failed)]}); {fails}",
             )
-        if cached is None:
-            self.index_kept, self.index_error = shard_index.save(
-                storage, self.object, self, digest, options.index_folder
-            )
 
     def locate(self, index: int) -> Location:
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
 
 
-def _scan(
-    storage: Storage, name: str, where: str, names: dict[str, str]
-) -> tuple[KeyTable, str, tuple[str, ...], dict[int, str]]:
+def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> shard_index.Index:
     """Reads the file once: every record's image location, label and boxes; the bad ones' reasons."""
     table = KeyTable()
     digest = hashlib.sha256(json.dumps(names, sort_keys=True).encode())
@@ -212,7 +202,7 @@ def _scan(
     fields = (tg.BBOXES, tg.BBOX_LABELS) if boxes else ()
     if boxes:  # every sample gets a record: an empty one where it has no boxes
         table = _with_empty_targets(table)
-    return table, digest.hexdigest(), fields, failed
+    return shard_index.Index(table, digest.hexdigest(), fields, failed)
 
 
 def _with_empty_targets(table: KeyTable) -> KeyTable:
