@@ -84,7 +84,7 @@ class RenderResources:
         with contextlib.ExitStack() as undo:  # on failure, closes what was made
             arena = Arena(config.slots, config.slot_bytes)
             undo.callback(arena.close)
-            cache = SampleCache(config.cache_bytes, {s.id: len(s) for s in shards}) if config.cache_bytes else None
+            cache = SampleCache(config.cache_bytes, sum(len(s) for s in shards)) if config.cache_bytes else None
             if cache is not None:
                 undo.callback(cache.close)
             pool = WorkerPool(

@@ -145,6 +145,11 @@ class Shard:
     """
 
     source = -1
+    # Where every sample is a byte range of one file or object (a tar, a TFRecord file, an LMDB
+    # database's data, a Parquet file's extract): its location and version, as ``locate`` gives
+    # them; "" where samples are files of their own (their formats override ``locate``).
+    path = ""
+    etag = ""
     # Where every sample is a range of one file or object (a tar, a TFRecord file): its size and
     # version as indexed; None where samples are files of their own.
     object: Entry | None = None
@@ -197,7 +202,10 @@ class Shard:
         return bytes(self._targets[start : int(self._target_ends[index])])
 
     def locate(self, index: int) -> Location:
-        raise NotImplementedError
+        """Where the sample's encoded bytes are: by default a byte range of ``path``; the formats
+        whose samples are files of their own say it themselves."""
+        assert self.path, f"{type(self).__name__} locates its samples itself"
+        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
 
     def failure(self, index: int) -> str:
         """Why the sample is known to be bad ("" when it is not)."""
@@ -250,16 +258,17 @@ class Catalog:
         self.seed_keys = np.fromiter((shard_key(s.id) for s in shards), np.uint64, len(shards))
         self.generated = np.fromiter((isinstance(s, SyntheticShard) for s in shards), np.bool_, len(shards))
         self.remote = np.fromiter((s.remote for s in shards), np.bool_, len(shards))
+        self.sources = [s.source for s in shards]
         self._failing = np.fromiter((bool(s.failed) for s in shards), np.bool_, len(shards))
-        if len(shards) == 1:
-            self.labels = shards[0].labels
-        elif not shards:
-            self.labels = np.zeros(0, np.int64)
-        else:
-            kind = np.result_type(*(s.labels.dtype for s in shards))
-            self.labels = np.concatenate([s.labels for s in shards]).astype(kind, copy=False)
-            for shard, start, length in zip(shards, self.starts.tolist(), self.lengths.tolist()):
-                shard.labels = self.labels[start : start + length]
+        self.labels = _one_array(shards, "labels")
+        # Where every shard's samples are ranges of its file (Shard.locate as it is), the ranges
+        # too, so that ``locate`` takes a chunk at once.
+        self._ranged = bool(shards) and all(type(s).locate is Shard.locate for s in shards)
+        if self._ranged:
+            self._offsets = _one_array(shards, "_offsets")
+            self._sizes = _one_array(shards, "_sizes")
+            self._paths = [s.path for s in shards]
+            self._etags = [s.etag for s in shards]
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -275,6 +284,18 @@ class Catalog:
     def samples(self) -> int:
         return int(self.lengths.sum())
 
+    def locate(self, which: np.ndarray, indices: np.ndarray) -> list[Location]:
+        """Where each sample's (shard position, index) encoded bytes are (``Shard.locate``)."""
+        if not self._ranged:
+            shards = self.shards
+            return [shards[w].locate(i) for w, i in zip(which.tolist(), indices.tolist())]
+        ids = self.starts[which] + indices
+        paths, etags = self._paths, self._etags
+        return [
+            Location(paths[w], offset, size, etags[w])
+            for w, offset, size in zip(which.tolist(), self._offsets[ids].tolist(), self._sizes[ids].tolist())
+        ]
+
     def failures(self, which: np.ndarray, indices: np.ndarray) -> list[str]:
         """Why each sample (shard position, index) is known to be bad ("" for most: ``Shard.failure``)."""
         reasons = [""] * len(which)
@@ -287,6 +308,23 @@ class Catalog:
         error (``Shard.verified``): a new array, for its owner to update."""
         parts = [s.verified if s.verified is not None else np.zeros(len(s), np.bool_) for s in self.shards]
         return np.concatenate(parts) if parts else np.zeros(0, np.bool_)
+
+
+def _one_array(shards: list[Shard], name: str) -> np.ndarray:
+    """The shards' arrays ``name`` (one value per sample) as one, in the narrowest type that holds
+    them all; each shard's becomes a view of it, so nothing is kept twice."""
+    if len(shards) == 1:
+        return getattr(shards[0], name)
+    if not shards:
+        return np.zeros(0, np.int64)
+    parts = [getattr(shard, name) for shard in shards]
+    kind = np.result_type(*(p.dtype for p in parts))
+    table = np.concatenate(parts).astype(kind if kind.kind in "iub" else np.int64, copy=False)  # (u8 with i8: float)
+    start = 0
+    for shard, part in zip(shards, parts):
+        setattr(shard, name, table[start : start + len(part)])
+        start += len(part)
+    return table
 
 
 class SyntheticShard(Shard):

@@ -63,7 +63,7 @@ class Renderer:
         """An order arrived: starts fetching its samples' bytes from their object store (those
         that are in one), so that they are on this machine when its chunks are rendered."""
         if self.objects is not None and samples.remote:
-            located = [shard.locate(index) for shard, index in samples.pairs()]
+            located = self.catalog.locate(samples.which, samples.indices)
             self.objects.prefetch(_fetches(spec, samples, located).ranges)
 
     def render(
@@ -75,7 +75,7 @@ class Renderer:
             future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
             future.set_result(Rendered([], [b""] * len(samples) if spec.fields else []))
             return future
-        located = [shard.locate(index) for shard, index in samples.pairs()]
+        located = self.catalog.locate(samples.which, samples.indices)
         failures = self.catalog.failures(samples.which, samples.indices)
         if self.objects is None or not samples.remote:
             return self._render(spec, samples, seeds, slot, job, located, failures)
@@ -141,14 +141,16 @@ class Renderer:
         ids = samples.ids()
         verified = self._decoded[ids].tolist()
         generated = samples.generated().tolist()
-        for pos, (shard, index) in enumerate(samples.pairs()):
+        sources = self.catalog.sources
+        shards = self.catalog.shards
+        for pos, (sample, w, index) in enumerate(zip(ids.tolist(), samples.which.tolist(), samples.indices.tolist())):
             if generated[pos]:
                 tasks.append(None)
                 continue
             path, offset, length, _ = located[pos]
-            mode, cache_offset = cache.plan(shard.id, index, length) if cache is not None else (PLAIN_READ, 0)
+            mode, cache_offset = cache.plan(sample, length) if cache is not None else (PLAIN_READ, 0)
             if mode == CACHE_FILL:
-                fills.append((pos, shard.id, index, cache_offset))
+                fills.append((pos, sample, cache_offset))
             tasks.append(
                 TaskSample(
                     path=path,
@@ -157,8 +159,8 @@ class Renderer:
                     cache_mode=mode,
                     cache_offset=cache_offset,
                     verified=verified[pos],
-                    targets=shard.targets(index) if spec.fields else b"",
-                    source=shard.source,
+                    targets=shards[w].targets(index) if spec.fields else b"",
+                    source=sources[w],
                     failure=failures[pos],
                 )
             )
@@ -181,8 +183,8 @@ class Renderer:
                 clean[list(failed)] = False
                 self._decoded[ids] = clean
             if cache is not None:
-                for pos, shard_id, index, cache_offset in fills:
-                    cache.filled(shard_id, index, cache_offset, failed is not None and pos not in failed)
+                for pos, sample, cache_offset in fills:
+                    cache.filled(sample, cache_offset, failed is not None and pos not in failed)
 
         future.add_done_callback(done)
         return future

@@ -131,34 +131,34 @@ PLAIN_READ, CACHE_FILL, CACHE_READ = 0, 1, 2
 class SampleCache(SharedFile):
     """Encoded samples kept in shared memory after their first read; filled, never evicted.
 
-    Per shard, one int64 per sample says where its bytes are (-1: not cached, -2: being
-    filled), so the index costs 8 bytes per sample whatever the cache holds.
+    One int64 per sample (by server-wide id, ``catalog.Catalog``) says where its bytes are (-1:
+    not cached, -2: being filled), so the index costs 8 bytes per sample whatever the cache holds.
     """
 
     NONE, FILLING = -1, -2
 
-    def __init__(self, capacity: int, shard_sizes: dict[str, int]):
+    def __init__(self, capacity: int, samples: int):
         super().__init__(capacity, "remoteloader-cache-")
         self.used = 0
-        self._where = {shard: np.full(n, self.NONE, dtype=np.int64) for shard, n in shard_sizes.items()}
+        self._where = np.full(samples, self.NONE, dtype=np.int64)
 
-    def plan(self, shard: str, index: int, length: int) -> tuple[int, int]:
+    def plan(self, sample: int, length: int) -> tuple[int, int]:
         """(mode, offset) for a read: CACHE_READ from offset, CACHE_FILL at offset, or PLAIN_READ."""
-        where = self._where[shard]
-        state = int(where[index])
+        where = self._where
+        state = int(where[sample])
         if state >= 0:
             return CACHE_READ, state
         if state <= _RESERVED:  # space kept from a fill that failed: try again there
-            where[index] = self.FILLING
+            where[sample] = self.FILLING
             return CACHE_FILL, _RESERVED - state
         if state == self.NONE and 0 < length <= self.size - self.used:
-            where[index] = self.FILLING
+            where[sample] = self.FILLING
             offset = self.used
             self.used += length
             return CACHE_FILL, offset
         return PLAIN_READ, 0
 
-    def filled(self, shard: str, index: int, offset: int, ok: bool) -> None:
+    def filled(self, sample: int, offset: int, ok: bool) -> None:
         """Ends a CACHE_FILL: ``ok`` when the sample read from it rendered without error."""
         # A failed fill keeps its space for the next try, so failures never use up the cache.
-        self._where[shard][index] = offset if ok else _RESERVED - offset
+        self._where[sample] = offset if ok else _RESERVED - offset

@@ -37,3 +37,29 @@ def test_what_is_known_of_a_sample_before_it_is_served_is_kept_per_server_wide_i
     assert catalog.verified().tolist() == [False, False, False, True, False, True, True]
     which, indices = np.array([1, 0, 0, 1]), np.array([1, 1, 2, 0])
     assert catalog.failures(which, indices) == ["", "record 1 fails its CRC", "", ""]
+
+
+def test_a_chunk_over_many_tars_is_located_at_once_as_each_shard_locates_it(tmp_path):
+    import io
+    import tarfile
+
+    from remoteloader.server.formats import open_shards
+    from remoteloader.tools.textures import encode_jpeg, make_image
+
+    rng = np.random.default_rng(3)
+    for t in range(3):
+        with tarfile.open(tmp_path / f"part-{t}.tar", "w") as tar:
+            for k in range(4 + t):
+                data = encode_jpeg(make_image(k % 2, 2, rng, 16, 16), 90)
+                info = tarfile.TarInfo(f"s{t}_{k}.jpg")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    shards = open_shards([str(tmp_path)])
+    assert len(shards) == 3
+    one_by_one = {(s.id, i): s.locate(i) for s in shards for i in range(len(s))}
+    catalog = Catalog(shards)
+    which = np.array([2, 0, 1, 2, 0])
+    indices = np.array([5, 3, 0, 0, 1])
+    located = catalog.locate(which, indices)
+    assert located == [one_by_one[(catalog.ids[w], i)] for w, i in zip(which, indices)]
+    assert [s.locate(i) for s in shards for i in range(len(s))] == list(one_by_one.values())  # views, same ranges

@@ -21,16 +21,16 @@ from remoteloader.server.storage import open_storage
 def test_a_failed_cache_fill_keeps_its_space_for_the_next_try(tmp_path):
     from remoteloader.server.shared_memory import SampleCache
 
-    cache = SampleCache(1000, {"s": 4})
+    cache = SampleCache(1000, 4)
     try:
         for _ in range(5):  # a corrupt file requested again and again
-            mode, offset = cache.plan("s", 0, 300)
+            mode, offset = cache.plan(0, 300)
             assert (mode, offset) == (1, 0)
-            cache.filled("s", 0, offset, ok=False)
+            cache.filled(0, offset, ok=False)
         assert cache.used == 300
-        assert cache.plan("s", 1, 300) == (1, 300)  # the rest of the cache is still there
-        cache.filled("s", 1, 300, ok=True)
-        assert cache.plan("s", 1, 300) == (2, 300)
+        assert cache.plan(1, 300) == (1, 300)  # the rest of the cache is still there
+        cache.filled(1, 300, ok=True)
+        assert cache.plan(1, 300) == (2, 300)
     finally:
         cache.close()
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import MAX_JSON_BYTES, CatalogError, KeyTable, Location, Shard, basename, utf8
+from remoteloader.server.catalog import MAX_JSON_BYTES, CatalogError, KeyTable, Shard, basename, utf8
 from remoteloader.server.formats import FormatOptions, Found, members, protowire, read_classes
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
@@ -74,9 +74,6 @@ class LmdbShard(IndexedFile):
             options.index_folder,
             where=self.folder,
         )
-
-    def locate(self, index: int) -> Location:
-        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
 
     def _scan(self, unpickle: bool, size: int) -> shard_index.Index:
         """Walks the database (the class names a ``classes.txt`` key gives in ``classes``)."""

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
+from remoteloader.server.catalog import CatalogError, KeyTable, Shard, basename
 from remoteloader.server.formats import FormatOptions, Found, file_shards
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
@@ -112,9 +112,6 @@ class ParquetShard(IndexedFile):
             extent=extracted,
             where=self.origin,
         )
-
-    def locate(self, index: int) -> Location:
-        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]))
 
 
 def _parquet(storage: Storage, name: str) -> Any:

@@ -22,7 +22,6 @@ from remoteloader.server.catalog import (
     MAX_JSON_BYTES,
     CatalogError,
     KeyTable,
-    Location,
     Shard,
     basename,
     warn_shard,
@@ -169,9 +168,6 @@ class TarShard(IndexedFile):
                         extras.setdefault(index, {}).update(pieces)
         fields = members.add_targets(table, extras, path)
         return shard_index.Index(table, digest.hexdigest(), fields, {})
-
-    def locate(self, index: int) -> Location:
-        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes | str:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from remoteloader.server import targets as tg
-from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename, warn_shard
+from remoteloader.server.catalog import CatalogError, KeyTable, Shard, basename, warn_shard
 from remoteloader.server.decode import DecodeError, read_size
 from remoteloader.server.formats import FormatOptions, Found, file_shards, protowire
 from remoteloader.server.formats import index as shard_index
@@ -137,9 +137,6 @@ class TFRecordShard(IndexedFile):
                 f"{self.path}: {len(failed)} record(s) cannot be used (e.g. record {min(failed)}: "
                 f"{failed[min(failed)]}); {fails}",
             )
-
-    def locate(self, index: int) -> Location:
-        return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
 
 
 def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> shard_index.Index:
