@@ -140,6 +140,7 @@ def test_every_format_serves_the_same_batches_from_the_bucket_as_from_disk(clust
     in_bucket = cluster.add([data.bucket_path(n) for n in DATASETS], "--cache-dir", str(cache), env=data.s3.env())
     log = cluster.stderr(in_bucket)
     assert "costs one request per image" in log and "remoteloader pack" in log, log  # the ImageFolder
+    assert log.count("the traffic to one is unencrypted") == 1, log  # (AWS_ALLOW_HTTP=true: said once)
     with loader(cluster.address(on_disk)) as a, loader(cluster.address(in_bucket)) as b:
         assert a.num_samples == b.num_samples == 48 + 48 + 24 + 20 + 12 + 12
         assert {s.id for s in a.sample_space.shards} == {s.id for s in b.sample_space.shards}, "not the same shards"
@@ -293,12 +294,14 @@ def test_objects_deleted_or_rewritten_since_indexing_fail_their_samples_by_name(
     assert len(reasons) == 1 + len(changed)
 
 
-@pytest.mark.parametrize("problem", ["credentials", "bucket"])
+@pytest.mark.parametrize("problem", ["credentials", "bucket", "plain-http"])
 def test_bad_credentials_or_a_missing_bucket_stop_the_server_at_start_with_the_fix(data, tmp_path, problem):
     env = data.s3.env()
     url = data.url("packed")
     if problem == "credentials":
         env["AWS_SECRET_ACCESS_KEY"] = "wrong"
+    elif problem == "plain-http":  # an http:// AWS_ENDPOINT_URL without AWS_ALLOW_HTTP: refused, naming it
+        del env["AWS_ALLOW_HTTP"]
     else:
         url = "s3://no-such-bucket/packed"
     process = ServerProcess([*server_command(), "--data", url, "--port", "0", "--cache-dir", str(tmp_path),
@@ -310,6 +313,8 @@ def test_bad_credentials_or_a_missing_bucket_stop_the_server_at_start_with_the_f
     assert url in output, output
     if problem == "credentials":
         assert "refused these credentials" in output and "AWS_ACCESS_KEY_ID" in output, output
+    elif problem == "plain-http":
+        assert "plain HTTP" in output and "AWS_ALLOW_HTTP=true" in output, output
     else:
         assert "no such bucket" in output, output
     assert "Traceback" not in output, output
