@@ -155,6 +155,27 @@ def test_every_format_serves_the_same_batches_from_the_bucket_as_from_disk(clust
     assert "scanned" not in cluster.stderr(again) and "scanned" in log, cluster.stderr(again)
 
 
+def test_gzipped_tars_in_the_bucket_are_decompressed_once_and_serve_as_the_tars(cluster, data, run_bounded,
+                                                                                tmp_path):
+    import gzip
+
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for path in data.local["packed"].iterdir():
+        if path.name.endswith(".tar"):
+            (gz / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
+        elif path.name == "classes.txt":
+            (gz / path.name).write_bytes(path.read_bytes())
+    data.upload("gzipped", gz)
+    cache = tmp_path / "cache"
+    i = cluster.add([data.url("gzipped")], "--cache-dir", str(cache), env=data.s3.env())
+    reference = cluster.add([data.path("packed")], "--cache-dir", str(tmp_path / "disk"))
+    assert cluster.stderr(i).count("decompressed into") == len(list(gz.glob("*.tar.gz"))), cluster.stderr(i)
+    with loader(cluster.address(reference)) as a, loader(cluster.address(i)) as b:
+        assert {s.id for s in a.sample_space.shards} == {s.id for s in b.sample_space.shards}, "not the same shards"
+        assert same(batches(a, run_bounded), batches(b, run_bounded)), "the gzipped tars serve other samples"
+
+
 def test_servers_on_one_bucket_are_replicas_and_fail_over_exactly_once(cluster, data, run_bounded, tmp_path):
     args = ("--max-rate", "150")
     first = cluster.add([data.bucket_path("packed")], *args, "--cache-dir", str(tmp_path / "a"), env=data.s3.env())
