@@ -214,8 +214,8 @@ def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions)
 
     def make(file: str, names: list[str], entry: Entry | None) -> TarShard:
         if compressed.is_compressed(file):
-            return TarShard(*compressed.decompressed(storage, file, entry, options.index_folder), names,
-                            options.index_folder)
+            local, plain = compressed.decompressed(storage, file, entry, options.index_folder)
+            return TarShard(local, plain, names, options.index_folder)
         return TarShard(storage, file, names, options.index_folder, entry)
 
     return file_shards(storage, name, found, (".tar", *compressed.SUFFIXES), make)
