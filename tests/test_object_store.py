@@ -176,6 +176,21 @@ def test_gzipped_tars_in_the_bucket_are_decompressed_once_and_serve_as_the_tars(
         assert same(batches(a, run_bounded), batches(b, run_bounded)), "the gzipped tars serve other samples"
 
 
+def test_recordio_files_in_the_bucket_serve_their_images_and_a_split_record_fails_by_name(cluster, data,
+                                                                                          run_bounded, tmp_path):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for name in ("imagenet.rec", "imagenet.idx", "split.rec", "split.idx"):
+        (rec / name).write_bytes((pathlib.Path(__file__).parent / "fixtures" / "recordio" / name).read_bytes())
+    data.upload("recordio", rec)
+    i = cluster.add([data.url("recordio")], "--cache-dir", str(tmp_path / "cache"), env=data.s3.env())
+    failures = []
+    with loader(cluster.address(i), on_error=failures.extend) as L:
+        ids = [int(v) for _x, _y, batch in run_bounded(L, 90) for v in batch]
+    assert sorted(ids) == list(range(6 + 2)), "a sample lost or repeated"
+    assert [(f.key, "split the record" in f.reason) for f in failures] == [("1", True)], failures
+
+
 def test_servers_on_one_bucket_are_replicas_and_fail_over_exactly_once(cluster, data, run_bounded, tmp_path):
     args = ("--max-rate", "150")
     first = cluster.add([data.bucket_path("packed")], *args, "--cache-dir", str(tmp_path / "a"), env=data.s3.env())
