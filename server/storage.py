@@ -383,6 +383,11 @@ class ObjectStorage(Storage):
                 f"; no credentials for the {kind.name} store were found: set {kind.credentials} (the endpoint: "
                 f"{kind.endpoint}), or give the machine an identity that may read it"
             )
+        if kind.prefix == "AWS_" and any(code in full for code in ("PermanentRedirect", "AuthorizationHeaderMalformed",
+                                                                   "IllegalLocationConstraint")):
+            return "; the bucket is in another region: set AWS_REGION to the bucket's region"
+        if any(code in full for code in ("error sending request", "Connection refused", "dns error", "timed out")):
+            return f"; the store did not answer: check its endpoint ({kind.endpoint}) and that it is up and reachable"
         if isinstance(exc, (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError)) or any(
             code in full
             for code in ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch", "AccessDenied",

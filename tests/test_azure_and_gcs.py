@@ -10,6 +10,7 @@ replicas) and a blob replaced since indexing fails by name.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -155,3 +156,18 @@ def test_refused_credentials_or_a_plain_http_endpoint_name_the_fix_for_the_store
         output = start_failure(store.url("packed"), env, tmp_path)
         assert "plain HTTP" in output and "GOOGLE_ALLOW_HTTP=true" in output, output
     assert "AWS_" not in output, output
+
+
+def test_etags_compare_as_http_means_them_and_no_azure_account_names_azures_variables(monkeypatch):
+    from remoteloader.server.storage import ObjectStorage, StorageError, bare_etag
+
+    assert bare_etag('"0x1DD17261FCAB0F0"') == bare_etag("0x1DD17261FCAB0F0") == "0x1DD17261FCAB0F0"
+    assert bare_etag('W/"abc"') == "abc" and bare_etag(None) == "" and bare_etag('"') == '"'
+    for key in list(os.environ):
+        if key.startswith(("AZURE_", "AZURITE_", "AWS_", "GOOGLE_")):
+            monkeypatch.delenv(key)
+    with pytest.raises(StorageError) as raised:  # (refused before any request: no account to ask for)
+        ObjectStorage("az://data", retry_seconds=1).walk()
+    text = str(raised.value)
+    assert text.startswith("az://data") and "no credentials for the Azure store" in text, text
+    assert "AZURE_STORAGE_ACCOUNT_NAME" in text and "AWS_" not in text, text
