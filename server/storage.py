@@ -9,27 +9,93 @@ name of what it names inside it:
 * ``s3://bucket/prefix``, ``gs://``, ``az://``, ``https://``: ``ObjectStorage``, read with
   obstore (measured against boto3 and s3fs in ``benchmarks/object_store_clients.py``: 5x and
   3.6x the bytes per CPU-second of theirs). Credentials and endpoints come from the standard
-  places, never from a client: for S3 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-  ``AWS_ENDPOINT_URL``, ``AWS_REGION`` (``AWS_ALLOW_HTTP=true`` for a plain-HTTP endpoint), or
-  the instance's or pod's identity; for GCS and Azure their ``GOOGLE_*`` / ``AZURE_*`` variables.
+  places, never from a client: each store's own variables (``STORES``: ``AWS_*`` for S3,
+  ``GOOGLE_*`` for GCS, ``AZURE_*`` for Azure, read by obstore; the client options among them,
+  such as ``*_ALLOW_HTTP``, are passed on here), or the instance's or pod's identity.
+
+An endpoint on plain HTTP is refused unless the store's ``*_ALLOW_HTTP=true`` says it is meant
+(the error names that variable); where it is allowed, one log line says the traffic is
+unencrypted. ETags are kept as the HTTP spec means them: the opaque value, without the quotes
+or a weak ``W/`` prefix (listings give it bare, reads quoted, on Azure and GCS), and sent quoted
+in ``If-Match``.
 
 Timeouts, 5xx answers and throttling (503 SlowDown) are retried with backoff and jitter for up
-to ``retry_seconds``; what still fails raises ``StorageError`` naming the URL, with a hint where
-the cause is the operator's to fix (credentials, a missing bucket).
+to ``retry_seconds``; what still fails raises ``StorageError`` naming the URL, what was tried
+and, where the cause is the operator's to fix (credentials, a missing bucket or container, a
+plain-HTTP endpoint), the fix for the store in the URL.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import pathlib
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
 SCHEMES = ("s3://", "s3a://", "gs://", "az://", "abfs://", "abfss://", "azure://", "http://", "https://")
 READ_BUFFER = 4 << 20  # a seekable stream's read size (a tar scanned without an index)
+# obstore's client options that a store's variables may set (``<PREFIX>_<OPTION>``): obstore
+# reads them from the environment itself only when it is given no client options, and it is.
+CLIENT_OPTIONS = ("allow_http", "allow_invalid_certificates", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
+                  "timeout", "connect_timeout")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """What the operator sets for one kind of store: the prefix of its variables, the ones that
+    give credentials, how its endpoint is changed, and what its bucket is called."""
+
+    name: str
+    prefix: str
+    credentials: str
+    endpoint: str
+    bucket: str = "bucket"
+
+
+STORES = {
+    "s3": StoreKind("S3", "AWS_", "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION", "AWS_ENDPOINT_URL"),
+    "gs": StoreKind(
+        "GCS", "GOOGLE_",
+        "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT (a service-account JSON file) or "
+        "GOOGLE_SERVICE_ACCOUNT_KEY (its contents)",
+        'a service-account JSON with "gcs_base_url" (and "disable_oauth": true for an emulator) in '
+        "GOOGLE_SERVICE_ACCOUNT_KEY",
+    ),
+    "az": StoreKind(
+        "Azure", "AZURE_",
+        "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_KEY, or AZURE_CLIENT_ID, "
+        "AZURE_CLIENT_SECRET, AZURE_TENANT_ID)",
+        "AZURE_STORAGE_ENDPOINT (for Azurite: AZURE_STORAGE_USE_EMULATOR=true and AZURITE_BLOB_STORAGE_URL)",
+        "container",
+    ),
+    "http": StoreKind("HTTP", "HTTP_", "none (the server reads what the URL serves)", "the URL itself"),
+}
+_SCHEME_KIND = {"s3": "s3", "s3a": "s3", "gs": "gs", "az": "az", "abfs": "az", "abfss": "az", "azure": "az",
+                "http": "http", "https": "http"}
+MISSING_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist", "no bucket named")
+
+
+def store_kind(url: str) -> StoreKind:
+    """The kind of store a URL names (its scheme's)."""
+    return STORES[_SCHEME_KIND.get(url.partition("://")[0].lower(), "http")]
+
+
+def bare_etag(etag: str | None) -> str:
+    """An ETag's opaque value: without a weak ``W/`` prefix and the quotes (RFC 9110 8.8.3), as
+    the stores' listings give it, so that a listing's and a read's ETags compare."""
+    value = (etag or "").strip()
+    if value[:2].upper() == "W/":
+        value = value[2:]
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    return value
 
 
 class StorageError(OSError):
@@ -180,20 +246,22 @@ class ObjectStorage(Storage):
                 "base": 2.0,
             },
         }
-        options = {"timeout": "30s", "connect_timeout": "5s"}
-        if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
-            options["allow_http"] = "true"
+        self.kind = store_kind(self.url)
+        options = {"timeout": "30s", "connect_timeout": "5s", **client_options(self.kind)}
+        if self.url.lower().startswith("http://"):
+            options["allow_http"] = "true"  # (the URL itself says plain HTTP)
+        _say_plain_http(self.kind, options)
         try:
             self.store: Any = from_url(self.url, client_options=cast(Any, options), retry_config=cast(Any, retry))
         except Exception as exc:
-            raise StorageError(f"{self.url}: cannot use this store: {_reason(exc)}") from None
+            raise StorageError(f"{self.url}: cannot use this store: {_reason(exc)}{self._hint(exc)}") from None
 
     def walk(self, prefix: str = "") -> list[Entry]:
         import obstore
 
         try:
             pages = obstore.list(self.store, prefix + "/" if prefix else None)
-            entries = [Entry(m["path"], m["size"], m.get("e_tag") or "") for page in pages for m in page]
+            entries = [_entry(m) for page in pages for m in page]
         except Exception as exc:
             raise self.error(exc, prefix) from None
         return sorted(entries, key=lambda e: e.name)
@@ -206,7 +274,7 @@ class ObjectStorage(Storage):
         except Exception as exc:
             raise self.error(exc, prefix) from None
         folders = sorted(p.rstrip("/").rpartition("/")[2] for p in listed["common_prefixes"])
-        files = [Entry(m["path"], m["size"], m.get("e_tag") or "") for m in listed["objects"]]
+        files = [_entry(m) for m in listed["objects"]]
         if not folders and not files:
             raise FileNotFoundError(f"{self.location(prefix)}: no objects under it")
         return folders, sorted(files, key=lambda e: e.name)
@@ -218,7 +286,7 @@ class ObjectStorage(Storage):
             meta = obstore.head(self.store, name)
         except Exception as exc:
             raise self.error(exc, name) from None
-        return Entry(meta["path"], meta["size"], meta.get("e_tag") or "")
+        return _entry(meta)
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         import obstore
@@ -273,42 +341,67 @@ class ObjectStorage(Storage):
 
     async def fetch(self, name: str, start: int, end: int, etag: str = "") -> tuple[Any, int, str]:
         """The bytes of ``[start, end)`` (fewer where the object is shorter), with the object's
-        size and ETag as the store gave them; ``etag``: fail unless it still has that one."""
+        size and (bare) ETag; ``etag``: fail unless it still has that one."""
         import obstore
 
         options: dict[str, Any] = {"range": (start, end)}
         if etag:
-            options["if_match"] = etag
+            options["if_match"] = f'"{bare_etag(etag)}"'  # (an entity-tag is quoted: RFC 9110 13.1.1)
         result = await obstore.get_async(self.store, name, options=options)  # type: ignore[arg-type]
         data = await result.bytes_async()  # (a buffer: written to disk as it is, not copied)
         meta = result.meta
-        return data, meta["size"], meta.get("e_tag") or ""
+        return data, meta["size"], bare_etag(meta.get("e_tag"))
 
     def error(self, exc: BaseException, name: str) -> OSError:
-        """What an obstore failure means for ``name``, as an OSError naming the URL."""
+        """What an obstore failure means for ``name``, as an OSError naming the URL, what was
+        tried and, where the operator can fix it, how (for the store in the URL)."""
         from obstore import exceptions
 
         where = self.location(name) if name else self.url
         text, full = _reason(exc), str(exc)
-        if "NoSuchBucket" in full:
-            return StorageError(f"{self.url}: no such bucket ({text}); check the URL, or create the bucket")
+        if any(code in full for code in MISSING_BUCKET):
+            return StorageError(
+                f"{where}: no such {self.kind.bucket} ({text}); check the URL, or create the {self.kind.bucket}"
+                f"{self._endpoint_hint()}"
+            )
         if isinstance(exc, (FileNotFoundError, exceptions.NotFoundError)):
             return FileNotFoundError(f"{where}: no such object")
-        if "169.254.169.254" in full:  # no credentials in the environment: it asked the instance metadata service
-            return StorageError(
-                f"{where}: no credentials for the store ({text}); set its standard variables (for S3: "
-                f"AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION) or give the machine an "
-                f"identity that may read it"
+        return StorageError(f"{where}: {text}{self._hint(exc)}")
+
+    def _hint(self, exc: BaseException) -> str:
+        """The fix for an operator's mistake that ``exc`` shows ("" where it shows none)."""
+        from obstore import exceptions
+
+        full, kind = str(exc), self.kind
+        if "builder error" in full and "http://" in full:  # reqwest refused a plain-HTTP URL
+            return (
+                f"; the endpoint is plain HTTP, refused unless allowed: set {kind.prefix}ALLOW_HTTP=true to send "
+                f"unencrypted traffic to it, or give an https:// endpoint ({kind.endpoint})"
             )
+        if "169.254.169.254" in full or "MissingAccount" in full or "Account must be specified" in full:
+            return (  # no credentials in the environment: it asked the instance metadata service
+                f"; no credentials for the {kind.name} store were found: set {kind.credentials} (the endpoint: "
+                f"{kind.endpoint}), or give the machine an identity that may read it"
+            )
+        if kind.prefix == "AWS_" and any(code in full for code in ("PermanentRedirect", "AuthorizationHeaderMalformed",
+                                                                   "IllegalLocationConstraint")):
+            return "; the bucket is in another region: set AWS_REGION to the bucket's region"
+        if any(code in full for code in ("error sending request", "Connection refused", "dns error", "timed out")):
+            return f"; the store did not answer: check its endpoint ({kind.endpoint}) and that it is up and reachable"
         if isinstance(exc, (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError)) or any(
-            code in full for code in ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch", "AccessDenied")
+            code in full
+            for code in ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch", "AccessDenied",
+                         "AuthorizationFailure", "AuthenticationFailed")
         ):
-            return StorageError(
-                f"{where}: the store refused these credentials ({text}); set the store's standard variables "
-                f"(for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION) or the "
-                f"machine's identity to one that may read it"
+            return (
+                f"; the store refused these credentials: set {kind.credentials} (the endpoint: {kind.endpoint}), "
+                f"or the machine's identity, to one that may read it"
             )
-        return StorageError(f"{where}: {text}")
+        return ""
+
+    def _endpoint_hint(self) -> str:
+        endpoint = os.environ.get(f"{self.kind.prefix}ENDPOINT_URL") or os.environ.get(f"{self.kind.prefix}ENDPOINT")
+        return f" (the endpoint {endpoint}, from {self.kind.prefix}ENDPOINT_URL)" if endpoint else ""
 
 
 class _Reader(io.RawIOBase):
@@ -340,10 +433,48 @@ class _Reader(io.RawIOBase):
         super().close()
 
 
+_said_plain_http: set[str] = set()
+
+
+def _say_plain_http(kind: StoreKind, options: dict[str, str]) -> None:
+    """One log line per kind of store whose plain-HTTP endpoints are allowed: their traffic is
+    unencrypted (an emulator's: Azurite's too)."""
+    emulator = kind.prefix == "AZURE_" and _true(os.environ.get("AZURE_STORAGE_USE_EMULATOR"))
+    if kind.name in _said_plain_http or not (_true(options.get("allow_http")) or emulator):
+        return
+    _said_plain_http.add(kind.name)
+    why = "AZURE_STORAGE_USE_EMULATOR" if emulator else f"{kind.prefix}ALLOW_HTTP"
+    log.info("%s endpoints on plain HTTP are allowed (%s): the traffic to one is unencrypted", kind.name, why)
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _entry(meta: Any) -> Entry:
+    return Entry(meta["path"], meta["size"], bare_etag(meta.get("e_tag")))
+
+
+def client_options(kind: StoreKind) -> dict[str, str]:
+    """The client options the store's own variables set (``GOOGLE_ALLOW_HTTP=true``...)."""
+    out = {}
+    for option in CLIENT_OPTIONS:
+        value = os.environ.get(kind.prefix + option.upper())
+        if value:
+            out[option] = value
+    return out
+
+
 def _reason(exc: BaseException) -> str:
-    """The first line of an obstore error (its later lines are a Rust debug dump)."""
-    text = str(exc).strip().splitlines()
-    return text[0][:500] if text else type(exc).__name__
+    """The first line of an obstore error (its later lines are a Rust debug dump), with an XML
+    error body (Azure's, S3's) reduced to its code."""
+    full = str(exc).strip()
+    lines = full.splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    if "<?xml" in text:
+        code = re.search(r"<Code>([^<]{1,100})</Code>", full)
+        text = text[: text.index("<?xml")].rstrip(": ") + (f": {code.group(1)}" if code else "")
+    return text[:500]
 
 
 def open_storage(path: str, retry_seconds: float = 60.0) -> tuple[Storage, str]:

@@ -69,6 +69,47 @@ CROWD = 255  # mask value of COCO crowd regions and overlaps: the usual ignore i
 MASK_CLASSES = 254  # labels a uint8 mask can hold besides 0 (background) and CROWD
 
 
+def split_metadata(raw: object) -> tuple[object, dict[str, object]]:
+    """A sample's JSON object as (its targets, its metadata), so that only what will really
+    fail fails. A known field (``FIELDS``) is a target whatever its value (a bad one fails the
+    sample, named), and so is a number or an array of numbers under a name a field may have (an
+    extra field); the rest (text, null, objects, lists of them, names no field may have: a
+    caption, a URL, a file name) is metadata, kept out of the targets. A JSON with metadata and
+    no known field (timm's, img2dataset's: a file name, width, height, caption, url) is metadata
+    whole: its width and height are not extra fields that would turn a loader's (images,
+    labels) batches into dicts. A JSON that worked before keeps its targets. Anything but an
+    object is returned whole, for ``from_source``."""
+    if not isinstance(raw, Mapping):
+        return raw, {}
+    targets: dict[str, object] = {}
+    metadata: dict[str, object] = {}
+    for name, value in raw.items():
+        if name in FIELDS or (_numbers(value, 9) and _may_name(name)):
+            targets[name] = value
+        else:
+            metadata[str(name)] = value
+    if metadata and not any(name in FIELDS for name in targets):
+        return {}, {str(name): value for name, value in raw.items()}
+    return targets, metadata
+
+
+def _may_name(name: object) -> bool:
+    try:
+        check_field_name(name)
+    except TargetError:
+        return False
+    return True
+
+
+def _numbers(value: object, depth: int) -> bool:
+    """Whether ``value`` is a number or (nested, at most ``depth`` deep) lists of numbers only."""
+    if isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, (list, tuple)) and depth > 0:
+        return all(_numbers(v, depth - 1) for v in value)
+    return False
+
+
 def from_source(raw: object) -> tuple[int | None, dict[str, np.ndarray]]:
     """A source's targets as (class label or None, typed arrays); raises TargetError.
 

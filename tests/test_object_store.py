@@ -140,6 +140,7 @@ def test_every_format_serves_the_same_batches_from_the_bucket_as_from_disk(clust
     in_bucket = cluster.add([data.bucket_path(n) for n in DATASETS], "--cache-dir", str(cache), env=data.s3.env())
     log = cluster.stderr(in_bucket)
     assert "costs one request per image" in log and "remoteloader pack" in log, log  # the ImageFolder
+    assert log.count("the traffic to one is unencrypted") == 1, log  # (AWS_ALLOW_HTTP=true: said once)
     with loader(cluster.address(on_disk)) as a, loader(cluster.address(in_bucket)) as b:
         assert a.num_samples == b.num_samples == 48 + 48 + 24 + 20 + 12 + 12
         assert {s.id for s in a.sample_space.shards} == {s.id for s in b.sample_space.shards}, "not the same shards"
@@ -152,6 +153,42 @@ def test_every_format_serves_the_same_batches_from_the_bucket_as_from_disk(clust
     # A restart reads the kept index instead of scanning the tar again.
     again = cluster.add([data.bucket_path("plain")], "--cache-dir", str(cache), env=data.s3.env())
     assert "scanned" not in cluster.stderr(again) and "scanned" in log, cluster.stderr(again)
+
+
+def test_gzipped_tars_in_the_bucket_are_decompressed_once_and_serve_as_the_tars(cluster, data, run_bounded,
+                                                                                tmp_path):
+    import gzip
+
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for path in data.local["packed"].iterdir():
+        if path.name.endswith(".tar"):
+            (gz / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
+        elif path.name == "classes.txt":
+            (gz / path.name).write_bytes(path.read_bytes())
+    data.upload("gzipped", gz)
+    cache = tmp_path / "cache"
+    i = cluster.add([data.url("gzipped")], "--cache-dir", str(cache), env=data.s3.env())
+    reference = cluster.add([data.path("packed")], "--cache-dir", str(tmp_path / "disk"))
+    assert cluster.stderr(i).count("decompressed into") == len(list(gz.glob("*.tar.gz"))), cluster.stderr(i)
+    with loader(cluster.address(reference)) as a, loader(cluster.address(i)) as b:
+        assert {s.id for s in a.sample_space.shards} == {s.id for s in b.sample_space.shards}, "not the same shards"
+        assert same(batches(a, run_bounded), batches(b, run_bounded)), "the gzipped tars serve other samples"
+
+
+def test_recordio_files_in_the_bucket_serve_their_images_and_a_split_record_fails_by_name(cluster, data,
+                                                                                          run_bounded, tmp_path):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for name in ("imagenet.rec", "imagenet.idx", "split.rec", "split.idx"):
+        (rec / name).write_bytes((pathlib.Path(__file__).parent / "fixtures" / "recordio" / name).read_bytes())
+    data.upload("recordio", rec)
+    i = cluster.add([data.url("recordio")], "--cache-dir", str(tmp_path / "cache"), env=data.s3.env())
+    failures = []
+    with loader(cluster.address(i), on_error=failures.extend) as L:
+        ids = [int(v) for _x, _y, batch in run_bounded(L, 90) for v in batch]
+    assert sorted(ids) == list(range(6 + 2)), "a sample lost or repeated"
+    assert [(f.key, "split the record" in f.reason) for f in failures] == [("1", True)], failures
 
 
 def test_servers_on_one_bucket_are_replicas_and_fail_over_exactly_once(cluster, data, run_bounded, tmp_path):
@@ -293,12 +330,14 @@ def test_objects_deleted_or_rewritten_since_indexing_fail_their_samples_by_name(
     assert len(reasons) == 1 + len(changed)
 
 
-@pytest.mark.parametrize("problem", ["credentials", "bucket"])
+@pytest.mark.parametrize("problem", ["credentials", "bucket", "plain-http"])
 def test_bad_credentials_or_a_missing_bucket_stop_the_server_at_start_with_the_fix(data, tmp_path, problem):
     env = data.s3.env()
     url = data.url("packed")
     if problem == "credentials":
         env["AWS_SECRET_ACCESS_KEY"] = "wrong"
+    elif problem == "plain-http":  # an http:// AWS_ENDPOINT_URL without AWS_ALLOW_HTTP: refused, naming it
+        del env["AWS_ALLOW_HTTP"]
     else:
         url = "s3://no-such-bucket/packed"
     process = ServerProcess([*server_command(), "--data", url, "--port", "0", "--cache-dir", str(tmp_path),
@@ -310,6 +349,8 @@ def test_bad_credentials_or_a_missing_bucket_stop_the_server_at_start_with_the_f
     assert url in output, output
     if problem == "credentials":
         assert "refused these credentials" in output and "AWS_ACCESS_KEY_ID" in output, output
+    elif problem == "plain-http":
+        assert "plain HTTP" in output and "AWS_ALLOW_HTTP=true" in output, output
     else:
         assert "no such bucket" in output, output
     assert "Traceback" not in output, output

@@ -230,3 +230,73 @@ def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, ser
             server.reap()
     assert len(list((tmp_path / "cache" / "indexes").glob("*.index.npz"))) == 3
     assert sorted(os.listdir(folder)) == before  # nothing was written, not even a partial file
+
+
+def gzipped_tars(dst, folder) -> None:
+    """The packed tars, compressed by GNU tar and gzip as a user would: the first unpacked and
+    packed again with ``tar -czf`` as ``.tgz``, the others by ``gzip`` as ``.tar.gz``."""
+    tars = sorted(p for p in dst.iterdir() if p.name.endswith(".tar"))
+    for k, path in enumerate(tars):
+        if k == 0:
+            unpacked = folder.parent / "unpacked"
+            unpacked.mkdir()
+            subprocess.run(["tar", "-xf", str(path), "-C", str(unpacked)], check=True)
+            names = subprocess.run(["tar", "-tf", str(path)], check=True, capture_output=True, text=True).stdout
+            subprocess.run(["tar", "-czf", str(folder / (path.stem + ".tgz")), "-C", str(unpacked),
+                            *names.split()], check=True)
+        else:
+            with open(folder / (path.name + ".gz"), "wb") as out:
+                subprocess.run(["gzip", "-c", str(path)], check=True, stdout=out)
+    (folder / "classes.txt").write_bytes((dst / "classes.txt").read_bytes())
+
+
+def test_gzipped_tars_on_a_read_only_mount_are_decompressed_once_and_serve_as_the_tars(packed, servers, tmp_path,
+                                                                                      run_bounded):
+    """``.tar.gz`` and ``.tgz`` shards (webdataset reads them): decompressed once into
+    --cache-dir, then served as the tars they hold; the next start reuses the tars."""
+    from conftest import DEFAULT_ARGS, READ_ONLY_MOUNT, read_only_mounts
+
+    from remoteloader.tools.local import ServerProcess, server_command
+
+    _, dst, _ = packed
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    gzipped_tars(dst, folder)
+    wrap = [] if read_only_mounts(folder) else [*READ_ONLY_MOUNT, str(folder)]  # (read-only where it can be)
+    before = sorted(os.listdir(folder))
+    argv = [*wrap, *server_command(), "--data", str(folder), "--host", "127.0.0.1", "--port", "0",
+            "--cache-dir", str(tmp_path / "cache"), *DEFAULT_ARGS]
+    for start in ("first", "next"):
+        server = ServerProcess(argv, tmp_path / f"gz-server-{start}.log")
+        try:
+            port = server.wait_ready(60)
+            log = server.stderr()
+            if start == "first":
+                served, _ = eval_epoch(run_bounded, f"127.0.0.1:{port}")
+                expected, _ = eval_epoch(run_bounded, servers[1])
+                assert served.keys() == expected.keys()
+                for key, (image, name) in expected.items():
+                    assert np.array_equal(served[key][0], image) and served[key][1] == name, key
+                assert log.count("decompressed into") == 3, log
+            else:
+                assert "decompressed into" not in log and "scanned" not in log, log
+                assert re.search(r"indexed 3 shards, .*: 3 from kept indexes", log), log
+        finally:
+            server.signal(subprocess.signal.SIGTERM)
+            server.wait(30)
+            server.reap()
+    assert sorted(os.listdir(folder)) == before, "the server wrote beside the compressed tars"
+    assert len(list((tmp_path / "cache" / "tars").glob("*.tar"))) == 3
+
+
+def test_a_cut_gzipped_tar_is_refused_by_name(packed, tmp_path):
+    from remoteloader.server.formats import FormatOptions
+
+    _, dst, _ = packed
+    tar = sorted(p for p in dst.iterdir() if p.name.endswith(".tar"))[0]
+    whole = subprocess.run(["gzip", "-c", str(tar)], check=True, capture_output=True).stdout
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CatalogError, match=r"cut\.tar\.gz: not a whole gzip file"):
+        open_shards([str(cut)], FormatOptions(index_folder=str(tmp_path / "cache" / "indexes")))
+    assert not [p for p in (tmp_path / "cache" / "tars").iterdir() if p.is_file()], "half a tar was left"

@@ -34,6 +34,8 @@ from remoteloader.tools.local import LocalServer, ServerStartError
 from remoteloader.tools.shapes import CATEGORIES, make_coco, make_target_tar
 from remoteloader.tools.textures import encode_jpeg, make_imagefolder
 
+METADATA = pathlib.Path(__file__).parent / "fixtures" / "metadata"
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 SIZE = 96
@@ -399,6 +401,35 @@ def test_bad_targets_are_per_sample_failures_naming_key_and_reason(tmp_path):
         with pytest.raises(LoaderError, match="outside.jpg"):
             one_epoch(cluster.address(0), pipeline="eval", fields=["bboxes", "bbox_labels"], shuffle=False)
         assert cluster.alive(0)
+
+
+def test_a_json_of_metadata_beside_the_class_is_served_without_a_warning(tmp_path):
+    """Shards as webdataset's ShardWriter writes them for timm and img2dataset (.jpg, .cls and a
+    .json of file name, size, caption, url: tests/fixtures/metadata/make_fixture.py): the JSON's
+    text is metadata, not targets that fail, and the JSON, carrying no target field, is
+    metadata whole: the batches stay (images, labels) tuples with the .cls labels."""
+    found, metadata = tg.split_metadata({"bboxes": [[1, 1, 5, 5]], "bbox_labels": [1], "caption": "a cat",
+                                         "url": "https://x/1.jpg", "Width": 3, "score": 0.5, "tags": ["a"]})
+    assert set(found) == {"bboxes", "bbox_labels", "score"}, "a JSON mixing targets and metadata uses the targets"
+    assert set(metadata) == {"caption", "url", "Width", "tags"}
+    assert tg.from_source(found)[1]["bboxes"].shape == (1, 4)
+    assert tg.split_metadata({"bboxes": "oops"})[0] == {"bboxes": "oops"}, "a known field is a target, to fail named"
+    assert tg.split_metadata({"score": 0.5}) == ({"score": 0.5}, {}), "an extra field alone is still a target"
+    assert tg.split_metadata({"width": 64, "caption": "c"}) == ({}, {"width": 64, "caption": "c"})
+    for shard in sorted(METADATA.glob("*.tar")):
+        (tmp_path / shard.name).write_bytes(shard.read_bytes())
+    (tmp_path / "classes.txt").write_text("red\ngreen\nblue\n")
+    with Cluster(tmp_path / "logs") as cluster:
+        cluster.add(tmp_path, "--cache-dir", str(tmp_path / "cache"))
+        log = cluster.stderr(0)
+        assert "cannot be used" not in log and "WARNING" not in log, log
+        failures: list = []
+        with RemoteLoader(cluster.address(0), batch_size=3, image_size=32, drop_last=False, return_ids=True,
+                          on_error=failures.extend) as loader:
+            assert set(loader.sample_space.fields) <= {"label"}, loader.sample_space.fields
+            got = {int(i): int(label) for _images, labels, ids in loader for label, i in zip(labels, ids)}
+        assert not failures and sorted(got) == list(range(8)), (failures, got)
+        assert sorted(got.values()) == sorted(i % 3 for i in range(8)), f"not the .cls labels: {got}"
 
 
 def test_the_client_refuses_malformed_target_arrays():

@@ -62,9 +62,9 @@ class Found:
 
 
 def _formats() -> tuple[ModuleType, ...]:
-    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, tar, tfrecord
+    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, recordio, tar, tfrecord
 
-    return (coco, tar, tfrecord, parquet, lmdb, imagefolder)  # ImageFolder last: any other folder is one
+    return (coco, tar, tfrecord, recordio, parquet, lmdb, imagefolder)  # ImageFolder last: any other folder is one
 
 
 def open_shards(paths: list[str], options: FormatOptions | None = None) -> list[Shard]:

@@ -56,7 +56,8 @@ def add_targets(table: KeyTable, extras: dict[int, dict[str, object]], path) -> 
         return ()  # every sample's record is empty already
     table.targets, table.target_ends = bytearray(), array("q")
     fields: dict[str, None] = {}
-    bad = 0
+    described: dict[str, None] = {}  # the metadata keys seen (a .json's text, URLs, file names)
+    bad = carry_metadata = 0
     for index in range(len(table)):
         pieces = extras.get(index, {})
         arrays: dict[str, np.ndarray] = {}
@@ -66,7 +67,10 @@ def add_targets(table: KeyTable, extras: dict[int, dict[str, object]], path) -> 
             try:
                 if isinstance(raw, str):
                     raise tg.TargetError(raw)
-                label, arrays = tg.from_source(json.loads(raw))  # type: ignore[arg-type]
+                found, metadata = tg.split_metadata(json.loads(raw))  # type: ignore[arg-type]
+                described.update(dict.fromkeys(metadata))
+                carry_metadata += bool(metadata)
+                label, arrays = tg.from_source(found)
                 if tg.MASK in arrays:
                     raise tg.TargetError("a mask goes in a <key>.mask.png member, not in the JSON")
                 if label is not None:
@@ -87,8 +91,12 @@ def add_targets(table: KeyTable, extras: dict[int, dict[str, object]], path) -> 
         bad += not fits
         table.targets += data
         table.target_ends.append(len(table.targets))
+    if carry_metadata:
+        keys = ", ".join(sorted(described)[:12]) + (", ..." if len(described) > 12 else "")
+        log.debug("%s: %d sample(s) carry metadata in their .json, kept out of the targets: %s", path,
+                  carry_metadata, keys)
     if bad:
-        fails = "each fails with the reason when served"
+        fails = "each fails with the reason when a loader asks for target fields; image batches serve it"
         warn_shard(
             log,
             f"shard files have samples whose targets cannot be used: {fails}",

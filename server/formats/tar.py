@@ -26,7 +26,7 @@ from remoteloader.server.catalog import (
     basename,
     warn_shard,
 )
-from remoteloader.server.formats import FormatOptions, Found, file_shards, members
+from remoteloader.server.formats import FormatOptions, Found, compressed, file_shards, members
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage
@@ -186,11 +186,13 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path) -> int:
 
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
-    """A ``.tar`` file is a shard, and so is every ``.tar`` in a folder."""
-    return file_shards(
-        storage,
-        name,
-        found,
-        (".tar",),
-        lambda file, names, entry: TarShard(storage, file, names, options.index_folder, entry),
-    )
+    """A ``.tar`` file is a shard, and so is every ``.tar`` in a folder (``.tar.gz`` and ``.tgz``
+    too: served from their copy decompressed into --cache-dir, ``formats/compressed.py``)."""
+
+    def make(file: str, names: list[str], entry: Entry | None) -> TarShard:
+        if compressed.is_compressed(file):
+            local, plain = compressed.decompressed(storage, file, entry, options.index_folder)
+            return TarShard(local, plain, names, options.index_folder)
+        return TarShard(storage, file, names, options.index_folder, entry)
+
+    return file_shards(storage, name, found, (".tar", *compressed.SUFFIXES), make)
