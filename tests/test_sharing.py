@@ -54,7 +54,7 @@ class Renders:
 
     def __init__(self, slots: int):
         self.arena = Arena(slots, 4096)
-        self.slots = Slots(self.arena, stall_timeout=60)
+        self.slots = Slots(self.arena)
         self.renders = SharedRenders(self.slots)
         self.started: list[asyncio.Future[Rendered]] = []
 
