@@ -17,7 +17,8 @@ Invariants:
   once the last of them gives it back. A slot marked ``keepable`` (a clean rendering others
   may still ask for) is then kept instead, for a later sharer to join, but only while no
   take waits: a take that finds no slot free first sends the oldest kept one back. Keeping
-  never makes a stream wait. Whenever a slot goes back to the arena, ``forget`` is told.
+  never makes a stream wait. A slot that goes back to the arena gets a new generation, by
+  which server.sharing tells that its rendering can no longer be joined.
 
 Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable
 
 from remoteloader.server.jobs import Jobs
 from remoteloader.server.shared_memory import Arena
@@ -62,7 +62,6 @@ class Slots:
         self._holders: dict[int, int] = {}  # slot -> streams holding it (out of the arena, not kept)
         self._keepable: set[int] = set()  # held slots to keep once the last holder gives them back
         self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, kept: oldest first
-        self.forget: Callable[[int], None] = lambda slot: None  # told when a slot goes back to the arena
 
     def open(self, job: str) -> StreamSlots:
         """A stream of ``job`` opens (after its Setup): registered in the job registry; its counts,
@@ -139,7 +138,6 @@ class Slots:
     def _back(self, slot: int) -> None:
         """Sends a slot held by none back to the arena (its generation changes)."""
         self._keepable.discard(slot)
-        self.forget(slot)
         self.arena.release(slot)
 
     def give_when_done(self, stream: StreamSlots, slot: int, rendering: asyncio.Future) -> None:
