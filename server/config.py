@@ -229,7 +229,7 @@ class ServerConfig:
     max_streams: int = _setting(64, "open order streams accepted in all")
     # 16: a train and an eval loader on each of 8 GPU ranks of one host.
     max_streams_per_client: int = _setting(16, "open order streams accepted per client address")
-    # Ended with DEADLINE_EXCEEDED and its slots freed; the 10 s is slots.CONTENDED_STALL.
+    # Ended with DEADLINE_EXCEEDED and its slots freed; the 10 s is stalls.CONTENDED_STALL.
     stall_timeout: float = _setting(
         120.0,
         "seconds a client may leave a chunk unread (or a new stream its Setup) "

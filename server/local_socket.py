@@ -16,6 +16,11 @@ Who may map the chunks:
 The descriptor is opened read-only: a client reads chunks and generation words, and can never
 write into the slots other streams read.
 
+Once a stream's client has mapped the memory, each of its chunks' slots is lent to it (``Loans``)
+until it releases the chunk's ticket: a lent slot counts among its stream's held slots, and the
+stall rules (server.stalls) end a stream whose client keeps one unreleased. Whatever is still
+lent when the stream ends goes back.
+
 The handshakes run on the server's event loop (``loop.sock_accept``/``sock_recv`` on a raw
 non-blocking socket, ``socket.send_fds`` for the answer: a few bytes to a fresh connection
 never block), at most ``MAX_HANDSHAKES`` at once: no thread to stop, and a client that
@@ -31,10 +36,13 @@ import os
 import secrets
 import socket
 import struct
+import time
 
 from remoteloader.protos.same_host import MAX_LINE, OK, REFUSED, socket_address
 from remoteloader.server.security import token_matches
 from remoteloader.server.shared_memory import Arena
+from remoteloader.server.slots import StreamSlots
+from remoteloader.server.stalls import Stalled, Stalls
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +161,53 @@ class LocalSocket:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class Loans:
+    """The slots lent to one same-host stream's client (Setup.shared_memory), by ticket.
+
+    Args:
+        stalls: The server's stall rules (and through them its slots).
+        stream: The stream's part of the slots.
+    """
+
+    def __init__(self, stalls: Stalls, stream: StreamSlots):
+        self._stalls = stalls
+        self._slots = stalls.slots
+        self._stream = stream
+        # ticket -> (slot, time.monotonic() when lent), oldest first; each counts in stream.held
+        self._lent: dict[int, tuple[int, float]] = {}
+        self._last_ticket = 0
+
+    def __bool__(self) -> bool:
+        """Whether any slot is still lent."""
+        return bool(self._lent)
+
+    def lend(self, slot: int) -> int:
+        """Lends a rendered chunk's slot to the client, which maps the arena; its ticket."""
+        self._last_ticket += 1
+        self._lent[self._last_ticket] = (slot, time.monotonic())
+        return self._last_ticket
+
+    def give_back(self, ticket: int) -> bool:
+        """Gives back the slot lent under ``ticket``; False when the stream has no such loan."""
+        loan = self._lent.pop(ticket, None)
+        if loan is None:
+            return False
+        self._slots.give(self._stream, loan[0])
+        return True
+
+    def give_all(self) -> None:
+        """Gives back every slot still lent (the stream ends): those no other stream holds or keeps
+        go back to the arena, their generations changed."""
+        while self._lent:
+            self._slots.give(self._stream, self._lent.popitem()[1][0])
+
+    def check(self) -> None:
+        """Raises Stalled when the client has kept a lent slot as long as the stall rules let a
+        chunk wait unread."""
+        if self._lent:
+            _slot, since = next(iter(self._lent.values()))
+            reason = self._stalls.why(self._stream, time.monotonic() - since)
+            if reason:
+                raise Stalled(f"released no shared chunk for {reason}")

@@ -16,7 +16,7 @@ rendering is done. Invariants:
   bug) ends it with a status that says why; the reader never hangs it.
 * Shared memory (Setup.shared_memory, a same-host client that maps the arena): a chunk goes
   out as its header alone, with ChunkHeader.shared saying where its payload lies, and its
-  slot is lent to the client (slots.Slots.lend) until a Release names its ticket, or the
+  slot is lent to the client (local_socket.Loans) until a Release names its ticket, or the
   stream ends; a cancelled order's chunks already sent are no exception. A Release of a
   ticket the stream has not lent ends it (INVALID_ARGUMENT); a client that keeps a slot
   unreleased is ended as one that does not read is.
@@ -41,13 +41,15 @@ from remoteloader.protos import codec, limits, loader_pb2
 from remoteloader.server.catalog import Catalog
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.fair_queue import Job
+from remoteloader.server.local_socket import Loans
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_samples import OrderError, Samples
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.rate_limit import RateLimiter
 from remoteloader.server.render import Renderer
 from remoteloader.server.sharing import ChunkKey, SharedRenders
-from remoteloader.server.slots import Slots, Stalled
+from remoteloader.server.slots import Slots
+from remoteloader.server.stalls import Stalled, Stalls
 from remoteloader.server.targets import MASK
 from remoteloader.server.worker_pool import Rendered
 
@@ -96,6 +98,20 @@ class _Cut(NamedTuple):
     received: float
 
 
+class StreamRooms(NamedTuple):
+    """What every stream of a server works with: made once, by the service."""
+
+    config: ServerConfig  # chunk_bytes, max_order_samples, max_inflight_orders
+    catalog: Catalog  # the server's shards
+    renderer: Renderer  # starts rendering chunks
+    slots: Slots  # the shared slots
+    renders: SharedRenders  # the renderings streams share, by chunk
+    stalls: Stalls  # the stall rules
+    limiter: RateLimiter | None  # the server-wide rate limit, if any
+    metrics: Metrics  # the server's counters
+    draining: asyncio.Event  # set when the server drains: streams take no more orders
+
+
 class OrderStream:
     """Serves one stream's orders; ``run`` returns when the client is done, or ends the stream.
 
@@ -103,19 +119,13 @@ class OrderStream:
         context: The Stream call's context.
         peer: The client, as logged.
         spec: The stream's checked pipeline.
-        config: The server's settings (chunk_bytes, max_order_samples, max_inflight_orders).
-        catalog: The server's shards.
-        renderer: Starts rendering chunks.
-        slots: The shared slots.
-        renders: The renderings streams share, by chunk.
+        rooms: What the server's streams work with.
         job: Whom the stream's decode is for: its job's name ("#n" for stream n, which names none);
             what it weighs is the job registry's (server.jobs, which the slots open it in).
         job_label: The job as the metrics name it (Metrics.job_label).
         exclusive: Never share a rendering (Setup.exclusive).
-        limiter: The server-wide rate limit, if any.
-        metrics: The server's counters.
-        draining: Set when the server drains: the stream takes no more orders.
-        shared: Whether the client maps the arena (Setup.shared_memory).
+        shared: Whether the client maps the arena (Setup.shared_memory): its chunks' slots are
+            lent to it (local_socket.Loans).
     """
 
     def __init__(
@@ -123,42 +133,38 @@ class OrderStream:
         context: grpc.aio.ServicerContext,
         peer: str,
         spec: PipelineSpec,
+        rooms: StreamRooms,
         *,
-        config: ServerConfig,
-        catalog: Catalog,
-        renderer: Renderer,
-        slots: Slots,
-        renders: SharedRenders,
         job: str,
         job_label: str,
         exclusive: bool,
-        limiter: RateLimiter | None,
-        metrics: Metrics,
-        draining: asyncio.Event,
         shared: bool = False,
     ):
         self._context = context
         self._peer = peer
         self._spec = spec
-        self._config = config
-        self._catalog = catalog
-        self._renderer = renderer
-        self._slots = slots
-        self._renders = renders
+        self._config = rooms.config
+        self._catalog = rooms.catalog
+        self._renderer = rooms.renderer
+        self._slots = rooms.slots
+        self._renders = rooms.renders
+        self._stalls = rooms.stalls
         self._exclusive = exclusive
+        metrics = rooms.metrics
         self._job_images = metrics.job_images.labels(job_label)  # (the job's counters, looked up once)
         self._job_rendered = metrics.job_rendered.labels(job_label)
-        self._limiter = limiter
+        self._limiter = rooms.limiter
         self._metrics = metrics
-        self._draining = draining
+        self._draining = rooms.draining
         self._shared = shared
         self._failed: _End | None = None  # with shared memory: how the stream ends, ahead of its chunks
         self._queue: asyncio.Queue[_Pending | _Cut | _End | None] = asyncio.Queue()  # None: the client is done
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, Samples, float] | _End | None] = asyncio.Queue()
-        self._slot_counts = slots.open(job)
+        self._slot_counts = self._slots.open(job)
         self._job = Job(job)
+        self._loans = Loans(self._stalls, self._slot_counts)  # (lent only where shared)
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
@@ -195,7 +201,7 @@ class OrderStream:
                 if isinstance(item, _Pending):
                     self._slots.give_when_done(self._slot_counts, item.slot, item.future)
             # (a slot no other stream holds or keeps changes generation: a copy under way fails)
-            self._slots.give_all_lent(self._slot_counts)
+            self._loans.give_all()
             self._slots.close(self._slot_counts)
 
     async def _next_shared(self) -> _Pending | _Cut | _End | None:
@@ -204,16 +210,16 @@ class OrderStream:
         while True:
             if self._failed is not None:
                 return self._failed
-            self._slots.check_lent(self._slot_counts)
+            self._loans.check()
             try:
-                return await asyncio.wait_for(self._queue.get(), min(1.0, self._slots.stall_timeout))
+                return await asyncio.wait_for(self._queue.get(), min(1.0, self._stalls.stall_timeout))
             except asyncio.TimeoutError:
                 pass
 
     async def _until_released(self) -> None:
         """Returns once the client has released every slot lent to it (the stall rules apply)."""
-        while self._slot_counts.lent and self._failed is None:
-            self._slots.check_lent(self._slot_counts)
+        while self._loans and self._failed is None:
+            self._loans.check()
             await asyncio.sleep(0.01)
 
     async def _read_orders(self) -> None:
@@ -291,7 +297,7 @@ class OrderStream:
                 grpc.StatusCode.INVALID_ARGUMENT, "Release on a stream whose Setup did not ask for shared_memory"
             )
         for ticket in release.tickets:
-            if not self._slots.give_lent(self._slot_counts, ticket):
+            if not self._loans.give_back(ticket):
                 return _End(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"Release of ticket {ticket}, which this stream does not hold (never sent, or released already)",
@@ -379,7 +385,7 @@ class OrderStream:
             rendered = await asyncio.shield(item.future)
             if item.order.order_id not in self._cancelled:  # (cancelled: another server sent it first)
                 # Lent before the write: the client may release it before the write returns.
-                ticket = self._slots.lend(self._slot_counts, item.slot) if self._shared else 0
+                ticket = self._loans.lend(item.slot) if self._shared else 0
                 lent = self._shared
                 await self._send(item, rendered, ticket)
         finally:
@@ -438,7 +444,7 @@ class OrderStream:
             header.shared.generation = arena.generation(item.slot)
             pixels = _EMPTY
         chunk = OutChunk(header, pixels)
-        await self._slots.send(self._context.write(chunk), self._slot_counts)
+        await self._stalls.send(self._context.write(chunk), self._slot_counts)
         m = self._metrics
         m.images.inc(item.size)
         self._job_images.inc(item.size)

@@ -26,7 +26,7 @@ from remoteloader.server.config import ServerConfig
 from remoteloader.server.describe import ShardPages
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.object_cache import ObjectCache
-from remoteloader.server.order_stream import OrderStream, serialize_chunk
+from remoteloader.server.order_stream import OrderStream, StreamRooms, serialize_chunk
 from remoteloader.server.pipeline_checks import PipelineChecks
 from remoteloader.server.pipelines import PRESETS, PipelineError
 from remoteloader.server.rate_limit import RateLimiter
@@ -34,6 +34,7 @@ from remoteloader.server.render import Renderer
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import Slots
+from remoteloader.server.stalls import Stalls
 from remoteloader.server.worker_pool import WorkerPool
 
 VERSION = "0.2.0"  # 0.2: Describe in pages with class lists once; orders over several shards
@@ -70,7 +71,7 @@ class LoaderService:
         self.pages = ShardPages(shards)
         self.checks = checks
         self.admission = StreamAdmission(config.max_streams, config.max_streams_per_client)
-        self.slots = Slots(arena, config.stall_timeout, pool.jobs)
+        self.slots = Slots(arena, pool.jobs)
         self.renders = SharedRenders(self.slots)
         self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
         self.renderer = Renderer(self.catalog, pool, cache, objects)
@@ -87,6 +88,18 @@ class LoaderService:
             self.metrics.store_failures.set_function(lambda: objects.stats.failures)
             self.metrics.disk_cache_bytes.set_function(lambda: objects.held)
         self._draining = asyncio.Event()
+        stalls = Stalls(self.slots, config.stall_timeout)
+        self.rooms = StreamRooms(
+            config,
+            self.catalog,
+            self.renderer,
+            self.slots,
+            self.renders,
+            stalls,
+            self.limiter,
+            self.metrics,
+            self._draining,
+        )
         # The same-host socket Describe offers (app._offer_local) and the host it is on; "": none.
         self.local_socket = ""
         self.host_id = ""
@@ -209,17 +222,10 @@ class LoaderService:
                 context,
                 peer,
                 spec,
-                config=self.config,
-                catalog=self.catalog,
-                renderer=self.renderer,
-                slots=self.slots,
-                renders=self.renders,
+                self.rooms,
                 job=job,
                 job_label=self.metrics.job_label(setup.job),
                 exclusive=setup.exclusive,
-                limiter=self.limiter,
-                metrics=self.metrics,
-                draining=self._draining,
                 shared=setup.shared_memory,
             ).run()
 

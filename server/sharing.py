@@ -63,23 +63,44 @@ class Started(NamedTuple):
 class SharedRenders:
     """The renderings streams may join, by key; the one place a stream gets a chunk's slot.
 
+    A rendering is known by its key with its slot and that slot's generation when it started:
+    it can be joined while the slot still has that generation (a slot that went back to the
+    arena has a new one), so no one needs to tell this class when a slot goes back.
+
     Args:
         slots: The arena's slots; told to keep clean renderings, it says when a slot goes back.
     """
 
     def __init__(self, slots: Slots):
         self._slots = slots
-        self._by_key: dict[ChunkKey, tuple[int, asyncio.Future[Rendered]]] = {}
-        self._key_at: dict[int, ChunkKey] = {}  # slot -> the key it holds
-        slots.forget = self._forget
+        self._arena = slots.arena
+        self._by_key: dict[ChunkKey, tuple[int, int, asyncio.Future[Rendered]]] = {}  # (slot, generation, future)
+        self._key_at: dict[int, ChunkKey] = {}  # slot -> the key it was last rendered for (at most one a slot)
 
     def __len__(self) -> int:
         """Renderings that can be joined now."""
-        return len(self._by_key)
+        return sum(self._current(key) is not None for key in list(self._by_key))
 
     def has(self, key: ChunkKey | None) -> bool:
         """Whether a rendering of ``key`` can be joined now."""
-        return key in self._by_key
+        return key is not None and self._current(key) is not None
+
+    def _current(self, key: ChunkKey) -> tuple[int, asyncio.Future[Rendered]] | None:
+        """The rendering of ``key`` that can be joined now (its slot and future), else None (one
+        whose slot went back is forgotten here)."""
+        found = self._by_key.get(key)
+        if found is None:
+            return None
+        slot, generation, future = found
+        if self._arena.generation(slot) != generation:
+            self._drop(key)
+            return None
+        return slot, future
+
+    def _drop(self, key: ChunkKey) -> None:
+        slot = self._by_key.pop(key)[0]
+        if self._key_at.get(slot) == key:
+            del self._key_at[slot]
 
     async def start(
         self,
@@ -93,18 +114,21 @@ class SharedRenders:
         slots = self._slots
         while True:
             await slots.room(stream)
-            found = self._by_key.get(key) if key is not None else None
+            found = self._current(key) if key is not None else None
             if found is not None:
                 slots.join(found[0])
                 return Started(*found, True)
             slot = await slots.acquire(stream)
             if key is None:
                 return Started(slot, self._render(stream, slot, render), False)
-            if key not in self._by_key:  # (nobody started it while this stream waited for a slot)
+            if self._current(key) is None:  # (nobody started it while this stream waited for a slot)
                 future = self._render(stream, slot, render)
-                self._by_key[key] = (slot, future)
+                old = self._key_at.get(slot)
+                if old is not None:  # (the slot's last rendering: its slot went back since)
+                    self._drop(old)
+                self._by_key[key] = (slot, self._arena.generation(slot), future)
                 self._key_at[slot] = key
-                future.add_done_callback(functools.partial(self._done, key, slot))
+                future.add_done_callback(functools.partial(self._done, key))
                 return Started(slot, future, False)
             slots.give(stream, slot)  # and join the one started meanwhile
 
@@ -115,17 +139,13 @@ class SharedRenders:
             self._slots.give(stream, slot)
             raise
 
-    def _done(self, key: ChunkKey, slot: int, future: asyncio.Future[Rendered]) -> None:
+    def _done(self, key: ChunkKey, future: asyncio.Future[Rendered]) -> None:
         """A rendering finished: kept for later sharers if every sample rendered cleanly, forgotten
         if not (a later stream renders it again, as it would a chunk never rendered)."""
-        if self._by_key.get(key, (None, None))[1] is not future:  # (its slot went back already)
+        found = self._current(key)
+        if found is None or found[1] is not future:  # (its slot went back already)
             return
         if not future.cancelled() and not future.result().errors:
-            self._slots.keepable(slot)
+            self._slots.keepable(found[0])
         else:
-            self._forget(slot)
-
-    def _forget(self, slot: int) -> None:
-        key = self._key_at.pop(slot, None)
-        if key is not None:
-            del self._by_key[key]
+            self._drop(key)

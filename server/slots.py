@@ -1,4 +1,4 @@
-"""The arena's chunk slots shared fairly among open streams, and ending streams that stop reading.
+"""The arena's chunk slots shared fairly among open streams.
 
 Invariants:
 * A stream holds at most its fair share of the slots: its job's share by weight (the jobs'
@@ -9,20 +9,16 @@ Invariants:
   streams, named or not; a job the operator weighed weighs that, however many streams it
   has. A stream that opens later gets its share as the others write theirs out.
 * A slot goes back to the arena only when no worker may still write into it (``give_when_done``).
-* A client that does not read writes nothing out, so it would keep its slots forever: a chunk
-  left unread for ``stall_timeout`` ends its stream, and so does one left unread for
-  ``CONTENDED_STALL`` while another stream waits for a free slot (``send``). The stream's
-  client reconnects and re-sends its orders; a reading client's writes wait milliseconds.
-* A same-host client that maps the arena (Setup.shared_memory) is lent each chunk's slot
-  (``lend``) and gives it back by its ticket (``give_lent``); a lent slot counts among its
-  stream's held slots, and the same rule ends a stream whose client keeps one unreleased
-  (``check_lent``). Whatever is still lent when the stream ends goes back (``give_all_lent``).
+* A stream whose client stops reading is ended by the stall rules (server.stalls), which read
+  ``waiters``; a same-host client's loans of slots (server.local_socket's ``Loans``) count
+  among its stream's held slots until it releases them.
 * Several streams may hold one slot (a rendering they share, server.sharing): each holds it
   as if it were its own (``join``, within its fair share), and it goes back to the arena
   once the last of them gives it back. A slot marked ``keepable`` (a clean rendering others
   may still ask for) is then kept instead, for a later sharer to join, but only while no
   take waits: a take that finds no slot free first sends the oldest kept one back. Keeping
-  never makes a stream wait. Whenever a slot goes back to the arena, ``forget`` is told.
+  never makes a stream wait. A slot that goes back to the arena gets a new generation, by
+  which server.sharing tells that its rendering can no longer be joined.
 
 Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 """
@@ -30,22 +26,10 @@ Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 
 from remoteloader.server.jobs import Jobs
 from remoteloader.server.shared_memory import Arena
-
-# A stream whose client leaves a chunk unread this long while another stream waits for a
-# slot is ended (its client reconnects and re-sends its orders): a client that does not
-# read, or reads a chunk a minute, cannot keep the slots it took. A reading client's
-# writes wait milliseconds; stall_timeout bounds the uncontended case.
-CONTENDED_STALL = 10.0
-
-
-class Stalled(Exception):
-    """The client stopped reading: a chunk waited too long to be sent (see Slots.send); says why."""
 
 
 class StreamSlots:
@@ -59,10 +43,6 @@ class StreamSlots:
         self.job = job
         self.held = 0  # slots taken (or being taken past the fair-share check) and not given back
         self.waiting = 0  # takes of this stream waiting for a free slot
-        # Slots lent to the client (shared memory): ticket -> (slot, time.monotonic() when
-        # lent), oldest first; each also counts in ``held``.
-        self.lent: dict[int, tuple[int, float]] = {}
-        self.last_ticket = 0
 
 
 class Slots:
@@ -70,21 +50,18 @@ class Slots:
 
     Args:
         arena: The shared slots.
-        stall_timeout: Seconds a chunk may wait to be read before its stream is ended.
         jobs: The job registry (server.jobs), which the decode queue reads too; the slots open
             and close the streams' jobs in it.
     """
 
-    def __init__(self, arena: Arena, stall_timeout: float, jobs: Jobs | None = None):
+    def __init__(self, arena: Arena, jobs: Jobs | None = None):
         self.arena = arena
-        self.stall_timeout = stall_timeout
         self.jobs = jobs if jobs is not None else Jobs()
         self._freed = asyncio.Condition()
         self._waiters = 0  # takes waiting for a free slot, all streams together
         self._holders: dict[int, int] = {}  # slot -> streams holding it (out of the arena, not kept)
         self._keepable: set[int] = set()  # held slots to keep once the last holder gives them back
         self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, kept: oldest first
-        self.forget: Callable[[int], None] = lambda slot: None  # told when a slot goes back to the arena
 
     def open(self, job: str) -> StreamSlots:
         """A stream of ``job`` opens (after its Setup): registered in the job registry; its counts,
@@ -101,6 +78,11 @@ class Slots:
         """Most slots ``stream`` may hold now."""
         count, jobs, job = self.arena.count, self.jobs, stream.job
         return max(2, min(count - 2, int(count * jobs.weight(job) / jobs.total() / jobs.streams(job))))
+
+    @property
+    def waiters(self) -> int:
+        """Takes waiting for a free slot, all streams together (the stall rules read it)."""
+        return self._waiters
 
     @property
     def kept(self) -> int:
@@ -156,7 +138,6 @@ class Slots:
     def _back(self, slot: int) -> None:
         """Sends a slot held by none back to the arena (its generation changes)."""
         self._keepable.discard(slot)
-        self.forget(slot)
         self.arena.release(slot)
 
     def give_when_done(self, stream: StreamSlots, slot: int, rendering: asyncio.Future) -> None:
@@ -166,59 +147,6 @@ class Slots:
         else:
             rendering.add_done_callback(lambda _f: self.give(stream, slot))
 
-    def lend(self, stream: StreamSlots, slot: int) -> int:
-        """Lends a rendered chunk's slot to the stream's client, which maps the arena; its ticket."""
-        stream.last_ticket += 1
-        stream.lent[stream.last_ticket] = (slot, time.monotonic())
-        return stream.last_ticket
-
-    def give_lent(self, stream: StreamSlots, ticket: int) -> bool:
-        """Gives back the slot lent under ``ticket``; False when the stream has no such loan."""
-        loan = stream.lent.pop(ticket, None)
-        if loan is None:
-            return False
-        self.give(stream, loan[0])
-        return True
-
-    def give_all_lent(self, stream: StreamSlots) -> None:
-        """Gives back every slot still lent (the stream ends): those no other stream holds or keeps
-        go back to the arena, their generations changed."""
-        while stream.lent:
-            self.give(stream, stream.lent.popitem()[1][0])
-
-    def check_lent(self, stream: StreamSlots) -> None:
-        """Raises Stalled when the stream's client has kept a lent slot as long as ``send``
-        lets a chunk wait unread."""
-        if stream.lent:
-            _slot, since = next(iter(stream.lent.values()))
-            reason = self._stalled(stream, time.monotonic() - since)
-            if reason:
-                raise Stalled(f"released no shared chunk for {reason}")
-
-    def _stalled(self, stream: StreamSlots, waited: float) -> str | None:
-        """Why ``stream`` is stalled after waiting ``waited`` seconds on its client, or None."""
-        if waited >= self.stall_timeout:
-            return f"stall_timeout={self.stall_timeout:g}s"
-        if waited >= CONTENDED_STALL and self._waiters > stream.waiting:
-            return f"{waited:.0f}s while streams waited for the chunk slots it holds"
-        return None
-
     async def _notify_freed(self) -> None:
         async with self._freed:
             self._freed.notify_all()
-
-    async def send(self, write: Awaitable[object], stream: StreamSlots) -> None:
-        """Awaits ``write`` (a chunk's), or cancels it and raises Stalled when the client leaves it
-        unread for stall_timeout, or for CONTENDED_STALL while another stream waits for a free slot."""
-        writing = asyncio.ensure_future(write)
-        started = time.monotonic()
-        stall = self.stall_timeout
-        try:
-            while not (await asyncio.wait({writing}, timeout=min(1.0, stall)))[0]:
-                reason = self._stalled(stream, time.monotonic() - started)
-                if reason:
-                    raise Stalled(f"read nothing for {reason}")
-        except BaseException:  # stalled, or this stream is ending: the write must not outlive it
-            writing.cancel()
-            raise
-        writing.result()

@@ -54,7 +54,7 @@ class Renders:
 
     def __init__(self, slots: int):
         self.arena = Arena(slots, 4096)
-        self.slots = Slots(self.arena, stall_timeout=60)
+        self.slots = Slots(self.arena)
         self.renders = SharedRenders(self.slots)
         self.started: list[asyncio.Future[Rendered]] = []
 
@@ -112,6 +112,26 @@ def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
         await r.start(a, key(12))  # none free: the oldest kept one goes back
         assert not r.renders.has(key(0)) and r.renders.has(key(4)) and r.renders.has(key(8))
         assert len(r.renders) == 3
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_a_kept_rendering_whose_slot_went_back_is_never_joined():
+    async def run():
+        r = Renders(6)  # two streams: a share of 3 each
+        a, b = r.slots.open("#1"), r.slots.open("#2")
+        kept = await r.start(a, key(0))
+        r.started[-1].set_result(Rendered([], []))
+        await asyncio.sleep(0)
+        r.slots.give(a, kept.slot)
+        assert r.slots.kept == 1 and r.renders.has(key(0))
+        for stream, takes in ((a, 3), (b, 2)):
+            for _ in range(takes):
+                await r.start(stream, None)  # rendered apart
+        assert r.arena.free == 0
+        evicted = await r.start(b, None)  # none free: the kept slot goes back, and is taken for another rendering
+        assert evicted.slot == kept.slot and r.slots.kept == 0
+        assert not r.renders.has(key(0)) and len(r.renders) == 0  # its pixels are another chunk's now
 
     asyncio.run(asyncio.wait_for(run(), 10))
 
