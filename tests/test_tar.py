@@ -233,8 +233,9 @@ def test_a_server_serves_tars_without_indexes_from_a_read_only_mount(packed, ser
 
 
 def gzipped_tars(dst, folder) -> None:
-    """The packed tars, compressed by GNU tar and gzip as a user would: the first unpacked and
-    packed again with ``tar -czf`` as ``.tgz``, the others by ``gzip`` as ``.tar.gz``."""
+    """The packed tars, compressed by GNU tar, gzip and zstd as a user would: the first unpacked
+    and packed again with ``tar -czf`` as ``.tgz``, the last by ``zstd`` as ``.tar.zst``, the
+    others by ``gzip`` as ``.tar.gz``."""
     tars = sorted(p for p in dst.iterdir() if p.name.endswith(".tar"))
     for k, path in enumerate(tars):
         if k == 0:
@@ -245,14 +246,15 @@ def gzipped_tars(dst, folder) -> None:
             subprocess.run(["tar", "-czf", str(folder / (path.stem + ".tgz")), "-C", str(unpacked),
                             *names.split()], check=True)
         else:
-            with open(folder / (path.name + ".gz"), "wb") as out:
-                subprocess.run(["gzip", "-c", str(path)], check=True, stdout=out)
+            zstd = k == len(tars) - 1
+            with open(path, "rb") as tar, open(folder / (path.name + (".zst" if zstd else ".gz")), "wb") as out:
+                subprocess.run(["zstd", "-q", "-c"] if zstd else ["gzip", "-c"], check=True, stdin=tar, stdout=out)
     (folder / "classes.txt").write_bytes((dst / "classes.txt").read_bytes())
 
 
 def test_gzipped_tars_on_a_read_only_mount_are_decompressed_once_and_serve_as_the_tars(packed, servers, tmp_path,
                                                                                       run_bounded):
-    """``.tar.gz`` and ``.tgz`` shards (webdataset reads them): decompressed once into
+    """``.tar.gz``, ``.tgz`` and ``.tar.zst`` shards (webdataset reads them): decompressed once into
     --cache-dir, then served as the tars they hold; the next start reuses the tars."""
     from conftest import DEFAULT_ARGS, READ_ONLY_MOUNT, read_only_mounts
 
@@ -289,7 +291,7 @@ def test_gzipped_tars_on_a_read_only_mount_are_decompressed_once_and_serve_as_th
     assert len(list((tmp_path / "cache" / "tars").glob("*.tar"))) == 3
 
 
-def test_a_cut_gzipped_tar_is_refused_by_name(packed, tmp_path):
+def test_a_cut_compressed_tar_is_refused_by_name(packed, tmp_path):
     from remoteloader.server.formats import FormatOptions
 
     _, dst, _ = packed
@@ -298,5 +300,10 @@ def test_a_cut_gzipped_tar_is_refused_by_name(packed, tmp_path):
     cut = tmp_path / "cut.tar.gz"
     cut.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(CatalogError, match=r"cut\.tar\.gz: not a whole gzip file"):
+        open_shards([str(cut)], FormatOptions(index_folder=str(tmp_path / "cache" / "indexes")))
+    whole = subprocess.run(["zstd", "-q", "-c"], input=tar.read_bytes(), check=True, capture_output=True).stdout
+    cut = tmp_path / "cut.tar.zst"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CatalogError, match=r"cut\.tar\.zst: not a whole zstd file"):
         open_shards([str(cut)], FormatOptions(index_folder=str(tmp_path / "cache" / "indexes")))
     assert not [p for p in (tmp_path / "cache" / "tars").iterdir() if p.is_file()], "half a tar was left"

@@ -1,4 +1,5 @@
-"""Gzip-compressed tar shards (``.tar.gz``, ``.tgz``), decompressed once into ``--cache-dir``.
+"""Compressed tar shards (gzip: ``.tar.gz``, ``.tgz``; zstd: ``.tar.zst``, ``.tzst``),
+decompressed once into ``--cache-dir``.
 
 A compressed tar cannot be read at a sample's offset, so ``decompressed`` streams it once
 (from this machine, a read-only mount or an object store) into ``--cache-dir/tars`` and says
@@ -7,7 +8,8 @@ samples, keys and shard id are those of the same tar uncompressed). Later starts
 its name carries a digest of where the compressed file is and its version (ETag, or size and
 modification time), so a changed file is decompressed again. The tar is written whole or not
 at all (a partial file renamed into place), so servers sharing the folder never read half of
-one. A large file logs its progress every ``PROGRESS_SECONDS``.
+one; a cut or damaged file is refused by name (zstd's reader ends quietly at a cut, so its
+frames are checked to end). A large file logs its progress every ``PROGRESS_SECONDS``.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ import os
 import pathlib
 import time
 import zlib
+from collections.abc import Iterator
+from typing import IO
 
 from remoteloader.server.catalog import CatalogError, basename
 from remoteloader.server.storage import Entry, LocalStorage, Storage
 
 log = logging.getLogger(__name__)
 
-SUFFIXES = (".tar.gz", ".tgz")
-CHUNK = 4 << 20  # decompressed bytes written at a time
+GZIP = (".tar.gz", ".tgz")
+ZSTD = (".tar.zst", ".tzst")
+SUFFIXES = GZIP + ZSTD
+CHUNK = 4 << 20  # decompressed bytes written at a time (gzip)
+ZSTD_INPUT = 64 << 10  # compressed bytes decompressed at a time (zstd)
 PROGRESS_SECONDS = 10.0
 
 
@@ -66,8 +73,8 @@ def _decompress(storage: Storage, name: str, size: int, out: pathlib.Path) -> No
     started = last = time.monotonic()
     written = 0
     try:
-        with storage.open(name) as raw, gzip.GzipFile(fileobj=raw) as unzipped, open(partial, "wb") as sink:
-            while chunk := unzipped.read(CHUNK):
+        with storage.open(name) as raw, open(partial, "wb") as sink:
+            for chunk in (_zstd if name.lower().endswith(ZSTD) else _gzip)(raw):
                 sink.write(chunk)
                 written += len(chunk)
                 if time.monotonic() - last >= PROGRESS_SECONDS:
@@ -75,11 +82,48 @@ def _decompress(storage: Storage, name: str, size: int, out: pathlib.Path) -> No
                     log.info("%s: decompressing, %.0f of %.0f MB read, %.0f MB written", where, raw.tell() / 1e6,
                              size / 1e6, written / 1e6)
         os.replace(partial, out)  # whole or not at all
-    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # (a cut or damaged file)
+    except (EOFError, zlib.error, gzip.BadGzipFile, _ZstdError) as exc:  # (a cut or damaged file)
         partial.unlink(missing_ok=True)
-        raise CatalogError(f"{where}: not a whole gzip file ({exc})") from None
+        kind = "zstd" if name.lower().endswith(ZSTD) else "gzip"
+        raise CatalogError(f"{where}: not a whole {kind} file ({exc})") from None
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     log.info("%s: decompressed into %s (%.1f MB) in %.1fs; later starts reuse it", where, out, written / 1e6,
              time.monotonic() - started)
+
+
+class _ZstdError(Exception):
+    """zstandard's ZstdError, where zstandard is installed (the server extra)."""
+
+
+try:
+    from zstandard import ZstdError as _ZstdError  # type: ignore[assignment]  # noqa: F811
+except ImportError:  # (a .tar.zst then says so)
+    pass
+
+
+def _gzip(raw: IO[bytes]) -> Iterator[bytes]:
+    with gzip.GzipFile(fileobj=raw) as unzipped:
+        while chunk := unzipped.read(CHUNK):
+            yield chunk
+
+
+def _zstd(raw: IO[bytes]) -> Iterator[bytes]:
+    """The decompressed bytes of every zstd frame in ``raw``; EOFError where the last is cut."""
+    try:
+        import zstandard
+    except ImportError:
+        raise CatalogError("a .tar.zst needs zstandard: pip install 'remoteloader[server]'") from None
+    frame, fed = zstandard.ZstdDecompressor().decompressobj(), False
+    while data := raw.read(ZSTD_INPUT):
+        while data:
+            out = frame.decompress(data)
+            fed = True
+            if out:
+                yield out
+            data = b""
+            if frame.eof:  # the next frame starts in what is left
+                data, frame, fed = frame.unused_data, zstandard.ZstdDecompressor().decompressobj(), False
+    if fed and not frame.eof:
+        raise EOFError("the file ends inside a zstd frame")
