@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from remoteloader.protos import limits, loader_pb2
-from remoteloader.server.catalog import SyntheticShard
+from remoteloader.server.catalog import Catalog, SyntheticShard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_stream import OrderStream, StreamRooms
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 SIZE = 16
 SPEC = PipelineSpec("eval", SIZE, SIZE)
 SHARD = SyntheticShard(1000)
+CATALOG = Catalog([SHARD])
 
 
 class Ended(Exception):
@@ -81,7 +82,7 @@ async def serve(call: Call, shared: bool = False, **settings) -> tuple[StreamRoo
     slots = Slots(arena)
     pool = WorkerPool(arena, workers=1, allow_custom=False, max_pixels=10**6)  # (not started: never used)
     rooms = StreamRooms(
-        config, {SHARD.id: SHARD}, Renderer([SHARD], pool, None), slots, SharedRenders(slots),
+        config, CATALOG, Renderer(CATALOG, pool, None), slots, SharedRenders(slots),
         Stalls(slots, config.stall_timeout), None, Metrics(), asyncio.Event(),
     )
     stream = OrderStream(call, "test", SPEC, rooms, job="#1", job_label="(none)", exclusive=False, shared=shared)
