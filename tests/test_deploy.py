@@ -408,6 +408,77 @@ def test_the_trainer_has_no_server_healthcheck_and_takes_its_torch_build_from_co
             assert "TORCH" in build["args"], f"{name}: the torch build cannot be chosen through compose"
 
 
+# ---- the image's versions: pyproject.toml's ranges, deploy/constraints.txt's pins -------------------
+CONSTRAINTS = ROOT / "deploy" / "constraints.txt"
+
+
+def _constraints_module():
+    spec = importlib.util.spec_from_file_location("constraints", ROOT / "deploy" / "constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _server_requirements():
+    """pyproject's requirements that the server image installs: the core ones and the server extra's."""
+    from packaging.requirements import Requirement
+
+    project = _pyproject()["project"]
+    return [Requirement(text) for text in project["dependencies"] + project["optional-dependencies"]["server"]]
+
+
+def test_every_server_dependency_is_bounded_and_pinned_inside_its_range():
+    from packaging.markers import default_environment
+    from packaging.utils import canonicalize_name
+
+    pins = _constraints_module().read(CONSTRAINTS)
+    environment = {**default_environment(), "python_version": "3.11", "sys_platform": "linux"}  # the image's
+    for requirement in _server_requirements():
+        # An upper bound, so that the next major version of a dependency is a decision, not a surprise.
+        assert any(spec.operator in ("<", "<=", "==", "~=") for spec in requirement.specifier), \
+            f"{requirement}: no upper bound"
+        if requirement.marker is not None and not requirement.marker.evaluate({**environment, "extra": "server"}):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement.name} is not pinned in {CONSTRAINTS.name}"
+        assert requirement.specifier.contains(pins[name], prereleases=True), \
+            f"{CONSTRAINTS.name} pins {name}=={pins[name]}, outside pyproject's {requirement}"
+    # The image installs with these pins, and copies the file before it does.
+    server = _dockerfile()["server"]
+    install = " ".join(server.all("RUN"))
+    assert re.search(r'pip install "\.\[server\]" -c deploy/constraints\.txt', install), install
+    assert any("deploy/constraints.txt" in value for value in server.all("COPY"))
+
+
+def test_the_constraints_pin_every_requirement_of_what_they_pin():
+    """The pins are a closed set: each pinned distribution installed here at its pinned version has
+    each of its own requirements pinned, inside that requirement's range (a pin missing here would
+    leave pip free to take the newest version of it)."""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = _constraints_module().read(CONSTRAINTS)
+    checked = 0
+    for name, version in pins.items():
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if distribution.version != version:
+            continue  # another version here: its requirements may differ from the pinned one's
+        checked += 1
+        for text in distribution.requires or []:
+            requirement = Requirement(text)
+            marker = requirement.marker
+            if marker is not None and not marker.evaluate({**default_environment(), "extra": ""}):
+                continue
+            needed = canonicalize_name(requirement.name)
+            assert needed in pins, f"{name}=={version} requires {requirement}, which {CONSTRAINTS.name} does not pin"
+            assert requirement.specifier.contains(pins[needed], prereleases=True), (name, str(requirement))
+    assert checked, f"none of {CONSTRAINTS.name}'s pins is installed here: run the tests where the image's versions are"
+
+
 # ---- the image's size: deploy/prune_site_packages.py --------------------------------------------
 PRUNE = ROOT / "deploy" / "prune_site_packages.py"
 
