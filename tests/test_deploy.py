@@ -291,9 +291,12 @@ def test_compose_per_shard_loaders_and_shared_profile():
     data = _flag(loader["command"], "--data")
     assert _mounts(loader)[data] == _mounts(services["prepare-shared"])[_flag(
         services["prepare-shared"]["command"], "--prepare") + "/shard-0"]
-    # Trainers use the trainer stage, whose entrypoint is the remoteloader command.
-    for n in ("trainer", "trainer-shared", "prepare", "prepare-shared"):
+    # Trainers use the trainer stage, whose entrypoint is the remoteloader command; the data is
+    # prepared on the server image, which has no torch (test_prepare_imports_no_torch...).
+    for n in ("trainer", "trainer-shared"):
         assert services[n]["build"]["target"] == "trainer"
+    for n in ("prepare", "prepare-shared"):
+        assert services[n]["build"]["target"] == "server" and services[n]["entrypoint"] == ["remoteloader"]
     assert _exec_form(_inherited(stages, "trainer", "ENTRYPOINT")) == ["remoteloader"]
 
 
@@ -339,6 +342,68 @@ def test_compose_trainers_connect_to_servers_that_exist():
             assert service["depends_on"][host]["condition"] == "service_healthy"
     for name in ("prepare", "prepare-shared"):
         parser.parse_args(services[name]["command"][1:])
+
+
+def _run_for_modules(argv: list[str], tmp_path: pathlib.Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Runs ``remoteloader ARGV`` (its console script's function, in a fresh interpreter) and returns
+    the process and every module it had imported when the command returned. (``-X importtime``
+    does not see modules imported through importlib, as the CLI imports its subcommands.)"""
+    modules = tmp_path / "modules.json"
+    code = (
+        "import json, sys\n"
+        "from remoteloader.tools.cli import main\n"
+        f"code = main({argv!r})\n"
+        f"open({str(modules)!r}, 'w').write(json.dumps(sorted(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, set(json.loads(modules.read_text()))
+
+
+def test_prepare_imports_no_torch_and_runs_on_the_server_image(tmp_path):
+    """Compose's prepare services, and the pack that prepare-s3 runs, make the demo's data on the
+    server image: no torch there, and none imported (a CPU host builds no trainer to prepare)."""
+    services = _compose()["services"]
+    stages = _dockerfile()
+    for name in ("prepare", "prepare-shared", "prepare-s3"):
+        service = services[name]
+        assert service["build"]["target"] == "server" and service["image"] == services["loader"]["image"], name
+        assert service["user"] == "root", f"{name} fills new volumes, which are root's"
+        assert service["healthcheck"] == {"disable": True}, f"{name} would inherit the server's health check"
+        assert "torch" not in json.dumps(service), name
+    assert "torch" not in " ".join(stages["server"].all("RUN"))
+    for name in ("prepare", "prepare-shared"):
+        entrypoint, argv = services[name]["entrypoint"], list(services[name]["command"])
+        assert entrypoint == ["remoteloader"] and _scripts()["remoteloader"] == "remoteloader.tools.cli:main"
+        root = tmp_path / name
+        argv[argv.index(_flag(argv, "--prepare"))] = str(root)
+        _, imported = _run_for_modules([*argv, "--images-per-class", "4"], tmp_path)  # a small dataset
+        assert {"remoteloader.tools.demo", "cv2"} <= imported
+        assert not {m for m in imported if m.split(".")[0] == "torch"}, f"{name} imports torch"
+        servers = int(_flag(argv, "--servers"))
+        assert sorted(p.name for p in root.iterdir()) == [f"shard-{i}" for i in range(servers)]
+        assert len(list(root.glob("shard-0/*/*.jpg"))) == 4 // servers * 4  # per shard, x the default 4 classes
+    # prepare-s3's pack, into a folder (its bucket is tested against a real store below).
+    assert "remoteloader pack " in services["prepare-s3"]["command"][0]
+    argv = ["pack", str(tmp_path / "prepare" / "shard-0"), str(tmp_path / "packed"), "--quiet"]
+    _, imported = _run_for_modules(argv, tmp_path)
+    assert "remoteloader.tools.pack" in imported
+    assert not {m for m in imported if m.split(".")[0] == "torch"}, "pack imports torch"
+    assert list((tmp_path / "packed").glob("*.tar"))
+
+
+def test_the_trainer_image_takes_the_cpu_build_of_torch_unless_asked():
+    """A CPU host's first `up --build` must not download several GB of CUDA wheels."""
+    cpu = "https://download.pytorch.org/whl/cpu"
+    trainer = _dockerfile()["trainer"]
+    arguments = dict(value.split("=", 1) for value in trainer.all("ARG"))
+    assert arguments["TORCH_INDEX_URL"].strip('"') == cpu, arguments
+    for name, service in _compose()["services"].items():
+        if service.get("build", {}).get("target") == "trainer":
+            assert service["build"]["args"]["TORCH_INDEX_URL"] == f"${{TORCH_INDEX_URL:-{cpu}}}", name
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    assert "TORCH_INDEX_URL=https://pypi.org/simple docker compose" in guide, "the guide says how to ask for CUDA"
 
 
 # ---- Dockerfile -----------------------------------------------------------------------------
