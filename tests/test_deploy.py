@@ -344,6 +344,122 @@ def test_compose_trainers_connect_to_servers_that_exist():
         parser.parse_args(services[name]["command"][1:])
 
 
+def test_a_killed_loader_comes_back_and_one_shots_do_not_loop():
+    """Docker restarts ``always`` whatever ended the container but `stop`/`down`; ``unless-stopped``
+    takes `docker kill` for a manual stop and leaves the loader down (issue 43)."""
+    services = _compose()["services"]
+    for name, service in services.items():
+        if service.get("build", {}).get("target") == "server" and "command" in service and "entrypoint" not in service:
+            assert service.get("restart") == "always", f"{name}: restart {service.get('restart')!r}"
+        elif name.startswith(("prepare", "trainer")):
+            # A one-shot that ends 0 must stay ended; prepare-s3 retries until the store answers.
+            assert service.get("restart") in (None, "no", "on-failure"), name
+    loaders = [n for n, s in services.items() if s.get("restart") == "always"]
+    assert sorted(loaders) == ["loader", "loader-0", "loader-1", "loader-s3"], loaders
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    assert "restart: always" in guide and "restart: always" in COMPOSE.read_text()
+
+
+NUMBERS = {"three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def test_the_compose_guide_says_what_each_compose_runs_and_returns():
+    """docs/deploy.md's table for compose v1 and v2, against the file: the volumes v1 creates
+    without a profile, the services each command names, and the stop command of each profile."""
+    compose = _compose()
+    services = compose["services"]
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    header = COMPOSE.read_text().split("\nx-", 1)[0]
+    created = re.search(r"creates the (\w+) volumes", guide)
+    assert created and NUMBERS[created.group(1)] == len(compose["volumes"]), "v1's volumes without a profile"
+    assert "creates the " + created.group(1) + " volumes" in header
+    for text in (guide, header):
+        assert "no service selected" in text and "returns by itself when the demo ends" in text
+        assert re.search(r"leaves? the loaders running|the loaders left running", text)
+    for profile in sorted({p for s in services.values() for p in s["profiles"]}):
+        assert f"docker compose --profile {profile} up" in guide, profile
+        assert f"--profile {profile} down" in guide or profile in re.search(r"--profile \w+ down` \(or ([^)]*)\)",
+                                                                            guide).group(1), profile
+    for row in re.findall(r"^\| `(--profile \w+ up [^`]*)` \| ([^|]*) \|", guide, re.M):
+        command, runs = row
+        profile = command.split()[1]
+        named = set(re.findall(r"`([\w-]+)`", runs))
+        in_profile = {n for n, s in services.items() if profile in s["profiles"]}
+        assert named <= in_profile, f"{command}: the guide names {named - in_profile}, not in profile {profile}"
+        words, positional = command.split()[3:], []
+        while words:
+            word = words.pop(0)
+            if word in ("--scale", "--exit-code-from"):
+                words.pop(0)
+            elif not word.startswith("-"):
+                positional.append(word)
+        # up SERVICE: it and what it depends on, recursively; up alone: every service of the profile.
+        wanted, todo = set(), list(positional)
+        while todo:
+            name = todo.pop()
+            wanted.add(name)
+            todo.extend(d for d in services[name].get("depends_on", {}) if d not in wanted)
+        if named or positional:
+            assert named == (wanted or in_profile), (command, named, wanted or in_profile)
+        else:
+            assert runs.strip() in ("the same", "as `shared`"), (command, runs)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="compose v1 (docker-compose) is not installed")
+def test_compose_v1_reads_the_file_as_these_tests_do():
+    """docker-compose 1.29 (no engine needed for `config`): every profile's services, the merged
+    anchors (restart policies, the prepare services' image and entrypoint) as the tests read them."""
+    services = _compose()["services"]
+    for profile in sorted({p for s in services.values() for p in s["profiles"]}):
+        done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "--profile", profile, "config"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        resolved = yaml.safe_load(done.stdout)["services"]
+        for name, service in resolved.items():
+            mine = services[name]
+            for key in ("restart", "entrypoint", "image", "user", "init"):
+                assert service.get(key) == mine.get(key), (profile, name, key, service.get(key), mine.get(key))
+            assert service.get("build", {}).get("target") == mine.get("build", {}).get("target"), (profile, name)
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides; ``!`` re-includes."""
+    excluded = False
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        body = pattern[1:] if negate else pattern
+        body = body.strip("/")
+        regex = "".join(".*" if tok == "**" else "[^/]*" if tok == "*" else "[^/]" if tok == "?" else re.escape(tok)
+                        for tok in re.findall(r"\*\*|\*|\?|[^*?]+", body))
+        regex = regex.replace(".*/", "(?:.*/)?")
+        if any(re.fullmatch(regex, c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_the_build_context_holds_what_the_image_copies_and_not_the_history():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert _dockerignored(".git", patterns) and _dockerignored(".git/objects/pack/x.pack", patterns)
+    for heavy in ("tests/fixtures/a.jpg", "benchmarks/scale.py", "docs/deploy.md", "server/__pycache__/a.pyc",
+                  "server/_jpeg.cpython-311-x86_64-linux-gnu.so", "remoteloader.egg-info/PKG-INFO"):
+        assert _dockerignored(heavy, patterns), heavy
+    sources = set()
+    for stage in _dockerfile().values():
+        for value in stage.all("COPY"):
+            args = [a for a in shlex.split(value) if not a.startswith("--")]
+            sources.update(args[:-1])
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.split()
+    if not tracked:  # not a git checkout: the files on disk
+        tracked = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file()]
+    copied = [f for f in tracked if any(f == s or f.startswith(s.rstrip("/") + "/") for s in sources)]
+    assert len(copied) > 20, copied
+    left_out = [f for f in copied if _dockerignored(f, patterns)]
+    assert not left_out, f".dockerignore keeps files the image copies out of the context: {left_out}"
+
+
 def _run_for_modules(argv: list[str], tmp_path: pathlib.Path) -> tuple[subprocess.CompletedProcess, set[str]]:
     """Runs ``remoteloader ARGV`` (its console script's function, in a fresh interpreter) and returns
     the process and every module it had imported when the command returned. (``-X importtime``
