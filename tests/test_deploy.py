@@ -565,8 +565,8 @@ def test_dockerfile_expose_matches_compose_and_healthcheck():
     # No address: the probe reads the REMOTELOADER_* variables, so --port, TLS and tokens do not matter.
     assert health[1:] == ["probe"], health
     for name, service in _compose()["services"].items():
-        if service.get("build", {}).get("target") != "server":
-            continue
+        if service.get("build", {}).get("target") != "server" or "entrypoint" in service:
+            continue  # not a loader (the prepare services are one-shots on the server image)
         assert int(_flag(service["command"], "--port")) in exposed, name
         assert {int(p) for p in service.get("expose", [])} <= exposed, name
         assert service.get("stop_grace_period"), f"{name}: give the drain time (stop_grace_period)"
@@ -662,6 +662,73 @@ def test_the_constraints_pin_every_requirement_of_what_they_pin():
 
 # ---- the image's size: deploy/prune_site_packages.py --------------------------------------------
 PRUNE = ROOT / "deploy" / "prune_site_packages.py"
+
+
+def _image_size_module():
+    spec = importlib.util.spec_from_file_location("image_size", ROOT / "deploy" / "image_size.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_size_section_is_the_last_measurement_rendered():
+    """docs/deploy.md's figures come from deploy/image_size.json through deploy/image_size.py,
+    never by hand; the measurement is of the pinned versions and within the 470 MB budget."""
+    sizes = _image_size_module()
+    figures = json.loads((ROOT / "deploy" / "image_size.json").read_text())
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    start, end = guide.index(sizes.BEGIN), guide.index(sizes.END) + len(sizes.END) + 1
+    assert guide[start:end] == sizes.render(figures), "rewrite it: python deploy/image_size.py render (or measure)"
+    assert guide.index("## Image size") < start < guide.index("## docker compose")
+    assert figures["image_bytes"] <= 470 * sizes.MB, figures["image_bytes"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", figures["date"]) and figures["engine"]
+    measured = set(figures["site_packages"]) - {"pip", "setuptools", "wheel", "remoteloader", "(unrecorded)"}
+    assert measured == set(_constraints_module().read(CONSTRAINTS)), "the figures are not of the pinned set"
+    rows = dict(sizes.groups(figures["site_packages"]))
+    assert sum(rows.values()) == sum(figures["site_packages"].values())
+    for label, value in rows.items():  # each row's last column: what that part weighs in the image
+        (line,) = [line for line in guide.splitlines() if line.startswith(f"| {label} |")]
+        assert line.endswith(f"| {sizes._mb(value)} |"), line
+
+
+def test_the_section_lists_the_layers_the_dockerfile_added_not_the_bases():
+    sizes = _image_size_module()
+    history = [  # docker history's rows, newest first: two of ours (one empty), then the base's
+        {"bytes": 0, "created_by": 'ENTRYPOINT ["remoteloader-server"]'},
+        {"bytes": 340_000_000, "created_by": "RUN |1 A=b /bin/sh -c apt-get update && pip install ..."},
+        {"bytes": 2_500_000, "created_by": "COPY server ./server # buildkit"},
+        {"bytes": 100_000_000, "created_by": "/bin/sh -c #(nop) ADD file:... in /"},
+        {"bytes": 25_000_000, "created_by": "RUN /bin/sh -c set -eux; ... python"},
+    ]
+    figures = {"date": "2026-12-07", "engine": "Docker 28.2.2", "how": "docker build ...", "base": "python:3.11-slim",
+               "image_bytes": 467_500_000, "base_bytes": 125_000_000, "layers": history,
+               "site_packages": {"opencv-python-headless": 180_000_000, "grpcio": 19_000_000}}
+    assert sizes.own_layers(figures) == history[:3]
+    text = sizes.render(figures)
+    assert "The server image weighs **468 MB**" in text and "342 MB of its own layers" in text
+    assert "| `RUN /1 A=b /bin/sh -c apt-get update && pip install ...` | 340 MB |" in text
+    assert "ADD file" not in text and "ENTRYPOINT" not in text  # the base's, and an empty one
+    assert "| **all** | **199 MB** |" in text
+
+
+def test_site_packages_sizes_are_each_distributions_recorded_files(tmp_path):
+    sizes = _image_size_module()
+    made = {"alpha": {"alpha/__init__.py": 1000, "alpha/core.so": 25_000}, "Beta_Pkg": {"beta.py": 300}}
+    for name, files in made.items():
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        for path, size in files.items():
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_bytes(b"x" * size)
+        listed = [*files, f"{info.name}/METADATA", f"{info.name}/RECORD"]
+        (info / "RECORD").write_text("".join(f"{path},,\n" for path in listed))
+    (tmp_path / "stray.pth").write_text("x" * 7)
+    (tmp_path / "alpha" / "__init__.py").unlink()  # listed, then pruned: no longer counted
+    found = sizes.site_packages(str(tmp_path))
+    metadata = {n: (tmp_path / f"{n}-1.0.dist-info" / "METADATA").stat().st_size
+                + (tmp_path / f"{n}-1.0.dist-info" / "RECORD").stat().st_size for n in ("alpha", "Beta_Pkg")}
+    assert found == {"alpha": 25_000 + metadata["alpha"], "beta-pkg": 300 + metadata["Beta_Pkg"], "(unrecorded)": 7}
 
 
 def _prune_module():
