@@ -291,9 +291,12 @@ def test_compose_per_shard_loaders_and_shared_profile():
     data = _flag(loader["command"], "--data")
     assert _mounts(loader)[data] == _mounts(services["prepare-shared"])[_flag(
         services["prepare-shared"]["command"], "--prepare") + "/shard-0"]
-    # Trainers use the trainer stage, whose entrypoint is the remoteloader command.
-    for n in ("trainer", "trainer-shared", "prepare", "prepare-shared"):
+    # Trainers use the trainer stage, whose entrypoint is the remoteloader command; the data is
+    # prepared on the server image, which has no torch (test_prepare_imports_no_torch...).
+    for n in ("trainer", "trainer-shared"):
         assert services[n]["build"]["target"] == "trainer"
+    for n in ("prepare", "prepare-shared"):
+        assert services[n]["build"]["target"] == "server" and services[n]["entrypoint"] == ["remoteloader"]
     assert _exec_form(_inherited(stages, "trainer", "ENTRYPOINT")) == ["remoteloader"]
 
 
@@ -341,6 +344,184 @@ def test_compose_trainers_connect_to_servers_that_exist():
         parser.parse_args(services[name]["command"][1:])
 
 
+def test_a_killed_loader_comes_back_and_one_shots_do_not_loop():
+    """Docker restarts ``always`` whatever ended the container but `stop`/`down`; ``unless-stopped``
+    takes `docker kill` for a manual stop and leaves the loader down (issue 43)."""
+    services = _compose()["services"]
+    for name, service in services.items():
+        if service.get("build", {}).get("target") == "server" and "command" in service and "entrypoint" not in service:
+            assert service.get("restart") == "always", f"{name}: restart {service.get('restart')!r}"
+        elif name.startswith(("prepare", "trainer")):
+            # A one-shot that ends 0 must stay ended; prepare-s3 retries until the store answers.
+            assert service.get("restart") in (None, "no", "on-failure"), name
+    loaders = [n for n, s in services.items() if s.get("restart") == "always"]
+    assert sorted(loaders) == ["loader", "loader-0", "loader-1", "loader-s3"], loaders
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    assert "restart: always" in guide and "restart: always" in COMPOSE.read_text()
+
+
+NUMBERS = {"three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def test_the_compose_guide_says_what_each_compose_runs_and_returns():
+    """docs/deploy.md's table for compose v1 and v2, against the file: the volumes v1 creates
+    without a profile, the services each command names, and the stop command of each profile."""
+    compose = _compose()
+    services = compose["services"]
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    header = COMPOSE.read_text().split("\nx-", 1)[0]
+    created = re.search(r"creates the (\w+) volumes", guide)
+    assert created and NUMBERS[created.group(1)] == len(compose["volumes"]), "v1's volumes without a profile"
+    assert "creates the " + created.group(1) + " volumes" in header
+    for text in (guide, header):
+        assert "no service selected" in text and "returns by itself when the demo ends" in text
+        assert re.search(r"leaves? the loaders running|the loaders left running", text)
+    for profile in sorted({p for s in services.values() for p in s["profiles"]}):
+        assert f"docker compose --profile {profile} up" in guide, profile
+        assert f"--profile {profile} down" in guide or profile in re.search(r"--profile \w+ down` \(or ([^)]*)\)",
+                                                                            guide).group(1), profile
+    for row in re.findall(r"^\| `(--profile \w+ up [^`]*)` \| ([^|]*) \|", guide, re.M):
+        command, runs = row
+        profile = command.split()[1]
+        named = set(re.findall(r"`([\w-]+)`", runs))
+        in_profile = {n for n, s in services.items() if profile in s["profiles"]}
+        assert named <= in_profile, f"{command}: the guide names {named - in_profile}, not in profile {profile}"
+        words, positional = command.split()[3:], []
+        while words:
+            word = words.pop(0)
+            if word in ("--scale", "--exit-code-from"):
+                words.pop(0)
+            elif not word.startswith("-"):
+                positional.append(word)
+        # up SERVICE: it and what it depends on, recursively; up alone: every service of the profile.
+        wanted, todo = set(), list(positional)
+        while todo:
+            name = todo.pop()
+            wanted.add(name)
+            todo.extend(d for d in services[name].get("depends_on", {}) if d not in wanted)
+        if named or positional:
+            assert named == (wanted or in_profile), (command, named, wanted or in_profile)
+        else:
+            assert runs.strip() in ("the same", "as `shared`"), (command, runs)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="compose v1 (docker-compose) is not installed")
+def test_compose_v1_reads_the_file_as_these_tests_do():
+    """docker-compose 1.29 (no engine needed for `config`): every profile's services, the merged
+    anchors (restart policies, the prepare services' image and entrypoint) as the tests read them."""
+    services = _compose()["services"]
+    for profile in sorted({p for s in services.values() for p in s["profiles"]}):
+        done = subprocess.run(["docker-compose", "-f", str(COMPOSE), "--profile", profile, "config"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        resolved = yaml.safe_load(done.stdout)["services"]
+        for name, service in resolved.items():
+            mine = services[name]
+            for key in ("restart", "entrypoint", "image", "user", "init"):
+                assert service.get(key) == mine.get(key), (profile, name, key, service.get(key), mine.get(key))
+            assert service.get("build", {}).get("target") == mine.get("build", {}).get("target"), (profile, name)
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides; ``!`` re-includes."""
+    excluded = False
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        body = pattern[1:] if negate else pattern
+        body = body.strip("/")
+        regex = "".join(".*" if tok == "**" else "[^/]*" if tok == "*" else "[^/]" if tok == "?" else re.escape(tok)
+                        for tok in re.findall(r"\*\*|\*|\?|[^*?]+", body))
+        regex = regex.replace(".*/", "(?:.*/)?")
+        if any(re.fullmatch(regex, c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_the_build_context_holds_what_the_image_copies_and_not_the_history():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert _dockerignored(".git", patterns) and _dockerignored(".git/objects/pack/x.pack", patterns)
+    for heavy in ("tests/fixtures/a.jpg", "benchmarks/scale.py", "docs/deploy.md", "server/__pycache__/a.pyc",
+                  "server/_jpeg.cpython-311-x86_64-linux-gnu.so", "remoteloader.egg-info/PKG-INFO"):
+        assert _dockerignored(heavy, patterns), heavy
+    sources = set()
+    for stage in _dockerfile().values():
+        for value in stage.all("COPY"):
+            args = [a for a in shlex.split(value) if not a.startswith("--")]
+            sources.update(args[:-1])
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.split()
+    if not tracked:  # not a git checkout: the files on disk
+        tracked = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file()]
+    copied = [f for f in tracked if any(f == s or f.startswith(s.rstrip("/") + "/") for s in sources)]
+    assert len(copied) > 20, copied
+    left_out = [f for f in copied if _dockerignored(f, patterns)]
+    assert not left_out, f".dockerignore keeps files the image copies out of the context: {left_out}"
+
+
+def _run_for_modules(argv: list[str], tmp_path: pathlib.Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Runs ``remoteloader ARGV`` (its console script's function, in a fresh interpreter) and returns
+    the process and every module it had imported when the command returned. (``-X importtime``
+    does not see modules imported through importlib, as the CLI imports its subcommands.)"""
+    modules = tmp_path / "modules.json"
+    code = (
+        "import json, sys\n"
+        "from remoteloader.tools.cli import main\n"
+        f"code = main({argv!r})\n"
+        f"open({str(modules)!r}, 'w').write(json.dumps(sorted(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done, set(json.loads(modules.read_text()))
+
+
+def test_prepare_imports_no_torch_and_runs_on_the_server_image(tmp_path):
+    """Compose's prepare services, and the pack that prepare-s3 runs, make the demo's data on the
+    server image: no torch there, and none imported (a CPU host builds no trainer to prepare)."""
+    services = _compose()["services"]
+    stages = _dockerfile()
+    for name in ("prepare", "prepare-shared", "prepare-s3"):
+        service = services[name]
+        assert service["build"]["target"] == "server" and service["image"] == services["loader"]["image"], name
+        assert service["user"] == "root", f"{name} fills new volumes, which are root's"
+        assert service["healthcheck"] == {"disable": True}, f"{name} would inherit the server's health check"
+        assert "torch" not in json.dumps(service), name
+    assert "torch" not in " ".join(stages["server"].all("RUN"))
+    for name in ("prepare", "prepare-shared"):
+        entrypoint, argv = services[name]["entrypoint"], list(services[name]["command"])
+        assert entrypoint == ["remoteloader"] and _scripts()["remoteloader"] == "remoteloader.tools.cli:main"
+        root = tmp_path / name
+        argv[argv.index(_flag(argv, "--prepare"))] = str(root)
+        _, imported = _run_for_modules([*argv, "--images-per-class", "4"], tmp_path)  # a small dataset
+        assert {"remoteloader.tools.demo", "cv2"} <= imported
+        assert not {m for m in imported if m.split(".")[0] == "torch"}, f"{name} imports torch"
+        servers = int(_flag(argv, "--servers"))
+        assert sorted(p.name for p in root.iterdir()) == [f"shard-{i}" for i in range(servers)]
+        assert len(list(root.glob("shard-0/*/*.jpg"))) == 4 // servers * 4  # per shard, x the default 4 classes
+    # prepare-s3's pack, into a folder (its bucket is tested against a real store below).
+    assert "remoteloader pack " in services["prepare-s3"]["command"][0]
+    argv = ["pack", str(tmp_path / "prepare" / "shard-0"), str(tmp_path / "packed"), "--quiet"]
+    _, imported = _run_for_modules(argv, tmp_path)
+    assert "remoteloader.tools.pack" in imported
+    assert not {m for m in imported if m.split(".")[0] == "torch"}, "pack imports torch"
+    assert list((tmp_path / "packed").glob("*.tar"))
+
+
+def test_the_trainer_image_takes_the_cpu_build_of_torch_unless_asked():
+    """A CPU host's first `up --build` must not download several GB of CUDA wheels."""
+    cpu = "https://download.pytorch.org/whl/cpu"
+    trainer = _dockerfile()["trainer"]
+    arguments = dict(value.split("=", 1) for value in trainer.all("ARG"))
+    assert arguments["TORCH_INDEX_URL"].strip('"') == cpu, arguments
+    for name, service in _compose()["services"].items():
+        if service.get("build", {}).get("target") == "trainer":
+            assert service["build"]["args"]["TORCH_INDEX_URL"] == f"${{TORCH_INDEX_URL:-{cpu}}}", name
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    assert "TORCH_INDEX_URL=https://pypi.org/simple docker compose" in guide, "the guide says how to ask for CUDA"
+
+
 # ---- Dockerfile -----------------------------------------------------------------------------
 def test_dockerfile_entrypoints_are_console_scripts_and_copies_exist():
     stages = _dockerfile()
@@ -384,8 +565,8 @@ def test_dockerfile_expose_matches_compose_and_healthcheck():
     # No address: the probe reads the REMOTELOADER_* variables, so --port, TLS and tokens do not matter.
     assert health[1:] == ["probe"], health
     for name, service in _compose()["services"].items():
-        if service.get("build", {}).get("target") != "server":
-            continue
+        if service.get("build", {}).get("target") != "server" or "entrypoint" in service:
+            continue  # not a loader (the prepare services are one-shots on the server image)
         assert int(_flag(service["command"], "--port")) in exposed, name
         assert {int(p) for p in service.get("expose", [])} <= exposed, name
         assert service.get("stop_grace_period"), f"{name}: give the drain time (stop_grace_period)"
@@ -408,8 +589,146 @@ def test_the_trainer_has_no_server_healthcheck_and_takes_its_torch_build_from_co
             assert "TORCH" in build["args"], f"{name}: the torch build cannot be chosen through compose"
 
 
+# ---- the image's versions: pyproject.toml's ranges, deploy/constraints.txt's pins -------------------
+CONSTRAINTS = ROOT / "deploy" / "constraints.txt"
+
+
+def _constraints_module():
+    spec = importlib.util.spec_from_file_location("constraints", ROOT / "deploy" / "constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _server_requirements():
+    """pyproject's requirements that the server image installs: the core ones and the server extra's."""
+    from packaging.requirements import Requirement
+
+    project = _pyproject()["project"]
+    return [Requirement(text) for text in project["dependencies"] + project["optional-dependencies"]["server"]]
+
+
+def test_every_server_dependency_is_bounded_and_pinned_inside_its_range():
+    from packaging.markers import default_environment
+    from packaging.utils import canonicalize_name
+
+    pins = _constraints_module().read(CONSTRAINTS)
+    environment = {**default_environment(), "python_version": "3.11", "sys_platform": "linux"}  # the image's
+    for requirement in _server_requirements():
+        # An upper bound, so that the next major version of a dependency is a decision, not a surprise.
+        assert any(spec.operator in ("<", "<=", "==", "~=") for spec in requirement.specifier), \
+            f"{requirement}: no upper bound"
+        if requirement.marker is not None and not requirement.marker.evaluate({**environment, "extra": "server"}):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement.name} is not pinned in {CONSTRAINTS.name}"
+        assert requirement.specifier.contains(pins[name], prereleases=True), \
+            f"{CONSTRAINTS.name} pins {name}=={pins[name]}, outside pyproject's {requirement}"
+    # The image installs with these pins, and copies the file before it does.
+    server = _dockerfile()["server"]
+    install = " ".join(server.all("RUN"))
+    assert re.search(r'pip install "\.\[server\]" -c deploy/constraints\.txt', install), install
+    assert any("deploy/constraints.txt" in value for value in server.all("COPY"))
+
+
+def test_the_constraints_pin_every_requirement_of_what_they_pin():
+    """The pins are a closed set: each pinned distribution installed here at its pinned version has
+    each of its own requirements pinned, inside that requirement's range (a pin missing here would
+    leave pip free to take the newest version of it)."""
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = _constraints_module().read(CONSTRAINTS)
+    checked = 0
+    for name, version in pins.items():
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if distribution.version != version:
+            continue  # another version here: its requirements may differ from the pinned one's
+        checked += 1
+        for text in distribution.requires or []:
+            requirement = Requirement(text)
+            marker = requirement.marker
+            if marker is not None and not marker.evaluate({**default_environment(), "extra": ""}):
+                continue
+            needed = canonicalize_name(requirement.name)
+            assert needed in pins, f"{name}=={version} requires {requirement}, which {CONSTRAINTS.name} does not pin"
+            assert requirement.specifier.contains(pins[needed], prereleases=True), (name, str(requirement))
+    assert checked, f"none of {CONSTRAINTS.name}'s pins is installed here: run the tests where the image's versions are"
+
+
 # ---- the image's size: deploy/prune_site_packages.py --------------------------------------------
 PRUNE = ROOT / "deploy" / "prune_site_packages.py"
+
+
+def _image_size_module():
+    spec = importlib.util.spec_from_file_location("image_size", ROOT / "deploy" / "image_size.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_size_section_is_the_last_measurement_rendered():
+    """docs/deploy.md's figures come from deploy/image_size.json through deploy/image_size.py,
+    never by hand; the measurement is of the pinned versions and within the 470 MB budget."""
+    sizes = _image_size_module()
+    figures = json.loads((ROOT / "deploy" / "image_size.json").read_text())
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    start, end = guide.index(sizes.BEGIN), guide.index(sizes.END) + len(sizes.END) + 1
+    assert guide[start:end] == sizes.render(figures), "rewrite it: python deploy/image_size.py render (or measure)"
+    assert guide.index("## Image size") < start < guide.index("## docker compose")
+    assert figures["image_bytes"] <= 470 * sizes.MB, figures["image_bytes"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", figures["date"]) and figures["engine"]
+    measured = set(figures["site_packages"]) - {"pip", "setuptools", "wheel", "remoteloader", "(unrecorded)"}
+    assert measured == set(_constraints_module().read(CONSTRAINTS)), "the figures are not of the pinned set"
+    rows = dict(sizes.groups(figures["site_packages"]))
+    assert sum(rows.values()) == sum(figures["site_packages"].values())
+    for label, value in rows.items():  # each row's last column: what that part weighs in the image
+        (line,) = [line for line in guide.splitlines() if line.startswith(f"| {label} |")]
+        assert line.endswith(f"| {sizes._mb(value)} |"), line
+
+
+def test_the_section_lists_the_layers_the_dockerfile_added_not_the_bases():
+    sizes = _image_size_module()
+    history = [  # docker history's rows, newest first: two of ours (one empty), then the base's
+        {"bytes": 0, "created_by": 'ENTRYPOINT ["remoteloader-server"]'},
+        {"bytes": 340_000_000, "created_by": "RUN |1 A=b /bin/sh -c apt-get update && pip install ..."},
+        {"bytes": 2_500_000, "created_by": "COPY server ./server # buildkit"},
+        {"bytes": 100_000_000, "created_by": "/bin/sh -c #(nop) ADD file:... in /"},
+        {"bytes": 25_000_000, "created_by": "RUN /bin/sh -c set -eux; ... python"},
+    ]
+    figures = {"date": "2026-12-07", "engine": "Docker 28.2.2", "how": "docker build ...", "base": "python:3.11-slim",
+               "image_bytes": 467_500_000, "base_bytes": 125_000_000, "layers": history,
+               "site_packages": {"opencv-python-headless": 180_000_000, "grpcio": 19_000_000}}
+    assert sizes.own_layers(figures) == history[:3]
+    text = sizes.render(figures)
+    assert "The server image weighs **468 MB**" in text and "342 MB of its own layers" in text
+    assert "| `RUN /1 A=b /bin/sh -c apt-get update && pip install ...` | 340 MB |" in text
+    assert "ADD file" not in text and "ENTRYPOINT" not in text  # the base's, and an empty one
+    assert "| **all** | **199 MB** |" in text
+
+
+def test_site_packages_sizes_are_each_distributions_recorded_files(tmp_path):
+    sizes = _image_size_module()
+    made = {"alpha": {"alpha/__init__.py": 1000, "alpha/core.so": 25_000}, "Beta_Pkg": {"beta.py": 300}}
+    for name, files in made.items():
+        info = tmp_path / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        for path, size in files.items():
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_bytes(b"x" * size)
+        listed = [*files, f"{info.name}/METADATA", f"{info.name}/RECORD"]
+        (info / "RECORD").write_text("".join(f"{path},,\n" for path in listed))
+    (tmp_path / "stray.pth").write_text("x" * 7)
+    (tmp_path / "alpha" / "__init__.py").unlink()  # listed, then pruned: no longer counted
+    found = sizes.site_packages(str(tmp_path))
+    metadata = {n: (tmp_path / f"{n}-1.0.dist-info" / "METADATA").stat().st_size
+                + (tmp_path / f"{n}-1.0.dist-info" / "RECORD").stat().st_size for n in ("alpha", "Beta_Pkg")}
+    assert found == {"alpha": 25_000 + metadata["alpha"], "beta-pkg": 300 + metadata["Beta_Pkg"], "(unrecorded)": 7}
 
 
 def _prune_module():

@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepare",
         metavar="DIR",
         default=None,
-        help="only write the dataset as DIR/shard-<i> (detection: DIR/detection-<i>; one per server) and exit",
+        help="only write the dataset as DIR/shard-<i> (detection: DIR/detection-<i>; one per server) and exit "
+        "(needs no torch: the server image runs it)",
     )
     parser.add_argument(
         "--connect",
@@ -98,9 +99,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.prepare:  # data only, without torch: compose's prepare services run on the server image
+        write = _write_detection_shards if args.task == "detection" else _write_shards
+        write(pathlib.Path(args.prepare), args)
+        return 0
     import torch
 
-    _check(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
@@ -108,10 +113,6 @@ def _run(args: argparse.Namespace) -> int:
         )
     torch.manual_seed(args.seed)
     with contextlib.ExitStack() as stack:  # unwound on exit, Ctrl-C and SIGTERM alike
-        write = _write_detection_shards if args.task == "detection" else _write_shards
-        if args.prepare:
-            write(pathlib.Path(args.prepare), args)
-            return 0
         addresses = args.connect or _start_servers(stack, args)
         print(f"loader servers: {addresses}; training on {device}")
         if args.task == "detection":
