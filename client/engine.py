@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import logging
 import queue
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,26 +34,17 @@ from remoteloader.client import chunks
 from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order, PlannedBatches
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.link import Link, LinkState, describe_error
+from remoteloader.client.option_groups import FlowOptions
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import codec, loader_pb2
 
-__all__ = ["END", "Batch", "BatchBuffers", "Engine", "EngineOptions", "LoaderError", "Order", "SampleFailure"]
+__all__ = ["END", "Batch", "BatchBuffers", "Engine", "LoaderError", "Order", "SampleFailure"]
 
 log = logging.getLogger("remoteloader.client")
 
 MIN_SPLIT = 16  # fewest samples an order is split off into, for a slower server to finish in time
 SAFETY = 0.8  # the share of the time to an order's deadline a slower server is given work for
 SLOW = 3  # a server this many times slower than the fastest holds one order at a time
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """RemoteLoader's scheduling arguments of the same names (no defaults: RemoteLoader's are the ones)."""
-
-    seed: int
-    prefetch: int
-    ordered: bool
-    progress_timeout: float
 
 
 class Engine:
@@ -64,16 +54,23 @@ class Engine:
         links: The receiver's links by address. The receiver owns them: it adds, drops and
             closes them; the engine opens their streams, sends orders and reads their state.
         setup: The stream's Setup message (output size, fields, wire).
-        options: Seed, prefetch, ordering and the progress timeout.
+        flow: Prefetch, ordering and the progress timeout (RemoteLoader's FlowOptions).
         buffers: Where batches are received (the assembler's).
+        seed: The loader's seed, which every order carries (each sample's augmentation).
     """
 
     def __init__(
-        self, links: dict[str, Link[Order]], setup: loader_pb2.Setup, options: EngineOptions, buffers: BatchBuffers
+        self,
+        links: dict[str, Link[Order]],
+        setup: loader_pb2.Setup,
+        flow: FlowOptions,
+        buffers: BatchBuffers,
+        seed: int,
     ):
         self.links = links
         self.setup = setup
-        self.options = options
+        self.flow = flow
+        self.seed = seed
         self.assembler = Assembler(setup, buffers)
         self.out: queue.Queue[Item] = queue.Queue()
         self.order_size = 1
@@ -105,7 +102,7 @@ class Engine:
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_progress())
         self.out = queue.Queue()
-        self._run = run = EpochRun(token, epoch, batches, first_seq, self.out, skip, self.options.ordered)
+        self._run = run = EpochRun(token, epoch, batches, first_seq, self.out, skip, self.flow.ordered)
         if run.expected:
             self._dispatch(run)
 
@@ -156,7 +153,7 @@ class Engine:
         space = self.assembler.space
         assert space is not None, "an epoch runs over a sample space"
         while True:
-            seq = run.next_batch(self.options.prefetch)
+            seq = run.next_batch(self.flow.prefetch)
             if seq is None:
                 break
             ids = run.batches[seq]
@@ -237,7 +234,7 @@ class Engine:
         run = self._run
         if run is None:
             return 0.0
-        if not self.options.ordered:
+        if not self.flow.ordered:
             left = run.samples_after(run.next_dispatch) + sum(o.samples for o in self._pending)
             return (left + sum(link.outstanding for link in self.links.values())) / pace
         return (run.samples_after(run.next_deliver) - run.samples_after(order.batch.seq)) / pace
@@ -291,7 +288,7 @@ class Engine:
                 shard_ids=[space.shards[k].id for k in named.tolist()],
                 shards=which.tolist() if len(named) > 1 else (),
                 indices=order.local.tolist(),
-                seed=self.options.seed,
+                seed=self.seed,
                 epoch=order.epoch,
             ),
         )
@@ -449,7 +446,7 @@ class Engine:
 
     async def _watch_progress(self) -> None:
         """Fails a server that holds orders but sent nothing for progress_timeout (it is stuck)."""
-        timeout = self.options.progress_timeout
+        timeout = self.flow.progress_timeout
         while True:
             await asyncio.sleep(min(2.0, timeout / 4))
             for link in list(self.links.values()):

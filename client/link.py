@@ -27,13 +27,12 @@ import collections
 import enum
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
 from remoteloader.client import same_host
-from remoteloader.client.security import TLSConfig
+from remoteloader.client.option_groups import ConnectionOptions, SecurityOptions
 from remoteloader.protos import SERVICE, codec, limits, loader_pb2, loader_pb2_grpc
 
 log = logging.getLogger("remoteloader.client")
@@ -83,19 +82,6 @@ class LinkState(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True)
-class LinkOptions:
-    """How every link of a loader connects (RemoteLoader's arguments of the same names)."""
-
-    connect_timeout: float
-    max_inflight: int
-    reconnect_timeout: float
-    tls: TLSConfig | None
-    metadata: tuple[tuple[str, str], ...]
-    token: str | None = None  # (also in metadata) for a same-host server's local socket
-    shared_memory: bool = False  # read a same-host server's chunks from its memory (client/same_host.py)
-
-
 class Work(Protocol):
     """What a link needs of an order it carries."""
 
@@ -133,16 +119,18 @@ class Link(Generic[OrderT]):
     Args:
         address: ``host:port`` of the server.
         events: Its engine, told of chunks, failures and reconnections.
-        options: Timeouts, credits and credentials.
+        connection: Timeouts, credits, the wire (RemoteLoader's ConnectionOptions).
+        security: Credentials (RemoteLoader's SecurityOptions).
 
     Others read its counters and ``state``; only its own methods change them.
     """
 
-    def __init__(self, address: str, events: LinkEvents, options: LinkOptions):
+    def __init__(self, address: str, events: LinkEvents, connection: ConnectionOptions, security: SecurityOptions):
         self.address = address
-        self.options = options
+        self.connection = connection
+        self.security = security
         self._events = events
-        self.max_inflight = options.max_inflight  # lowered to what the server allows by fetch_describe
+        self.max_inflight = connection.max_inflight  # lowered to what the server allows by fetch_describe
         self.describe: loader_pb2.DescribeResponse | None = None
         self.state = LinkState.NEW
         self.orders_sent = 0
@@ -212,7 +200,7 @@ class Link(Generic[OrderT]):
     # ---- control channel --------------------------------------------------------------
     def _channel(self, max_receive: int) -> grpc.aio.Channel:
         options = channel_options(max_receive)
-        tls = self.options.tls
+        tls = self.security.tls
         if tls is None:
             return grpc.aio.insecure_channel(self.address, options=options)
         if tls.server_name:
@@ -223,11 +211,11 @@ class Link(Generic[OrderT]):
         """Connects the control channel and asks what the server holds (bounded in time).
         ``refused``: a refused connection is an error at once (at start: nothing listens there),
         not a wait for the server to come up."""
-        timeout = self.options.connect_timeout if timeout is None else timeout
+        timeout = self.connection.connect_timeout if timeout is None else timeout
         if self._control is None:
             self._control = self._channel(16 * limits.MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
-        request, metadata = loader_pb2.DescribeRequest(), self.options.metadata
+        request, metadata = loader_pb2.DescribeRequest(), self.security.metadata
         try:
             describe = await self._describe_now(stub, request, timeout) if refused else None
             if describe is None:  # wait for the server to come up, until the timeout
@@ -250,7 +238,7 @@ class Link(Generic[OrderT]):
                 f"{exc.details()}"
             ) from None
         self.describe = describe
-        self.max_inflight = max(1, min(self.options.max_inflight, describe.max_inflight_orders))
+        self.max_inflight = max(1, min(self.connection.max_inflight, describe.max_inflight_orders))
         return describe
 
     async def _rest_of(
@@ -264,7 +252,7 @@ class Link(Generic[OrderT]):
             )
         while len(describe.shards) < describe.num_shards:
             request = loader_pb2.DescribeRequest(shard_start=len(describe.shards))
-            page = await stub.Describe(request, timeout=timeout, metadata=self.options.metadata)
+            page = await stub.Describe(request, timeout=timeout, metadata=self.security.metadata)
             if page.shard_start != len(describe.shards) or page.class_list_start != len(describe.class_lists):
                 raise ConnectionError(
                     f"loader server {self.address} sent Describe page {page.shard_start} "
@@ -282,7 +270,7 @@ class Link(Generic[OrderT]):
         """One Describe without waiting for the channel: the answer; ConnectionError when the
         connection is refused; None when the server is not reachable yet for another reason."""
         try:
-            return await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=self.options.metadata)
+            return await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=self.security.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
@@ -297,8 +285,8 @@ class Link(Generic[OrderT]):
         stub = loader_pb2_grpc.LoaderStub(self._control)
         reply = await stub.GetKeys(
             loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
-            timeout=self.options.connect_timeout,
-            metadata=self.options.metadata,
+            timeout=self.connection.connect_timeout,
+            metadata=self.security.metadata,
         )
         return list(reply.keys)
 
@@ -320,7 +308,7 @@ class Link(Generic[OrderT]):
             request_serializer=loader_pb2.StreamRequest.SerializeToString,
             response_deserializer=codec.decode_chunk,
         )
-        self._call = call = method(metadata=self.options.metadata)
+        self._call = call = method(metadata=self.security.metadata)
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
         self.state = LinkState.UP
@@ -334,11 +322,11 @@ class Link(Generic[OrderT]):
         stream: the server may have restarted); else the stream carries the pixels."""
         self._unmap_shared()
         describe = self.describe
-        if not (self.options.shared_memory and describe is not None and same_host.on_this_host(describe)):
+        if not (self.connection.reads_shared_memory and describe is not None and same_host.on_this_host(describe)):
             return
         try:
             self.shared = await asyncio.get_running_loop().run_in_executor(
-                None, same_host.SharedChunks.open, describe.local_socket, self.options.token
+                None, same_host.SharedChunks.open, describe.local_socket, self.security.token
             )
         except (OSError, ValueError) as exc:  # elsewhere after all (another container), or refused
             log.info(
@@ -479,7 +467,7 @@ class Link(Generic[OrderT]):
         """Seconds this link is still retried for (0: not retrying)."""
         if self.state is not LinkState.DOWN or self._down_since is None:
             return 0.0
-        return max(0.0, self._down_since + self.options.reconnect_timeout - time.monotonic())
+        return max(0.0, self._down_since + self.connection.reconnect_timeout - time.monotonic())
 
     def revive(self) -> None:
         """A link given up on (or refused) earlier gets another reconnect_timeout, from now."""
@@ -505,7 +493,7 @@ class Link(Generic[OrderT]):
         # The back-off carries over when a server fails again before sending anything
         # (one that refuses each new stream, e.g. RESOURCE_EXHAUSTED): no tight retry loop.
         delay = self._retry_delay
-        reconnect_timeout = self.options.reconnect_timeout
+        reconnect_timeout = self.connection.reconnect_timeout
         since = self._down_since or time.monotonic()
         deadline = since + reconnect_timeout
         report = since + STILL_DOWN_EVERY
@@ -514,7 +502,7 @@ class Link(Generic[OrderT]):
             delay = min(delay * 2, MAX_RETRY_DELAY)
             try:
                 await self._reset_channels()
-                timeout = max(0.5, min(self.options.connect_timeout, deadline - time.monotonic()))
+                timeout = max(0.5, min(self.connection.connect_timeout, deadline - time.monotonic()))
                 await self.fetch_describe(timeout, refused=True)  # (refused: back off and try again)
                 assert self._setup is not None, "a link goes down only after open_stream"
                 await self.open_stream(self._setup)

@@ -36,8 +36,7 @@ import numpy as np
 from remoteloader.client import cpu
 from remoteloader.client.assembly import PlannedBatches
 from remoteloader.client.batches import END, Batch, Item, LoaderError
-from remoteloader.client.engine import EngineOptions
-from remoteloader.client.link import LinkOptions
+from remoteloader.client.option_groups import ConnectionOptions, FlowOptions, SecurityOptions
 from remoteloader.client.receiver_channel import SharedSlots, rebuild_error
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import loader_pb2
@@ -59,8 +58,10 @@ class ProcessReceiver:
         setup: loader_pb2.Setup,
         slots: int,
         slot_bytes: int,
-        engine_options: EngineOptions,
-        link_options: LinkOptions,
+        flow: FlowOptions,
+        connection: ConnectionOptions,
+        security: SecurityOptions,
+        seed: int,
     ):
         self._setup_hw = (setup.height, setup.width)
         self._masks = "mask" in setup.fields
@@ -100,7 +101,7 @@ class ProcessReceiver:
         self._current: int | None = None
         self._dead: str | None = None
         self._close_when_read = False
-        self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
+        self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, flow, connection, security, seed))
         self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
         self._reader.start()
 

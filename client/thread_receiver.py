@@ -19,8 +19,9 @@ from remoteloader.client import cpu
 from remoteloader.client.assembly import BatchBuffers, Order, PlannedBatches
 from remoteloader.client.batches import Item, LoaderError
 from remoteloader.client.discovery import discover
-from remoteloader.client.engine import Engine, EngineOptions
-from remoteloader.client.link import Link, LinkOptions, LinkState
+from remoteloader.client.engine import Engine
+from remoteloader.client.link import Link, LinkState
+from remoteloader.client.option_groups import ConnectionOptions, FlowOptions, SecurityOptions
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import loader_pb2, malloc
 
@@ -51,11 +52,13 @@ def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
         return _shared[1], _shared[2]
 
 
-def describe_servers(address: str | Iterable[str], options: LinkOptions) -> dict[str, loader_pb2.DescribeResponse]:
+def describe_servers(
+    address: str | Iterable[str], connection: ConnectionOptions, security: SecurityOptions
+) -> dict[str, loader_pb2.DescribeResponse]:
     """What the servers at ``address`` hold and offer, asked once on the process's I/O loop
     (their connections closed again): what a loader learns before it opens its receiver,
     whose batch memory depends on the fields the servers carry. Raises as ``discover()``."""
-    links = [Link[Order](a, _NOT_STREAMING, options) for a in discover(address)]
+    links = [Link[Order](a, _NOT_STREAMING, connection, security) for a in discover(address)]
 
     async def describe_and_close() -> None:
         try:
@@ -64,7 +67,7 @@ def describe_servers(address: str | Iterable[str], options: LinkOptions) -> dict
             await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
 
     loop, _ = io_loop()
-    asyncio.run_coroutine_threadsafe(describe_and_close(), loop).result(timeout=options.connect_timeout + 5)
+    asyncio.run_coroutine_threadsafe(describe_and_close(), loop).result(timeout=connection.connect_timeout + 5)
     return {link.address: link.describe for link in links if link.describe is not None}
 
 
@@ -107,8 +110,9 @@ class ThreadReceiver:
         setup: The stream's Setup message.
         buffers: Where batches are received (the consumer's delivery, or the receiver
             process's shared slots).
-        engine_options: Scheduling options.
-        link_options: Connection options.
+        flow: The engine's options.
+        connection, security: The links' options.
+        seed: The loader's seed (the engine's orders carry it).
     """
 
     def __init__(
@@ -116,25 +120,27 @@ class ThreadReceiver:
         address: str | Iterable[str],
         setup: loader_pb2.Setup,
         buffers: BatchBuffers,
-        engine_options: EngineOptions,
-        link_options: LinkOptions,
+        flow: FlowOptions,
+        connection: ConnectionOptions,
+        security: SecurityOptions,
+        seed: int,
     ):
         malloc.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._address = address
-        self._link_options = link_options
+        self._connection, self._security = connection, security
         self.links: dict[str, Link[Order]] = {}
         self._loop, self._thread = io_loop()
         self._pid = os.getpid()
         self._closed = False
-        self.engine = Engine(self.links, setup, engine_options, buffers)
+        self.engine = Engine(self.links, setup, flow, buffers, seed)
         buffers.listen(self._buffer_freed)  # (told by the buffers themselves: nothing relays it)
 
     # ---- servers ------------------------------------------------------------------------
     def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
         new = [a for a in discover(self._address) if a not in self.links]
         if new:
-            links = [Link[Order](a, self.engine, self._link_options) for a in new]
-            self._call(self._describe_all(links), timeout=self._link_options.connect_timeout + 5)
+            links = [Link[Order](a, self.engine, connection=self._connection, security=self._security) for a in new]
+            self._call(self._describe_all(links), timeout=self._connection.connect_timeout + 5)
         return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
 
     async def _describe_all(self, links: list[Link[Order]]) -> None:

@@ -19,8 +19,9 @@ import pytest
 from remoteloader.client import chunks
 from remoteloader.client.assembly import Order
 from remoteloader.client.batches import END, Batch, LoaderError
-from remoteloader.client.engine import Engine, EngineOptions
+from remoteloader.client.engine import Engine
 from remoteloader.client.link import LinkState
+from remoteloader.client.option_groups import FlowOptions
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import codec, loader_pb2, wire
 
@@ -163,8 +164,8 @@ def space(shards: dict[str, tuple[int, list[str]]]) -> SampleSpace:
 def engine_of(links: list[FakeLink], *, prefetch: int = 8, ordered: bool = True, buffers: Buffers | None = None,
               setup: loader_pb2.Setup | None = None) -> Engine:
     setup = setup or loader_pb2.Setup(height=H, width=W)
-    options = EngineOptions(seed=1, prefetch=prefetch, ordered=ordered, progress_timeout=60.0)
-    engine = Engine({link.address: link for link in links}, setup, options, buffers or Buffers())  # type: ignore[misc]
+    flow = FlowOptions(prefetch=prefetch, ordered=ordered, progress_timeout=60.0)
+    engine = Engine({link.address: link for link in links}, setup, flow, buffers or Buffers(), seed=1)  # type: ignore[misc]
     for link in links:
         link.engine = engine
     return engine
