@@ -207,21 +207,41 @@ class Link(Generic[OrderT]):
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         return grpc.aio.secure_channel(self.address, tls.credentials(), options=options)
 
-    async def fetch_describe(self, timeout: float | None = None, refused: bool = False) -> loader_pb2.DescribeResponse:
+    async def fetch_describe(
+        self, timeout: float | None = None, refused: bool = False, starting: bool = False
+    ) -> loader_pb2.DescribeResponse:
         """Connects the control channel and asks what the server holds (bounded in time).
-        ``refused``: a refused connection is an error at once (at start: nothing listens there),
-        not a wait for the server to come up."""
+        ``refused``: a refused connection is an error at once (a reconnect backs off and tries
+        again); ``starting``: it is logged at once (nothing listens there, or not yet: a server
+        still starting) and tried again until the timeout, then raised naming the address."""
         timeout = self.connection.connect_timeout if timeout is None else timeout
         if self._control is None:
             self._control = self._channel(16 * limits.MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         request, metadata = loader_pb2.DescribeRequest(), self.security.metadata
+        started, was_refused = time.monotonic(), False
         try:
-            describe = await self._describe_now(stub, request, timeout) if refused else None
+            try:
+                describe = await self._describe_now(stub, request, timeout) if refused or starting else None
+            except ConnectionRefusedError:
+                if not starting:
+                    raise ConnectionError(
+                        f"loader server {self.address} refused the connection: nothing listens there "
+                        f"(is the server running, and on this port?)"
+                    ) from None
+                was_refused = True
+                log.warning("%s refused the connection; retrying for up to connect_timeout=%gs", self.address, timeout)
+                describe = None
             if describe is None:  # wait for the server to come up, until the timeout
-                describe = await stub.Describe(request, timeout=timeout, wait_for_ready=True, metadata=metadata)
+                left = max(0.0, timeout - (time.monotonic() - started))
+                describe = await stub.Describe(request, timeout=left, wait_for_ready=True, metadata=metadata)
             await self._rest_of(stub, describe, timeout)
         except grpc.aio.AioRpcError as exc:
+            if was_refused and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ConnectionError(
+                    f"loader server {self.address} refused the connection: nothing listens there (is the server "
+                    f"running, and on this port?); tried again for connect_timeout={timeout:g}s"
+                ) from None
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
                 raise PermissionError(
@@ -237,9 +257,14 @@ class Link(Generic[OrderT]):
                 f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
                 f"{exc.details()}"
             ) from None
+        self.adopt(describe)
+        return describe
+
+    def adopt(self, describe: loader_pb2.DescribeResponse) -> None:
+        """What the server said when it was described (here, or before this link was made: a
+        loader describes each server once at start, ``thread_receiver.describe_servers``)."""
         self.describe = describe
         self.max_inflight = max(1, min(self.connection.max_inflight, describe.max_inflight_orders))
-        return describe
 
     async def _rest_of(
         self, stub: loader_pb2_grpc.LoaderStub, describe: loader_pb2.DescribeResponse, timeout: float
@@ -267,21 +292,20 @@ class Link(Generic[OrderT]):
     async def _describe_now(
         self, stub: loader_pb2_grpc.LoaderStub, request: loader_pb2.DescribeRequest, timeout: float
     ) -> loader_pb2.DescribeResponse | None:
-        """One Describe without waiting for the channel: the answer; ConnectionError when the
-        connection is refused; None when the server is not reachable yet for another reason."""
+        """One Describe without waiting for the channel: the answer; ConnectionRefusedError when
+        the connection is refused; None when the server is not reachable yet for another reason."""
         try:
             return await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=self.security.metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             if "refused" in (exc.details() or "").lower():
-                raise ConnectionError(
-                    f"loader server {self.address} refused the connection: nothing listens there "
-                    f"(is the server running, and on this port?)"
-                ) from None
+                raise ConnectionRefusedError(f"loader server {self.address} refused the connection") from None
             return None
 
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
+        if self._control is None:  # (a link that adopted its describe)
+            self._control = self._channel(16 * limits.MiB)
         stub = loader_pb2_grpc.LoaderStub(self._control)
         reply = await stub.GetKeys(
             loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from remoteloader.client import failures
+from remoteloader.client import failures, memory_bounds
 from remoteloader.client import options as options_module
 from remoteloader.client import plan as plan_module
 from remoteloader.client.batch_forms import user_batch
@@ -43,9 +43,10 @@ from remoteloader.client.process_receiver import ProcessReceiver
 from remoteloader.client.ranks import Partition, Ranks
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.client.server_set import ServerSet
+from remoteloader.client.server_set import ServerSet, check_offer
 from remoteloader.client.thread_receiver import ThreadReceiver, describe_servers
 from remoteloader.client.throughput import Throughput
+from remoteloader.protos import loader_pb2
 from remoteloader.protos import targets as tg
 
 log = logging.getLogger("remoteloader.client")
@@ -89,19 +90,7 @@ class RemoteLoader:
         self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
         _OPEN.add(self)
         try:
-            if self.options.output.fields is None:
-                # The fields the servers' shards carry, asked before the I/O side opens: the
-                # streams ask for them, and batch memory has room for masks when they carry some.
-                # (A server that joins between this and the open with other fields does not
-                # add them.)
-                wanted = self._wanted_fields(
-                    SampleSpace(describe_servers(address, self.options.connection, self.options.security))
-                )
-                self.options = self.options.with_fields(wanted)
-            self._io, self._delivery = self._open_io(address)
-            self._servers = ServerSet(self._io, self.options.setup)
-            if self.options.output.fields is not None:
-                wanted = self._wanted_fields(self._servers.space)
+            wanted = self._start(address)
         except BaseException:
             self.close()
             raise
@@ -110,6 +99,26 @@ class RemoteLoader:
             wanted if self.options.output.fields is not None or set(wanted) - {tg.LABEL} else None
         )
         self._warn_if_epochs_are_empty(self._ranks.current())
+
+    def _start(self, address: str | Iterable[str]) -> tuple[str, ...]:
+        """Describes each server once, checks the plan against what they said (pipeline, image
+        size, wire, fields), checks the buffers fit in this machine's memory, and only then opens
+        the receiver and allocates the buffers, once: a bad argument fails in milliseconds.
+        Returns the fields the batches hold."""
+        o = self.options
+        described = describe_servers(address, o.connection, o.security)
+        for server, describe in described.items():
+            check_offer(o.setup, server, describe)
+        # The fields asked for, or those the servers' shards carry: the streams ask for them,
+        # and batch memory has room for masks when they carry some. (A server that joins
+        # between this and the open with other fields does not add them.)
+        wanted = self._wanted_fields(SampleSpace(described))
+        if o.output.fields is None:
+            self.options = o.with_fields(wanted)
+        memory_bounds.check(self.options)
+        self._io, self._delivery = self._open_io(address, described)
+        self._servers = ServerSet(self._io, self.options.setup)
+        return wanted
 
     def _wanted_fields(self, space: SampleSpace) -> tuple[str, ...]:
         """The fields asked for, or (fields=None) those the servers' shards carry; ValueError for
@@ -129,8 +138,11 @@ class RemoteLoader:
             )
         return wanted
 
-    def _open_io(self, address: str | Iterable[str]) -> tuple[Receiver, Delivery]:
-        """The receiver and the delivery the options ask for (closed again if either fails)."""
+    def _open_io(
+        self, address: str | Iterable[str], described: dict[str, loader_pb2.DescribeResponse]
+    ) -> tuple[Receiver, Delivery]:
+        """The receiver (its links starting from ``described``) and the delivery the options ask
+        for (closed again if either fails)."""
         o, out, b = self.options, self.options.output, self.options.batches
         links = (o.connection, o.security)
         process: ProcessReceiver | None = None
@@ -139,7 +151,9 @@ class RemoteLoader:
             if out.receiver == ReceiverKind.PROCESS:
                 # Batches arrive in its shared slots; the delivery copies them out (to the GPU
                 # on CUDA) and gives the slots back.
-                process = ProcessReceiver(address, o.setup, o.batch_buffers, o.batch_bytes, o.flow, *links, b.seed)
+                process = ProcessReceiver(
+                    address, o.setup, o.batch_buffers, o.batch_bytes, o.flow, *links, b.seed, described
+                )
             if out.device.type == "cuda":
                 delivery = CudaDelivery(
                     out.device,
@@ -159,7 +173,7 @@ class RemoteLoader:
                 )
             if process is not None:
                 return process, delivery
-            return ThreadReceiver(address, o.setup, delivery, o.flow, *links, b.seed), delivery
+            return ThreadReceiver(address, o.setup, delivery, o.flow, *links, b.seed, described), delivery
         except BaseException:
             if delivery is not None:
                 delivery.close(final=True)

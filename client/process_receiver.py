@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -62,6 +62,7 @@ class ProcessReceiver:
         connection: ConnectionOptions,
         security: SecurityOptions,
         seed: int,
+        described: Mapping[str, loader_pb2.DescribeResponse] | None = None,
     ):
         self._setup_hw = (setup.height, setup.width)
         self._masks = "mask" in setup.fields
@@ -101,7 +102,19 @@ class ProcessReceiver:
         self._current: int | None = None
         self._dead: str | None = None
         self._close_when_read = False
-        self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, flow, connection, security, seed))
+        described_bytes = {a: d.SerializeToString() for a, d in (described or {}).items()}
+        init = (
+            address,
+            setup.SerializeToString(),
+            slots,
+            slot_bytes,
+            flow,
+            connection,
+            security,
+            seed,
+            described_bytes,
+        )
+        self._send(("init", *init))
         self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
         self._reader.start()
 

@@ -83,12 +83,19 @@ class ReceiverService:
         """Reads the parent's messages: "free" and "consumed" at once, calls on a worker thread
         (so a slow call, e.g. GetKeys, never holds back the slots coming back)."""
         try:
-            _, address, setup, slots, slot_bytes, flow, connection, security, seed = self.conn.recv()
+            _, address, setup, slots, slot_bytes, flow, connection, security, seed, described = self.conn.recv()
         except (EOFError, OSError):
             return
         buffers = SlotBuffers(SharedSlots(slots, slot_bytes, self.slots_fd))
         receiver = ThreadReceiver(
-            address, loader_pb2.Setup.FromString(setup), buffers, flow, connection, security, seed
+            address,
+            loader_pb2.Setup.FromString(setup),
+            buffers,
+            flow,
+            connection,
+            security,
+            seed,
+            {a: loader_pb2.DescribeResponse.FromString(d) for a, d in described.items()},
         )
         calls: queue.Queue[tuple | None] = queue.Queue()
         worker = threading.Thread(

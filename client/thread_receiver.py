@@ -12,7 +12,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 from remoteloader.client import cpu
@@ -72,8 +72,9 @@ def describe_servers(
 
 
 async def _describe(links: list[Link[Order]]) -> None:
-    """Describes every link (a refused connection fails at once); the first error closes them all."""
-    results = await asyncio.gather(*(link.fetch_describe(refused=True) for link in links), return_exceptions=True)
+    """Describes every link (a refused connection is tried again until connect_timeout); the first
+    error closes them all."""
+    results = await asyncio.gather(*(link.fetch_describe(starting=True) for link in links), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
@@ -113,6 +114,8 @@ class ThreadReceiver:
         flow: The engine's options.
         connection, security: The links' options.
         seed: The loader's seed (the engine's orders carry it).
+        described: What the servers said when the loader described them (``describe_servers``):
+            their links start with it, and the first ``discover`` reports them without asking again.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class ThreadReceiver:
         connection: ConnectionOptions,
         security: SecurityOptions,
         seed: int,
+        described: Mapping[str, loader_pb2.DescribeResponse] | None = None,
     ):
         malloc.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._address = address
@@ -133,6 +137,11 @@ class ThreadReceiver:
         self._pid = os.getpid()
         self._closed = False
         self.engine = Engine(self.links, setup, flow, buffers, seed)
+        for address, describe in (described or {}).items():
+            link = Link[Order](address, self.engine, connection=connection, security=security)
+            link.adopt(describe)
+            self.links[address] = link
+        self._unreported = list(self.links)  # described before: the first discover() reports them as new
         buffers.listen(self._buffer_freed)  # (told by the buffers themselves: nothing relays it)
 
     # ---- servers ------------------------------------------------------------------------
@@ -141,7 +150,8 @@ class ThreadReceiver:
         if new:
             links = [Link[Order](a, self.engine, connection=self._connection, security=self._security) for a in new]
             self._call(self._describe_all(links), timeout=self._connection.connect_timeout + 5)
-        return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
+        reported, self._unreported = self._unreported, []
+        return {a: link.describe for a, link in self.links.items() if link.describe is not None}, reported + new
 
     async def _describe_all(self, links: list[Link[Order]]) -> None:
         await _describe(links)
