@@ -31,11 +31,11 @@ import queue
 import numpy as np
 
 from remoteloader.client import chunks
-from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order, PlannedBatches
+from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
+from remoteloader.client.epoch import Pass
 from remoteloader.client.link import Link, LinkState, describe_error
 from remoteloader.client.option_groups import FlowOptions
-from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import codec, loader_pb2
 
 __all__ = ["END", "Batch", "BatchBuffers", "Engine", "LoaderError", "Order", "SampleFailure"]
@@ -80,19 +80,10 @@ class Engine:
         self._watchdog: asyncio.Task | None = None
 
     # ---- epochs ---------------------------------------------------------------------
-    async def start_epoch(
-        self,
-        *,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int],
-    ) -> None:
-        """Starts the pass ``token`` at batch ``first_seq`` (leaving out the batches in ``skip``)."""
+    async def start_epoch(self, played: Pass) -> None:
+        """Starts the pass ``played`` (from its ``start``, less its ``done``, over its ``space``)."""
         self.cancel_epoch()
-        self.assembler.space = space
+        self.assembler.space = played.space
         self.order_size = min(link.describe.max_order_samples for link in self.links.values() if link.describe)
         for link in self.links.values():
             if link.state is LinkState.NEW:
@@ -102,45 +93,36 @@ class Engine:
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_progress())
         self.out = queue.Queue()
-        self._run = run = EpochRun(token, epoch, batches, first_seq, self.out, skip, self.flow.ordered)
+        self._run = run = EpochRun(played, self.out, self.flow.ordered)
         if run.expected:
             self._dispatch(run)
 
     @property
-    def token(self) -> int | None:
-        """The running epoch's token (read from the consumer thread)."""
+    def playing(self) -> Pass | None:
+        """The pass running (read from the consumer thread)."""
         run = self._run
-        return run.token if run is not None else None
+        return run.played if run is not None else None
 
-    def cancel_epoch(self, token: int | None = None, drain: bool = True) -> None:
-        """Abandons the current epoch, if ``token`` is still it; in-flight work is dropped."""
+    def cancel_epoch(self, played: Pass | None = None, drain: bool = True) -> None:
+        """Abandons the current pass, if ``played`` is still it; in-flight work is dropped."""
         run = self._run
-        if run is None or (token is not None and run.token != token):
+        if run is None or (played is not None and run.played is not played):
             return
-        run.cancelled = True
-        for batch in run.open.values():  # never handed out: their buffers are free again
+        for batch in run.cancel(drain):  # never handed out, or never taken: their buffers are free again
             self.assembler.release(batch)
-        run.open.clear()
-        while drain:  # handed out but never taken by the consumer
-            try:
-                item = run.out.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Batch):
-                self.assembler.release(item)
         for order in self._pending:
-            order.cancelled = True
+            order.cancel()
         self._pending.clear()
         for link in self.links.values():
             for order in link.orders():
-                order.cancelled = True
+                order.cancel()
         self._run = None
 
-    def consumed(self, token: int) -> None:
-        """The consumer took a batch of epoch ``token``: one more may be requested."""
+    def consumed(self, played: Pass) -> None:
+        """The consumer took a batch of the pass ``played``: one more may be requested."""
         run = self._run
-        if run is not None and run.token == token:
-            run.consumed += 1
+        if run is not None and run.played is played:
+            run.took_one()
             self._dispatch(run)
 
     def buffer_freed(self) -> None:
@@ -271,10 +253,7 @@ class Engine:
             if oldest is not None:
                 # What arrived of it stays; the twin is the rest.
                 run.credit(oldest, oldest.received - oldest.credited)
-                oldest.credited = oldest.received
-                twin = oldest.rest(next(self._order_ids))
-                twin.twin, oldest.twin = oldest, twin
-                self._send(link, twin)
+                self._send(link, oldest.hedge(next(self._order_ids)))
 
     def _send(self, link: Link[Order], order: Order) -> None:
         order.sent(link.address)
@@ -345,8 +324,7 @@ class Engine:
                 return
         elif shared is not None:  # (another server's twin won: nothing to copy)
             link.release(shared)
-        order.received += header.count
-        if order.received == order.samples:
+        if order.arrived(header.count):
             self._complete(link, order)
 
     def _complete(self, link: Link[Order], order: Order) -> None:
@@ -356,7 +334,7 @@ class Engine:
         if not order.cancelled:
             twin = order.twin
             if twin is not None:  # it won: the twin is dropped
-                twin.cancelled = True
+                twin.cancel()
                 there = self.links.get(twin.sent_to)
                 if there is not None:
                     there.cancel(twin)
@@ -373,13 +351,10 @@ class Engine:
         for order in orders:
             twin = order.twin
             if twin is not None and not twin.cancelled and any(twin is o for o in self._in_flight(twin)):
-                order.cancelled = True
-                twin.twin = None  # on its own again (it may be hedged anew)
+                order.cancel()
+                twin.unhedge()
             else:
-                order.twin = None
-                if order.credited:  # hedged, and its twin is gone too: only its rest is still missing
-                    order.drop_first(order.credited)
-                    order.credited = 0
+                order.requeue()
                 requeued.append(order)
         orders = requeued
         self._pending[:0] = sorted(orders, key=lambda o: o.order_id)
@@ -457,7 +432,7 @@ class Engine:
         run = self._run
         if run is not None and not run.cancelled:
             self.cancel_epoch(drain=False)
-            run.out.put(error)
+            run.failed(error)
 
     def close(self) -> None:
         """Drops the running epoch and stops the progress watchdog (the receiver closes the links)."""

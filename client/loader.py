@@ -369,7 +369,7 @@ class RemoteLoader:
         return self._pass()
 
     def _pass(self) -> Iterator:
-        played, token, source = self._start_pass()
+        played, source = self._start_pass()
         out = self._delivery.start(source)
         ended = False  # the receiver said the pass is over
         meter = self._throughput
@@ -380,28 +380,28 @@ class RemoteLoader:
 
         try:
             while True:
-                item = meter.wait_for(lambda: self._get(out, token))
+                item = meter.wait_for(lambda: self._get(out, played))
                 if item is END:
                     ended = True
-                    if self._position.ended(token):  # an epoch with no batches for this rank
+                    if self._position.ended(played):  # an epoch with no batches for this rank
                         epoch_done()
                     break
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, (Batch, Delivered)), item
-                self._io.consumed(token)
+                self._io.consumed(played)
                 result = self._deliver(item)
                 # Only once delivered (a batch that raised is played again on resume); the last
                 # batch ends the epoch, whether or not the loop asks for another.
-                if self._position.delivered(token, item.seq):
+                if self._position.delivered(played, item.seq):
                     epoch_done()
                 if result is not None:
                     yield result
         finally:
-            if not ended and self._io.token == token:  # left early, and no newer pass started
-                self._abandon(token)
+            if not ended and self._io.playing is played:  # left early, and no newer pass started
+                self._abandon(played)
 
-    def _start_pass(self) -> tuple[Pass, int, queue.Queue[Item]]:
+    def _start_pass(self) -> tuple[Pass, queue.Queue[Item]]:
         """Finds the servers, reads the partition and starts the receiver on what this pass plays."""
         space = self._servers.next_epoch(self._position.resume_space())
         partition = self._ranks.current()
@@ -414,19 +414,12 @@ class RemoteLoader:
                 f"torch.distributed initialized after len() was read?)",
                 stacklevel=3,
             )
-        played = self._position.next_pass(partition)
-        out = self._io.start_epoch(
-            token=played.token,
-            epoch=played.epoch,
-            batches=played.plan.batches,
-            first_seq=played.start,
-            space=space,
-            skip=played.done,
-        )
+        played = self._position.next_pass(partition, space)
+        out = self._io.start_epoch(played)
         self._position.begin(played)
-        return played, played.token, out
+        return played, out
 
-    def _get(self, out: Readable[Output], token: int) -> Output:
+    def _get(self, out: Readable[Output], played: Pass) -> Output:
         while True:
             try:
                 return out.get(timeout=1.0)
@@ -436,15 +429,15 @@ class RemoteLoader:
                 stopped = self._io.stopped()
                 if stopped is not None:
                     raise LoaderError(stopped) from None
-                if self._io.token != token:
+                if self._io.playing is not played:
                     raise RuntimeError(
                         "this iteration was superseded: iter(loader) was called again, which starts the epoch anew"
                     ) from None
 
-    def _abandon(self, token: int) -> None:
+    def _abandon(self, played: Pass) -> None:
         """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
         try:
-            self._io.cancel_epoch(token)
+            self._io.cancel_epoch(played)
         except (RuntimeError, LoaderError, TimeoutError, concurrent.futures.TimeoutError):
             # closed meanwhile, or the receiver is gone or stuck
             return

@@ -16,13 +16,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 from remoteloader.client import cpu
-from remoteloader.client.assembly import BatchBuffers, Order, PlannedBatches
+from remoteloader.client.assembly import BatchBuffers, Order
 from remoteloader.client.batches import Item, LoaderError
 from remoteloader.client.discovery import discover
 from remoteloader.client.engine import Engine
+from remoteloader.client.epoch import Pass
 from remoteloader.client.link import Link, LinkState
 from remoteloader.client.option_groups import ConnectionOptions, FlowOptions, SecurityOptions
-from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import loader_pb2, malloc
 
 T = TypeVar("T")
@@ -183,34 +183,22 @@ class ThreadReceiver:
         return {a: link.counters() for a, link in self.links.items()}
 
     # ---- epochs -------------------------------------------------------------------------
-    def start_epoch(
-        self,
-        *,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int],
-    ) -> queue.Queue[Item]:
-        start = self.engine.start_epoch(
-            token=token, epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip
-        )
-        self._call(start, timeout=None)
+    def start_epoch(self, played: Pass) -> queue.Queue[Item]:
+        self._call(self.engine.start_epoch(played), timeout=None)
         return self.engine.out
 
     @property
-    def token(self) -> int | None:
-        return self.engine.token
+    def playing(self) -> Pass | None:
+        return self.engine.playing
 
-    def cancel_epoch(self, token: int) -> None:
+    def cancel_epoch(self, played: Pass) -> None:
         if self._on_loop_thread():  # a generator finalized by a collection on the I/O thread
-            self._loop.call_soon(self.engine.cancel_epoch, token)
+            self._loop.call_soon(self.engine.cancel_epoch, played)
             return
-        self._call(_run(self.engine.cancel_epoch, token), timeout=10)
+        self._call(_run(self.engine.cancel_epoch, played), timeout=10)
 
-    def consumed(self, token: int) -> None:
-        self._soon(self.engine.consumed, token)
+    def consumed(self, played: Pass) -> None:
+        self._soon(self.engine.consumed, played)
 
     def _buffer_freed(self) -> None:
         """A buffer came back (any thread): dispatch goes on, on the I/O loop."""

@@ -20,8 +20,10 @@ from remoteloader.client import chunks
 from remoteloader.client.assembly import Order
 from remoteloader.client.batches import END, Batch, LoaderError
 from remoteloader.client.engine import Engine
+from remoteloader.client.epoch import Pass
 from remoteloader.client.link import LinkState
 from remoteloader.client.option_groups import FlowOptions
+from remoteloader.client.plan import EpochPlan
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import codec, loader_pb2, wire
 
@@ -182,8 +184,10 @@ class Listed(list):
 
 
 async def start(engine: Engine, sample_space: SampleSpace, batches: list[np.ndarray], **kw) -> queue.Queue:
-    await engine.start_epoch(token=7, epoch=0, batches=Listed(batches), first_seq=kw.pop("first_seq", 0),
-                             space=sample_space, skip=kw.pop("skip", frozenset()))
+    plan = EpochPlan(epoch=0, num_samples=sample_space.num_samples, batch_size=1, rank=0, world_size=1,
+                     drop_last=False, shuffle=False, seed=1, batches=Listed(batches))  # type: ignore[arg-type]
+    played = Pass(0, plan, kw.pop("first_seq", 0), kw.pop("skip", frozenset()), token=7, space=sample_space)
+    await engine.start_epoch(played)
     return engine.out
 
 
@@ -248,7 +252,7 @@ def test_batches_are_split_by_owners_and_order_size_and_dispatched_up_to_prefetc
         a.answer_all()
         b.answer_all()
         assert [b.seq for b in drain(out)] == [0, 1]
-        engine.consumed(engine.token)  # the consumer took one: the third batch goes out
+        engine.consumed(engine.playing)  # the consumer took one: the third batch goes out
         assert [o.batch.seq for o in a.sent[4:]] == [2, 2]
         engine.close()
 
@@ -322,7 +326,7 @@ def test_a_slow_replica_gets_only_the_part_it_can_finish_before_the_loop_wants_i
         while fast.orders() or slow.orders():
             fast.answer_all()
             slow.answer_all()
-            engine.consumed(engine.token)
+            engine.consumed(engine.playing)
         asked = np.sort(np.concatenate([o.local for o in fast.sent + slow.sent]))
         assert np.array_equal(asked, np.arange(2048))
         engine.close()
