@@ -34,9 +34,9 @@ from remoteloader.client import chunks
 from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
 from remoteloader.client.epoch import Pass
-from remoteloader.client.link import Link, LinkState, describe_error
+from remoteloader.client.link import Arrival, Link, LinkState, describe_error
 from remoteloader.client.option_groups import FlowOptions
-from remoteloader.protos import codec, loader_pb2
+from remoteloader.protos import loader_pb2
 
 __all__ = ["END", "Batch", "BatchBuffers", "Engine", "LoaderError", "Order", "SampleFailure"]
 
@@ -273,23 +273,11 @@ class Engine:
         )
 
     # ---- receiving (LinkEvents) -----------------------------------------------------
-    def on_chunk(self, link: Link[Order], chunk: codec.DecodedChunk) -> None:
-        """Checks a chunk (``chunks.py``) and places it into its batch's rows (``assembly.py``);
-        completes orders and batches. A chunk that does not fit fails its server's link."""
-        header, payload = chunk
-        shared = header.shared if header.HasField("shared") else None  # its payload in the server's memory
-        if shared is not None:
-            try:
-                payload = link.shared_payload(shared)
-            except ValueError as exc:
-                link.fail(ConnectionError(f"bad shared chunk from {link.address} (order {header.order_id}): {exc}"))
-                return
-        order = link.order(header.order_id)
-        if order is None and link.dropped(header.order_id):  # already on the way when it was cancelled
-            link.received(len(payload), header.count, header.workers_busy)
-            if shared is not None:
-                link.release(shared)
-            return
+    def on_chunk(self, link: Link[Order], arrival: Arrival[Order]) -> None:
+        """Checks a chunk its link resolved (``chunks.py``) and places it into its batch's rows
+        (``assembly.py``); completes orders and batches. A chunk that does not fit fails its
+        server's link."""
+        header, payload, order = arrival.header, arrival.payload, arrival.order
         try:
             checked = chunks.check(
                 header,
@@ -303,7 +291,6 @@ class Engine:
             link.fail(ConnectionError(str(exc)))
             return
         assert order is not None, "check refuses a chunk of no order"
-        link.received(len(payload), header.count, header.workers_busy, header.joined)
         if not order.cancelled:
             try:
                 self.assembler.place(order, header, payload, checked, link.address)
@@ -315,15 +302,15 @@ class Engine:
                     )
                 )
                 return
-            if shared is not None and not link.release(shared):
+            if not arrival.release():
                 link.fail(
                     ConnectionError(
                         f"shared chunk from {link.address} (order {header.order_id}) was overwritten while copied"
                     )
                 )
                 return
-        elif shared is not None:  # (another server's twin won: nothing to copy)
-            link.release(shared)
+        else:  # (another server's twin won: nothing to copy)
+            arrival.release()
         if order.arrived(header.count):
             self._complete(link, order)
 

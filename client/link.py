@@ -27,6 +27,7 @@ import collections
 import enum
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
@@ -95,11 +96,34 @@ class Work(Protocol):
 OrderT = TypeVar("OrderT", bound=Work)
 
 
+@dataclass
+class Arrival(Generic[OrderT]):
+    """A chunk as its link resolved it before the engine sees it: counted, its bytes (in the
+    server's memory for a same-host chunk: ``payload`` reads them there), the order in flight it
+    belongs to (None: none; the engine's check refuses it), and ``release`` to give a shared
+    chunk's memory back once it is copied out. Chunks of an order cancelled on this stream never
+    become one (the link drops them)."""
+
+    header: loader_pb2.ChunkHeader
+    payload: memoryview
+    order: OrderT | None
+    link: Link[OrderT] | None = None  # (None: nothing to release)
+    shared: loader_pb2.SharedPayload | None = None
+
+    def release(self) -> bool:
+        """Its memory goes back to the server, if it is a shared chunk; whether the copy made of
+        it is whole (the server did not reuse the slot meanwhile)."""
+        if self.shared is None or self.link is None:
+            return True
+        return self.link.release(self.shared)
+
+
 class LinkEvents(Protocol):
     """What a link tells its engine; every call comes on the I/O loop."""
 
-    def on_chunk(self, link: Link[Any], chunk: codec.DecodedChunk) -> None:
-        """A chunk arrived on the stream (the engine checks it and calls ``received``/``complete``)."""
+    def on_chunk(self, link: Link[Any], arrival: Arrival[Any]) -> None:
+        """A chunk arrived on the stream, resolved (the engine checks it, places it, releases it
+        and calls ``complete`` when its order is whole)."""
 
     def on_link_down(self, link: Link[Any], orders: list[Any], exc: BaseException) -> None:
         """The stream failed; ``orders`` were in flight and not cancelled, and are the engine's again."""
@@ -362,7 +386,26 @@ class Link(Generic[OrderT]):
             self.shared.close()
             self.shared = None
 
-    def shared_payload(self, shared: loader_pb2.SharedPayload) -> memoryview:
+    def _resolve(self, chunk: codec.DecodedChunk) -> Arrival[OrderT] | None:
+        """The chunk counted and resolved for the engine (None: dropped here, or the link failed)."""
+        header, payload = chunk
+        shared = header.shared if header.HasField("shared") else None  # its payload in the server's memory
+        if shared is not None:
+            try:
+                payload = self._shared_payload(shared)
+            except ValueError as exc:
+                self.fail(ConnectionError(f"bad shared chunk from {self.address} (order {header.order_id}): {exc}"))
+                return None
+        order = self._inflight.get(header.order_id)
+        if order is None and header.order_id in self._dropped:  # already on the way when it was cancelled
+            self.received(len(payload), header.count, header.workers_busy)
+            if shared is not None:
+                self.release(shared)
+            return None
+        self.received(len(payload), header.count, header.workers_busy, header.joined)
+        return Arrival(header, payload, order, self, shared)
+
+    def _shared_payload(self, shared: loader_pb2.SharedPayload) -> memoryview:
         """A chunk's bytes in the server's memory (ValueError: not in it, or its slot reused)."""
         if self.shared is None:
             raise ValueError("a shared chunk on a stream that did not ask for them")
@@ -414,10 +457,6 @@ class Link(Generic[OrderT]):
         self._outbox.put_nowait(loader_pb2.StreamRequest(cancel=loader_pb2.Cancel(order_id=order.order_id)))
         self._dropped.append(order.order_id)
 
-    def dropped(self, order_id: int) -> bool:
-        """Whether chunks of ``order_id`` are of an order cancelled on this stream (to be dropped)."""
-        return order_id in self._dropped
-
     def complete(self, order: OrderT) -> None:
         """All of an order's samples arrived: it is no longer in flight."""
         del self._inflight[order.order_id]
@@ -454,7 +493,9 @@ class Link(Generic[OrderT]):
                 if call is not self._call:
                     return
                 self._healthy = True
-                self._events.on_chunk(self, chunk)
+                arrival = self._resolve(chunk)
+                if arrival is not None:
+                    self._events.on_chunk(self, arrival)
             raise ConnectionError("the server closed the stream")
         except asyncio.CancelledError:
             raise

@@ -21,11 +21,11 @@ from remoteloader.client.assembly import Order
 from remoteloader.client.batches import END, Batch, LoaderError
 from remoteloader.client.engine import Engine
 from remoteloader.client.epoch import Pass
-from remoteloader.client.link import LinkState
+from remoteloader.client.link import Arrival, LinkState
 from remoteloader.client.option_groups import FlowOptions
 from remoteloader.client.plan import EpochPlan
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import codec, loader_pb2, wire
+from remoteloader.protos import loader_pb2, wire
 
 H = W = 2
 SAMPLE = H * W * 3
@@ -75,16 +75,10 @@ class FakeLink:
         self.outstanding += order.samples
         self.sent.append(order)
 
-    def received(self, nbytes: int, samples: int, workers_busy: float, joined: bool = False) -> None:
-        pass
-
     def cancel(self, order: Order) -> None:
         if self._inflight.pop(order.order_id, None) is not None:
             self.outstanding -= order.samples
             self.cancelled.append(order.order_id)
-
-    def dropped(self, order_id: int) -> bool:
-        return order_id in self.cancelled
 
     def complete(self, order: Order) -> None:
         del self._inflight[order.order_id]
@@ -122,7 +116,15 @@ class FakeLink:
             errors=[loader_pb2.SampleError(position=p, key=f"k{p}", reason=r) for p, r in (errors or {}).items()],
         )
         payload = np.repeat((local % 256).astype(np.uint8), SAMPLE).tobytes()
-        self.engine.on_chunk(self, codec.DecodedChunk(header, memoryview(payload)))  # type: ignore[arg-type]
+        self.arrive(header, payload)
+
+    def arrive(self, header: loader_pb2.ChunkHeader, payload: bytes) -> None:
+        """As Link._resolve: a chunk of an order cancelled here is dropped; others reach the engine."""
+        assert self.engine is not None
+        order = self._inflight.get(header.order_id)
+        if order is None and header.order_id in self.cancelled:
+            return
+        self.engine.on_chunk(self, Arrival(header, memoryview(payload), order))  # type: ignore[arg-type]
 
     def answer_all(self) -> None:
         for order in self.orders():
@@ -387,7 +389,7 @@ def test_a_malformed_chunk_fails_its_server_and_the_order_is_served_elsewhere():
         (order,) = a.sent
         header = loader_pb2.ChunkHeader(order_id=order.order_id, start=0, count=8, order_size=8, height=H,
                                         width=W + 1, channels=3, labels=[0] * 8)
-        engine.on_chunk(a, codec.DecodedChunk(header, memoryview(bytes(8 * H * (W + 1) * 3))))  # type: ignore[arg-type]
+        a.arrive(header, bytes(8 * H * (W + 1) * 3))
         assert a.state is LinkState.DOWN and "malformed chunk from a" in a.last_error
         b.state = LinkState.UP
         engine.on_link_up(b)  # type: ignore[arg-type]
