@@ -1,7 +1,7 @@
 r"""One loader server as seen from the client: its channels, its order stream, and its health.
 
 A Link lives on the client's I/O event loop. It owns a control channel (Describe,
-GetKeys) and a data channel whose receive limit is set from the batch shape, sends
+GetKeys: ``control_channel.py``) and a data channel whose receive limit is set from the batch shape, sends
 orders through a writer task and hands every received chunk to its engine.
 
 It also owns its connection's state machine, with the reconnect back-off and the orders
@@ -33,8 +33,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 
 from remoteloader.client import same_host
+from remoteloader.client.control_channel import ControlChannel, open_channel
 from remoteloader.client.option_groups import ConnectionOptions, SecurityOptions
-from remoteloader.protos import SERVICE, codec, limits, loader_pb2, loader_pb2_grpc
+from remoteloader.protos import SERVICE, codec, limits, loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
@@ -57,20 +58,6 @@ FATAL_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
-
-
-def channel_options(max_receive: int) -> list[tuple[str, str | int]]:
-    return [
-        ("grpc.max_receive_message_length", max_receive),
-        ("grpc.max_send_message_length", limits.MAX_ORDER_MESSAGE_BYTES),  # orders (and Setups) are what it sends
-        # Notice a dead peer within seconds, not at the next TCP timeout. (Adding
-        # keepalive_permit_without_calls with max_pings_without_data=0 made the server
-        # spend 4x the CPU per GB and halved throughput: measured, leave them out.)
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
 
 
 class LinkState(enum.Enum):
@@ -179,7 +166,7 @@ class Link(Generic[OrderT]):
         self._stuck = False  # the last failure was a stream that held orders and sent nothing
         self._setup: loader_pb2.Setup | None = None
         self.shared: same_host.SharedChunks | None = None  # a same-host server's chunk memory, on this stream
-        self._control: grpc.aio.Channel | None = None
+        self.control = ControlChannel(address, connection, security)  # Describe, GetKeys
         self._data: grpc.aio.Channel | None = None
         self._call: Any = None
         self._tasks: list[asyncio.Task] = []
@@ -221,66 +208,14 @@ class Link(Generic[OrderT]):
             "state": self.state.value,
         }
 
-    # ---- control channel --------------------------------------------------------------
-    def _channel(self, max_receive: int) -> grpc.aio.Channel:
-        options = channel_options(max_receive)
-        tls = self.security.tls
-        if tls is None:
-            return grpc.aio.insecure_channel(self.address, options=options)
-        if tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        return grpc.aio.secure_channel(self.address, tls.credentials(), options=options)
-
+    # ---- control channel: ControlChannel's ----------------------------------------
     async def fetch_describe(
         self, timeout: float | None = None, refused: bool = False, starting: bool = False
     ) -> loader_pb2.DescribeResponse:
-        """Connects the control channel and asks what the server holds (bounded in time).
-        ``refused``: a refused connection is an error at once (a reconnect backs off and tries
-        again); ``starting``: it is logged at once (nothing listens there, or not yet: a server
-        still starting) and tried again until the timeout, then raised naming the address."""
+        """Asks what the server holds over the control channel (``ControlChannel.describe``: what
+        ``refused`` and ``starting`` mean) and takes the answer (``adopt``)."""
         timeout = self.connection.connect_timeout if timeout is None else timeout
-        if self._control is None:
-            self._control = self._channel(16 * limits.MiB)
-        stub = loader_pb2_grpc.LoaderStub(self._control)
-        request, metadata = loader_pb2.DescribeRequest(), self.security.metadata
-        started, was_refused = time.monotonic(), False
-        try:
-            try:
-                describe = await self._describe_now(stub, request, timeout) if refused or starting else None
-            except ConnectionRefusedError:
-                if not starting:
-                    raise ConnectionError(
-                        f"loader server {self.address} refused the connection: nothing listens there "
-                        f"(is the server running, and on this port?)"
-                    ) from None
-                was_refused = True
-                log.warning("%s refused the connection; retrying for up to connect_timeout=%gs", self.address, timeout)
-                describe = None
-            if describe is None:  # wait for the server to come up, until the timeout
-                left = max(0.0, timeout - (time.monotonic() - started))
-                describe = await stub.Describe(request, timeout=left, wait_for_ready=True, metadata=metadata)
-            await self._rest_of(stub, describe, timeout)
-        except grpc.aio.AioRpcError as exc:
-            if was_refused and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ConnectionError(
-                    f"loader server {self.address} refused the connection: nothing listens there (is the server "
-                    f"running, and on this port?); tried again for connect_timeout={timeout:g}s"
-                ) from None
-            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
-                raise PermissionError(
-                    f"loader server {self.address} refused this client: {exc.code().name}: {exc.details()}{hint}"
-                ) from None
-            if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
-                raise ConnectionError(  # it answered: say what it answered, not that it is unreachable
-                    f"loader server {self.address} answered Describe with {exc.code().name}: {exc.details()} "
-                    f"(a server of another remoteloader version?)"
-                ) from None
-            raise ConnectionError(
-                f"loader server {self.address} did not answer within {timeout:g}s "
-                f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
-                f"{exc.details()}"
-            ) from None
+        describe = await self.control.describe(timeout, refused=refused, starting=starting)
         self.adopt(describe)
         return describe
 
@@ -290,53 +225,8 @@ class Link(Generic[OrderT]):
         self.describe = describe
         self.max_inflight = max(1, min(self.connection.max_inflight, describe.max_inflight_orders))
 
-    async def _rest_of(
-        self, stub: loader_pb2_grpc.LoaderStub, describe: loader_pb2.DescribeResponse, timeout: float
-    ) -> None:
-        """Adds the server's further pages of shards (and their class lists) to its first page."""
-        if describe.shards and not describe.num_shards:  # (every server since 0.2 says how many)
-            raise ConnectionError(
-                f"loader server {self.address} runs remoteloader {describe.version or 'older than 0.2'}, whose "
-                f"Describe and orders this client no longer speaks: run the servers and clients of one version"
-            )
-        while len(describe.shards) < describe.num_shards:
-            request = loader_pb2.DescribeRequest(shard_start=len(describe.shards))
-            page = await stub.Describe(request, timeout=timeout, metadata=self.security.metadata)
-            if page.shard_start != len(describe.shards) or page.class_list_start != len(describe.class_lists):
-                raise ConnectionError(
-                    f"loader server {self.address} sent Describe page {page.shard_start} "
-                    f"(class lists from {page.class_list_start}) for {len(describe.shards)} "
-                    f"({len(describe.class_lists)}): its shards changed while it was described?"
-                )
-            if not page.shards:
-                raise ConnectionError(f"loader server {self.address} sent an empty Describe page at {page.shard_start}")
-            describe.shards.extend(page.shards)
-            describe.class_lists.extend(page.class_lists)
-
-    async def _describe_now(
-        self, stub: loader_pb2_grpc.LoaderStub, request: loader_pb2.DescribeRequest, timeout: float
-    ) -> loader_pb2.DescribeResponse | None:
-        """One Describe without waiting for the channel: the answer; ConnectionRefusedError when
-        the connection is refused; None when the server is not reachable yet for another reason."""
-        try:
-            return await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=self.security.metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            if "refused" in (exc.details() or "").lower():
-                raise ConnectionRefusedError(f"loader server {self.address} refused the connection") from None
-            return None
-
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
-        if self._control is None:  # (a link that adopted its describe)
-            self._control = self._channel(16 * limits.MiB)
-        stub = loader_pb2_grpc.LoaderStub(self._control)
-        reply = await stub.GetKeys(
-            loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
-            timeout=self.connection.connect_timeout,
-            metadata=self.security.metadata,
-        )
-        return list(reply.keys)
+        return await self.control.get_keys(shard_id, start, count)
 
     # ---- the order stream -------------------------------------------------------------
     async def open_stream(self, setup: loader_pb2.Setup) -> None:
@@ -350,7 +240,7 @@ class Link(Generic[OrderT]):
             setup.shared_memory = True
         limit = limits.max_message_bytes(self.describe.chunk_bytes, limits.sample_bytes(setup.height, setup.width))
         if self._data is None:
-            self._data = self._channel(limit)
+            self._data = open_channel(self.address, self.security.tls, limit)
         method = self._data.stream_stream(
             _STREAM,
             request_serializer=loader_pb2.StreamRequest.SerializeToString,
@@ -617,10 +507,10 @@ class Link(Generic[OrderT]):
         self._unmap_shared()  # a dead server's memory must not live on in this process
 
     async def _reset_channels(self) -> None:
-        for channel in (self._control, self._data):
-            if channel is not None:
-                await channel.close(grace=None)
-        self._control = self._data = None
+        await self.control.close()
+        if self._data is not None:
+            await self._data.close(grace=None)
+        self._data = None
 
     async def close(self) -> None:
         """Stops reconnecting, the stream and the channels: CLOSED."""

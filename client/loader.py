@@ -33,20 +33,17 @@ from remoteloader.client import options as options_module
 from remoteloader.client import plan as plan_module
 from remoteloader.client.batch_forms import user_batch
 from remoteloader.client.batches import END, Batch, Item, LoaderError
-from remoteloader.client.cuda_delivery import CudaDelivery
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
 from remoteloader.client.epoch import IDENTITY, EpochPosition, FrameworkEpochs, Pass
-from remoteloader.client.host_delivery import HostDelivery
-from remoteloader.client.options import UINT64, LoaderOptions, ReceiverKind, check_int
+from remoteloader.client.io_side import open_io
+from remoteloader.client.options import UINT64, LoaderOptions, check_int
 from remoteloader.client.plan import EpochPlan
-from remoteloader.client.process_receiver import ProcessReceiver
 from remoteloader.client.ranks import Partition, Ranks
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.server_set import ServerSet, check_offer
-from remoteloader.client.thread_receiver import ThreadReceiver, describe_servers
+from remoteloader.client.thread_receiver import describe_servers
 from remoteloader.client.throughput import Throughput
-from remoteloader.protos import loader_pb2
 from remoteloader.protos import targets as tg
 
 log = logging.getLogger("remoteloader.client")
@@ -116,7 +113,7 @@ class RemoteLoader:
         if o.output.fields is None:
             self.options = o.with_fields(wanted)
         memory_bounds.check(self.options)
-        self._io, self._delivery = self._open_io(address, described)
+        self._io, self._delivery = open_io(address, self.options, described)
         self._servers = ServerSet(self._io, self.options.setup)
         return wanted
 
@@ -137,49 +134,6 @@ class RemoteLoader:
                 f"the servers' shards carry {', '.join(space.fields) or 'no targets'})"
             )
         return wanted
-
-    def _open_io(
-        self, address: str | Iterable[str], described: dict[str, loader_pb2.DescribeResponse]
-    ) -> tuple[Receiver, Delivery]:
-        """The receiver (its links starting from ``described``) and the delivery the options ask
-        for (closed again if either fails)."""
-        o, out, b = self.options, self.options.output, self.options.batches
-        links = (o.connection, o.security)
-        process: ProcessReceiver | None = None
-        delivery: Delivery | None = None
-        try:
-            if out.receiver == ReceiverKind.PROCESS:
-                # Batches arrive in its shared slots; the delivery copies them out (to the GPU
-                # on CUDA) and gives the slots back.
-                process = ProcessReceiver(
-                    address, o.setup, o.batch_buffers, o.batch_bytes, o.flow, *links, b.seed, described
-                )
-            if out.device.type == "cuda":
-                delivery = CudaDelivery(
-                    out.device,
-                    out.normalize,
-                    out.dtype,
-                    o.batch_bytes,
-                    o.batch_buffers,
-                    receiver=process,
-                )
-            else:
-                delivery = HostDelivery(
-                    out.normalize,
-                    out.dtype,
-                    o.batch_buffers,
-                    receiver=process,
-                    batch=(b.batch_size, *b.image_size),
-                )
-            if process is not None:
-                return process, delivery
-            return ThreadReceiver(address, o.setup, delivery, o.flow, *links, b.seed, described), delivery
-        except BaseException:
-            if delivery is not None:
-                delivery.close(final=True)
-            if process is not None:
-                process.close()
-            raise
 
     def _warn_if_epochs_are_empty(self, partition: Partition) -> None:
         n = self._epoch_samples()
