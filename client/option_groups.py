@@ -275,7 +275,8 @@ class FlowOptions(_Group):
         "Batches requested ahead of the training loop (8: with uneven servers and ordered delivery, 4 left 10% "
         "of their capacity unused). Host memory is about (prefetch + 2) x batch bytes (pinned on CUDA); with "
         "``normalize`` on the CPU, add the normalized batches you hold and up to two spare ones. A loader whose "
-        "buffers would not fit in the memory the machine has available (or ``MAX_BUFFER_BYTES``) is refused.",
+        "buffers would take more than 90% of the memory the machine has available (MemAvailable, or a "
+        "container's cgroup room: ``memory_bounds.py``) is refused when it is made, before it allocates any.",
         _positive,
         read_back=True,
     )
