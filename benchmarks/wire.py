@@ -33,8 +33,8 @@ import grpc
 import numpy as np
 
 from remoteloader.client import RemoteLoader
+from remoteloader.client.control_channel import channel_options
 from remoteloader.client.cpu import process_cpu
-from remoteloader.client.link import channel_options
 from remoteloader.protos import codec, loader_pb2, loader_pb2_grpc, malloc
 from remoteloader.server.config import ServerConfig
 from remoteloader.tools.local import LocalServer

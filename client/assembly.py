@@ -31,6 +31,8 @@ from remoteloader.protos import targets as tg
 if TYPE_CHECKING:
     import torch
 
+    from remoteloader.client.epoch import Pass
+
 
 class BatchBuffers(Protocol):
     """Where batches are received: memory the consumer's side lends, one buffer per batch."""
@@ -109,6 +111,36 @@ class Order:
     def drop_first(self, count: int) -> None:
         """Forgets its first ``count`` samples (already in their batch)."""
         self.positions, self.shards, self.local = self.positions[count:], self.shards[count:], self.local[count:]
+
+    def cancel(self) -> None:
+        """The engine no longer wants it: what still arrives of it is dropped, and a failure of
+        its server does not hand it back."""
+        self.cancelled = True
+
+    def arrived(self, count: int) -> bool:
+        """``count`` more of its samples arrived; returns whether all of them have."""
+        self.received += count
+        return self.received == self.samples
+
+    def hedge(self, order_id: int) -> Order:
+        """Its rest as a twin for another server (whichever completes first fills the batch);
+        what arrived of it so far stays credited to the batch (``credited``)."""
+        self.credited = self.received
+        twin = self.rest(order_id)
+        twin.twin, self.twin = self, twin
+        return twin
+
+    def unhedge(self) -> None:
+        """Its twin is gone: it is on its own again (and may be hedged anew)."""
+        self.twin = None
+
+    def requeue(self) -> None:
+        """Its server failed and no twin carries it on: it goes back to the queue, less what its
+        batch already holds of it (its first ``credited`` samples, when it was hedged)."""
+        self.twin = None
+        if self.credited:
+            self.drop_first(self.credited)
+            self.credited = 0
 
     def _part(self, order_id: int, part: slice) -> Order:
         return Order(
@@ -236,24 +268,17 @@ class Assembler:
 
 
 class EpochRun:
-    """One epoch's batches from ``first_seq`` on, less ``skip`` (already delivered before a resume):
-    what is dispatched, what is ready, and the order batches go out in (``ordered``: the plan's).
+    """The pass ``played`` (``epoch.Pass``): its plan's batches from its ``start`` on, less its
+    ``done`` (delivered before a resume); what is dispatched, what is ready, and the order
+    batches go out in (``ordered``: the plan's). The consumer's side names the pass with each
+    ``consumed``, so that a late call about an abandoned pass changes nothing. Only its own
+    methods change it."""
 
-    Its ``token`` names the epoch to the consumer's side (which passes it back with each
-    ``consumed``, so that a late call about an abandoned epoch changes nothing)."""
-
-    def __init__(
-        self,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        out: queue.Queue[Item],
-        skip: frozenset[int] = frozenset(),
-        ordered: bool = True,
-    ):
-        self.token = token
-        self.epoch = epoch
+    def __init__(self, played: Pass, out: queue.Queue[Item], ordered: bool = True):
+        self.played = played
+        self.epoch = played.epoch
+        batches: PlannedBatches = played.plan.batches
+        first_seq, skip = played.start, played.done
         self.batches = batches  # computed as they are dispatched
         self.ordered = ordered
         self.skip = frozenset(s for s in skip if first_seq <= s < len(batches))
@@ -269,6 +294,30 @@ class EpochRun:
         self.cancelled = False
         if self.expected == 0:
             out.put(END)
+
+    def cancel(self, drain: bool = True) -> list[Batch]:
+        """The pass was abandoned: nothing more goes out. Returns the batches whose buffers are
+        free again: those dispatched and not handed out, and (``drain``) those handed out that
+        the consumer never took."""
+        self.cancelled = True
+        freed = list(self.open.values())
+        self.open.clear()
+        while drain:
+            try:
+                item = self.out.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Batch):
+                freed.append(item)
+        return freed
+
+    def failed(self, error: BaseException) -> None:
+        """Ends the pass with ``error``: the consumer takes what is ready, then the error."""
+        self.out.put(error)
+
+    def took_one(self) -> None:
+        """The consumer took one of its batches: one more may be dispatched."""
+        self.consumed += 1
 
     def samples_after(self, seq: int) -> int:
         """Samples of the batches from ``seq`` on (less those skipped), without computing them."""

@@ -21,13 +21,13 @@ def user_batch(delivered: Delivered, options: LoaderOptions, fields: tuple[str, 
     """``delivered`` in the loader's form; ``fields``: what a dict batch holds besides the images
     (None: tuples)."""
     images, labels, ids, targets = delivered.images, delivered.labels, delivered.ids, delivered.targets
-    if options.batch_format == "torchvision":
+    if options.output.batch_format == "torchvision":
         return torchvision_form(images, targets, ids, options)
     if fields is not None:
         batch: dict[str, Any] = {"images": images}
         for name in fields:
             batch[name] = labels if name == tg.LABEL else targets[name]
-        if options.return_ids:
+        if options.output.return_ids:
             batch["ids"] = ids
         return batch
-    return (images, labels, ids) if options.return_ids else (images, labels)
+    return (images, labels, ids) if options.output.return_ids else (images, labels)

@@ -12,13 +12,13 @@ in its shared slots instead, and a delivery gives each slot back through the rec
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+from remoteloader.client.assembly import BatchBuffers
 from remoteloader.client.batches import Batch, Item, SampleFailure
 from remoteloader.protos import targets as tg
 
@@ -84,20 +84,9 @@ def row_targets(batch: Batch, device: torch.device | None = None) -> dict[str, l
     return out
 
 
-class Delivery(Protocol):
-    """What RemoteLoader needs of its delivery (and the engine of its buffers)."""
-
-    def allocate(self, n: int, h: int, w: int) -> Any:
-        """A uint8 (n, h, w, 3) buffer to receive a batch into, or None when none is free."""
-
-    def masks_for(self, images: Any, n: int, h: int, w: int) -> np.ndarray:
-        """A uint8 (n, h, w) array for the masks of the batch received into ``images``."""
-
-    def release(self, images: Any) -> None:
-        """Takes back a buffer from ``allocate`` (a batch dropped, or copied out)."""
-
-    def listen(self, freed: Callable[[], None]) -> None:
-        """Calls ``freed`` whenever a buffer comes back after ``allocate`` found none."""
+class Delivery(BatchBuffers, Protocol):
+    """What RemoteLoader needs of its delivery: the engine's ``BatchBuffers`` (``assembly.py``:
+    ``allocate``, ``masks_for``, ``release``, ``listen``), and the consumer's side below."""
 
     def start(self, source: queue.Queue[Item]) -> Readable[Output]:
         """The queue the consumer reads one epoch from: ``source`` itself, or a transfer

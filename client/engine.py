@@ -27,34 +27,24 @@ import asyncio
 import itertools
 import logging
 import queue
-from dataclasses import dataclass
 
 import numpy as np
 
 from remoteloader.client import chunks
-from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order, PlannedBatches
+from remoteloader.client.assembly import Assembler, BatchBuffers, EpochRun, Order
 from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
-from remoteloader.client.link import Link, LinkState, describe_error
-from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import codec, loader_pb2
+from remoteloader.client.epoch import Pass
+from remoteloader.client.link import Arrival, Link, LinkState, describe_error
+from remoteloader.client.option_groups import FlowOptions
+from remoteloader.protos import loader_pb2
 
-__all__ = ["END", "Batch", "BatchBuffers", "Engine", "EngineOptions", "LoaderError", "Order", "SampleFailure"]
+__all__ = ["END", "Batch", "BatchBuffers", "Engine", "LoaderError", "Order", "SampleFailure"]
 
 log = logging.getLogger("remoteloader.client")
 
 MIN_SPLIT = 16  # fewest samples an order is split off into, for a slower server to finish in time
 SAFETY = 0.8  # the share of the time to an order's deadline a slower server is given work for
 SLOW = 3  # a server this many times slower than the fastest holds one order at a time
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """RemoteLoader's scheduling arguments of the same names (no defaults: RemoteLoader's are the ones)."""
-
-    seed: int
-    prefetch: int
-    ordered: bool
-    progress_timeout: float
 
 
 class Engine:
@@ -64,16 +54,23 @@ class Engine:
         links: The receiver's links by address. The receiver owns them: it adds, drops and
             closes them; the engine opens their streams, sends orders and reads their state.
         setup: The stream's Setup message (output size, fields, wire).
-        options: Seed, prefetch, ordering and the progress timeout.
+        flow: Prefetch, ordering and the progress timeout (RemoteLoader's FlowOptions).
         buffers: Where batches are received (the assembler's).
+        seed: The loader's seed, which every order carries (each sample's augmentation).
     """
 
     def __init__(
-        self, links: dict[str, Link[Order]], setup: loader_pb2.Setup, options: EngineOptions, buffers: BatchBuffers
+        self,
+        links: dict[str, Link[Order]],
+        setup: loader_pb2.Setup,
+        flow: FlowOptions,
+        buffers: BatchBuffers,
+        seed: int,
     ):
         self.links = links
         self.setup = setup
-        self.options = options
+        self.flow = flow
+        self.seed = seed
         self.assembler = Assembler(setup, buffers)
         self.out: queue.Queue[Item] = queue.Queue()
         self.order_size = 1
@@ -83,19 +80,10 @@ class Engine:
         self._watchdog: asyncio.Task | None = None
 
     # ---- epochs ---------------------------------------------------------------------
-    async def start_epoch(
-        self,
-        *,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int],
-    ) -> None:
-        """Starts the pass ``token`` at batch ``first_seq`` (leaving out the batches in ``skip``)."""
+    async def start_epoch(self, played: Pass) -> None:
+        """Starts the pass ``played`` (from its ``start``, less its ``done``, over its ``space``)."""
         self.cancel_epoch()
-        self.assembler.space = space
+        self.assembler.space = played.space
         self.order_size = min(link.describe.max_order_samples for link in self.links.values() if link.describe)
         for link in self.links.values():
             if link.state is LinkState.NEW:
@@ -105,45 +93,36 @@ class Engine:
         if self._watchdog is None:
             self._watchdog = asyncio.ensure_future(self._watch_progress())
         self.out = queue.Queue()
-        self._run = run = EpochRun(token, epoch, batches, first_seq, self.out, skip, self.options.ordered)
+        self._run = run = EpochRun(played, self.out, self.flow.ordered)
         if run.expected:
             self._dispatch(run)
 
     @property
-    def token(self) -> int | None:
-        """The running epoch's token (read from the consumer thread)."""
+    def playing(self) -> Pass | None:
+        """The pass running (read from the consumer thread)."""
         run = self._run
-        return run.token if run is not None else None
+        return run.played if run is not None else None
 
-    def cancel_epoch(self, token: int | None = None, drain: bool = True) -> None:
-        """Abandons the current epoch, if ``token`` is still it; in-flight work is dropped."""
+    def cancel_epoch(self, played: Pass | None = None, drain: bool = True) -> None:
+        """Abandons the current pass, if ``played`` is still it; in-flight work is dropped."""
         run = self._run
-        if run is None or (token is not None and run.token != token):
+        if run is None or (played is not None and run.played is not played):
             return
-        run.cancelled = True
-        for batch in run.open.values():  # never handed out: their buffers are free again
+        for batch in run.cancel(drain):  # never handed out, or never taken: their buffers are free again
             self.assembler.release(batch)
-        run.open.clear()
-        while drain:  # handed out but never taken by the consumer
-            try:
-                item = run.out.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Batch):
-                self.assembler.release(item)
         for order in self._pending:
-            order.cancelled = True
+            order.cancel()
         self._pending.clear()
         for link in self.links.values():
             for order in link.orders():
-                order.cancelled = True
+                order.cancel()
         self._run = None
 
-    def consumed(self, token: int) -> None:
-        """The consumer took a batch of epoch ``token``: one more may be requested."""
+    def consumed(self, played: Pass) -> None:
+        """The consumer took a batch of the pass ``played``: one more may be requested."""
         run = self._run
-        if run is not None and run.token == token:
-            run.consumed += 1
+        if run is not None and run.played is played:
+            run.took_one()
             self._dispatch(run)
 
     def buffer_freed(self) -> None:
@@ -156,7 +135,7 @@ class Engine:
         space = self.assembler.space
         assert space is not None, "an epoch runs over a sample space"
         while True:
-            seq = run.next_batch(self.options.prefetch)
+            seq = run.next_batch(self.flow.prefetch)
             if seq is None:
                 break
             ids = run.batches[seq]
@@ -237,7 +216,7 @@ class Engine:
         run = self._run
         if run is None:
             return 0.0
-        if not self.options.ordered:
+        if not self.flow.ordered:
             left = run.samples_after(run.next_dispatch) + sum(o.samples for o in self._pending)
             return (left + sum(link.outstanding for link in self.links.values())) / pace
         return (run.samples_after(run.next_deliver) - run.samples_after(order.batch.seq)) / pace
@@ -274,10 +253,7 @@ class Engine:
             if oldest is not None:
                 # What arrived of it stays; the twin is the rest.
                 run.credit(oldest, oldest.received - oldest.credited)
-                oldest.credited = oldest.received
-                twin = oldest.rest(next(self._order_ids))
-                twin.twin, oldest.twin = oldest, twin
-                self._send(link, twin)
+                self._send(link, oldest.hedge(next(self._order_ids)))
 
     def _send(self, link: Link[Order], order: Order) -> None:
         order.sent(link.address)
@@ -291,29 +267,17 @@ class Engine:
                 shard_ids=[space.shards[k].id for k in named.tolist()],
                 shards=which.tolist() if len(named) > 1 else (),
                 indices=order.local.tolist(),
-                seed=self.options.seed,
+                seed=self.seed,
                 epoch=order.epoch,
             ),
         )
 
     # ---- receiving (LinkEvents) -----------------------------------------------------
-    def on_chunk(self, link: Link[Order], chunk: codec.DecodedChunk) -> None:
-        """Checks a chunk (``chunks.py``) and places it into its batch's rows (``assembly.py``);
-        completes orders and batches. A chunk that does not fit fails its server's link."""
-        header, payload = chunk
-        shared = header.shared if header.HasField("shared") else None  # its payload in the server's memory
-        if shared is not None:
-            try:
-                payload = link.shared_payload(shared)
-            except ValueError as exc:
-                link.fail(ConnectionError(f"bad shared chunk from {link.address} (order {header.order_id}): {exc}"))
-                return
-        order = link.order(header.order_id)
-        if order is None and link.dropped(header.order_id):  # already on the way when it was cancelled
-            link.received(len(payload), header.count, header.workers_busy)
-            if shared is not None:
-                link.release(shared)
-            return
+    def on_chunk(self, link: Link[Order], arrival: Arrival[Order]) -> None:
+        """Checks a chunk its link resolved (``chunks.py``) and places it into its batch's rows
+        (``assembly.py``); completes orders and batches. A chunk that does not fit fails its
+        server's link."""
+        header, payload, order = arrival.header, arrival.payload, arrival.order
         try:
             checked = chunks.check(
                 header,
@@ -327,7 +291,6 @@ class Engine:
             link.fail(ConnectionError(str(exc)))
             return
         assert order is not None, "check refuses a chunk of no order"
-        link.received(len(payload), header.count, header.workers_busy, header.joined)
         if not order.cancelled:
             try:
                 self.assembler.place(order, header, payload, checked, link.address)
@@ -339,17 +302,16 @@ class Engine:
                     )
                 )
                 return
-            if shared is not None and not link.release(shared):
+            if not arrival.release():
                 link.fail(
                     ConnectionError(
                         f"shared chunk from {link.address} (order {header.order_id}) was overwritten while copied"
                     )
                 )
                 return
-        elif shared is not None:  # (another server's twin won: nothing to copy)
-            link.release(shared)
-        order.received += header.count
-        if order.received == order.samples:
+        else:  # (another server's twin won: nothing to copy)
+            arrival.release()
+        if order.arrived(header.count):
             self._complete(link, order)
 
     def _complete(self, link: Link[Order], order: Order) -> None:
@@ -359,7 +321,7 @@ class Engine:
         if not order.cancelled:
             twin = order.twin
             if twin is not None:  # it won: the twin is dropped
-                twin.cancelled = True
+                twin.cancel()
                 there = self.links.get(twin.sent_to)
                 if there is not None:
                     there.cancel(twin)
@@ -376,13 +338,10 @@ class Engine:
         for order in orders:
             twin = order.twin
             if twin is not None and not twin.cancelled and any(twin is o for o in self._in_flight(twin)):
-                order.cancelled = True
-                twin.twin = None  # on its own again (it may be hedged anew)
+                order.cancel()
+                twin.unhedge()
             else:
-                order.twin = None
-                if order.credited:  # hedged, and its twin is gone too: only its rest is still missing
-                    order.drop_first(order.credited)
-                    order.credited = 0
+                order.requeue()
                 requeued.append(order)
         orders = requeued
         self._pending[:0] = sorted(orders, key=lambda o: o.order_id)
@@ -449,7 +408,7 @@ class Engine:
 
     async def _watch_progress(self) -> None:
         """Fails a server that holds orders but sent nothing for progress_timeout (it is stuck)."""
-        timeout = self.options.progress_timeout
+        timeout = self.flow.progress_timeout
         while True:
             await asyncio.sleep(min(2.0, timeout / 4))
             for link in list(self.links.values()):
@@ -460,7 +419,7 @@ class Engine:
         run = self._run
         if run is not None and not run.cancelled:
             self.cancel_epoch(drain=False)
-            run.out.put(error)
+            run.failed(error)
 
     def close(self) -> None:
         """Drops the running epoch and stops the progress watchdog (the receiver closes the links)."""

@@ -2,7 +2,7 @@
 
 ``EpochPosition`` knows which epoch the next pass plays, how far the current one got
 (``position``: the first plan batch not yet delivered; ``done``: later batches already
-delivered, with ``ordered=False``), the token of the pass that advances it, a position
+delivered, with ``ordered=False``), the pass that advances it, a position
 loaded from a ``state_dict`` until its pass starts, and the plan being played (whose digest
 a state_dict carries). It changes only through its methods: ``set_epoch``, ``load``,
 ``next_pass``, ``begin``, ``delivered``, ``ended``.
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from remoteloader.client.options import UINT64, check_int
+from remoteloader.client.option_groups import UINT64, check_int
 from remoteloader.client.plan import EpochPlan
 from remoteloader.client.ranks import Partition
 from remoteloader.client.sample_space import SampleSpace
@@ -92,15 +92,18 @@ class NextPass(enum.Enum):
 
 @dataclass(frozen=True)
 class Pass:
-    """What one pass plays: ``plan`` from ``start``, less ``done``; ``token`` names the pass
-    (``next_pass`` gives each its own: the receiver runs its epoch under it, and only the pass
-    that began last advances the position)."""
+    """What one pass plays: ``plan`` from ``start``, less ``done``, over ``space`` (the sample
+    space its ids number). The loader hands it to its receiver, whose ``EpochRun`` runs it; it
+    is the one home of its ``token`` (``next_pass`` gives each pass its own), which names the
+    pass where it crosses to another process, so that a late message about an abandoned pass
+    changes nothing. Only the pass that began last advances the position."""
 
     epoch: int
     plan: EpochPlan
     start: int
     done: frozenset[int]
     token: int = 0
+    space: SampleSpace | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class _Loaded:
 class EpochPosition:
     """The epoch the next pass plays and how far the current one got.
 
-    Others read ``epoch``, ``position``, ``done`` and ``token``; only its methods change them.
+    Others read ``epoch``, ``position`` and ``done``; only its methods change them.
 
     Args:
         plan: An epoch's plan for a partition (the loader's pure plan function over its
@@ -134,7 +137,7 @@ class EpochPosition:
     epoch: int = field(default=0, init=False)
     position: int = field(default=0, init=False)  # first batch of the epoch not yet delivered
     done: set[int] = field(default_factory=set, init=False)  # later batches already delivered (ordered=False)
-    token: int | None = field(default=None, init=False)  # the pass that advances the position
+    _played: Pass | None = field(default=None, init=False)  # the pass that advances the position
     _next: NextPass = field(default=NextPass.FROM_START, init=False)
     _loaded: _Loaded | None = field(default=None, init=False)  # set when _next is RESUME
     _playing: EpochPlan | None = field(default=None, init=False)  # the plan played (or loaded) last
@@ -156,10 +159,10 @@ class EpochPosition:
         """The sample space of the loaded position the next pass plays, if it plays one."""
         return self._loaded.space if self._loaded is not None else None
 
-    def next_pass(self, partition: Partition) -> Pass:
-        """What the pass starting now plays, for ``partition``, with a token of its own
-        (ValueError: a loaded position that is not valid for it, e.g. another world size)."""
-        return dataclasses.replace(self._next_pass(partition), token=next(self._tokens))
+    def next_pass(self, partition: Partition, space: SampleSpace | None = None) -> Pass:
+        """What the pass starting now plays, for ``partition`` over ``space``, with a token of
+        its own (ValueError: a loaded position that is not valid for it, e.g. another world size)."""
+        return dataclasses.replace(self._next_pass(partition), token=next(self._tokens), space=space)
 
     def _next_pass(self, partition: Partition) -> Pass:
         if self._next is NextPass.RESUME:
@@ -177,18 +180,18 @@ class EpochPosition:
         the next pass plays the following epoch."""
         self.epoch, self.position, self.done = played.epoch, played.start, set(played.done)
         self._playing = played.plan  # its digest is computed when state_dict() asks
-        self.token = played.token
+        self._played = played
         self._next, self._loaded = NextPass.FOLLOWING, None
 
-    def owns(self, token: int) -> bool:
-        """Whether the pass ``token`` still advances the position (not after set_epoch, a load
+    def owns(self, played: Pass) -> bool:
+        """Whether the pass ``played`` still advances the position (not after set_epoch, a load
         or a newer pass)."""
-        return token == self.token and self._next is NextPass.FOLLOWING
+        return played is self._played and self._next is NextPass.FOLLOWING
 
-    def delivered(self, token: int, seq: int) -> bool:
-        """Batch ``seq`` of pass ``token`` reached the training loop (only then: one that raised
+    def delivered(self, played: Pass, seq: int) -> bool:
+        """Batch ``seq`` of pass ``played`` reached the training loop (only then: one that raised
         is played again on resume). Returns whether that ended its epoch."""
-        if not self.owns(token):
+        if not self.owns(played):
             return False
         self.done.add(seq)
         while self.position in self.done:
@@ -199,10 +202,10 @@ class EpochPosition:
             return True
         return False
 
-    def ended(self, token: int) -> bool:
-        """Pass ``token`` played to its end; returns whether that ended its epoch (an epoch
+    def ended(self, played: Pass) -> bool:
+        """Pass ``played`` played to its end; returns whether that ended its epoch (an epoch
         with no batches here, which no delivery ended)."""
-        if not self.owns(token):
+        if not self.owns(played):
             return False
         self._end()
         return True
@@ -210,7 +213,7 @@ class EpochPosition:
     def _end(self) -> None:
         self.epoch += 1
         self.position, self.done, self._playing = 0, set(), None
-        self.token, self._next = None, NextPass.FROM_START
+        self._played, self._next = None, NextPass.FROM_START
 
     # ---- state_dict -----------------------------------------------------------------
     def state_dict(self, identity: Mapping[str, Any], partition: Partition) -> dict:

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from remoteloader.client.batches import LoaderError, SampleFailure
+from remoteloader.client.batches import LoaderError
 from remoteloader.client.delivery import Delivered
+from remoteloader.client.option_groups import ErrorHandler, OnError
 
-OnError = str | Callable[[list[SampleFailure]], None]  # (options.py checks it: ON_ERROR or a callable)
 
-
-def apply(on_error: OnError, batch: Delivered) -> Delivered | None:
+def apply(on_error: ErrorHandler, batch: Delivered) -> Delivered | None:
     """``batch`` as the training loop gets it under ``on_error`` (None: none of its rows is left)."""
     if not batch.failures:
         return batch
@@ -49,7 +47,7 @@ def apply(on_error: OnError, batch: Delivered) -> Delivered | None:
     )
 
 
-def _rows_to_keep(on_error: OnError, batch: Delivered) -> torch.Tensor | None:
+def _rows_to_keep(on_error: ErrorHandler, batch: Delivered) -> torch.Tensor | None:
     """Applies on_error; returns the rows to keep (None: keep the batch as is)."""
     failures = batch.failures
     if callable(on_error):
@@ -57,12 +55,12 @@ def _rows_to_keep(on_error: OnError, batch: Delivered) -> torch.Tensor | None:
         return None
     text = "; ".join(f"id {f.sample_id} {f.key!r} on {f.server}: {f.reason}" for f in failures[:10])
     more = f" (and {len(failures) - 10} more)" if len(failures) > 10 else ""
-    if on_error == "raise":
+    if on_error is OnError.RAISE:
         raise LoaderError(
             f"{len(failures)} sample(s) of batch {batch.seq} could not be served: {text}{more}. "
             f"Pass on_error='skip' or 'warn' to train without them."
         )
-    if on_error == "warn":
+    if on_error is OnError.WARN:
         warnings.warn(f"skipping {len(failures)} sample(s) that could not be served: {text}{more}", stacklevel=5)
     bad = {f.sample_id for f in failures}
     return torch.tensor([i not in bad for i in batch.ids.tolist()], dtype=torch.bool)

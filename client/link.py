@@ -1,7 +1,7 @@
 r"""One loader server as seen from the client: its channels, its order stream, and its health.
 
 A Link lives on the client's I/O event loop. It owns a control channel (Describe,
-GetKeys) and a data channel whose receive limit is set from the batch shape, sends
+GetKeys: ``control_channel.py``) and a data channel whose receive limit is set from the batch shape, sends
 orders through a writer task and hands every received chunk to its engine.
 
 It also owns its connection's state machine, with the reconnect back-off and the orders
@@ -33,8 +33,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 
 from remoteloader.client import same_host
-from remoteloader.client.security import TLSConfig
-from remoteloader.protos import SERVICE, codec, limits, loader_pb2, loader_pb2_grpc
+from remoteloader.client.control_channel import ControlChannel, open_channel
+from remoteloader.client.option_groups import ConnectionOptions, SecurityOptions
+from remoteloader.protos import SERVICE, codec, limits, loader_pb2
 
 log = logging.getLogger("remoteloader.client")
 
@@ -59,20 +60,6 @@ FATAL_CODES = frozenset(
 )
 
 
-def channel_options(max_receive: int) -> list[tuple[str, str | int]]:
-    return [
-        ("grpc.max_receive_message_length", max_receive),
-        ("grpc.max_send_message_length", limits.MAX_ORDER_MESSAGE_BYTES),  # orders (and Setups) are what it sends
-        # Notice a dead peer within seconds, not at the next TCP timeout. (Adding
-        # keepalive_permit_without_calls with max_pings_without_data=0 made the server
-        # spend 4x the CPU per GB and halved throughput: measured, leave them out.)
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
-
-
 class LinkState(enum.Enum):
     """Where a link's connection stands (its ``value`` is what ``stats()`` reports)."""
 
@@ -81,19 +68,6 @@ class LinkState(enum.Enum):
     DOWN = "down"  # failed; reconnecting with back-off until reconnect_timeout
     DEAD = "dead"  # refused this client, or unreachable past reconnect_timeout (until revived)
     CLOSED = "closed"
-
-
-@dataclass(frozen=True)
-class LinkOptions:
-    """How every link of a loader connects (RemoteLoader's arguments of the same names)."""
-
-    connect_timeout: float
-    max_inflight: int
-    reconnect_timeout: float
-    tls: TLSConfig | None
-    metadata: tuple[tuple[str, str], ...]
-    token: str | None = None  # (also in metadata) for a same-host server's local socket
-    shared_memory: bool = False  # read a same-host server's chunks from its memory (client/same_host.py)
 
 
 class Work(Protocol):
@@ -109,11 +83,34 @@ class Work(Protocol):
 OrderT = TypeVar("OrderT", bound=Work)
 
 
+@dataclass
+class Arrival(Generic[OrderT]):
+    """A chunk as its link resolved it before the engine sees it: counted, its bytes (in the
+    server's memory for a same-host chunk: ``payload`` reads them there), the order in flight it
+    belongs to (None: none; the engine's check refuses it), and ``release`` to give a shared
+    chunk's memory back once it is copied out. Chunks of an order cancelled on this stream never
+    become one (the link drops them)."""
+
+    header: loader_pb2.ChunkHeader
+    payload: memoryview
+    order: OrderT | None
+    link: Link[OrderT] | None = None  # (None: nothing to release)
+    shared: loader_pb2.SharedPayload | None = None
+
+    def release(self) -> bool:
+        """Its memory goes back to the server, if it is a shared chunk; whether the copy made of
+        it is whole (the server did not reuse the slot meanwhile)."""
+        if self.shared is None or self.link is None:
+            return True
+        return self.link.release(self.shared)
+
+
 class LinkEvents(Protocol):
     """What a link tells its engine; every call comes on the I/O loop."""
 
-    def on_chunk(self, link: Link[Any], chunk: codec.DecodedChunk) -> None:
-        """A chunk arrived on the stream (the engine checks it and calls ``received``/``complete``)."""
+    def on_chunk(self, link: Link[Any], arrival: Arrival[Any]) -> None:
+        """A chunk arrived on the stream, resolved (the engine checks it, places it, releases it
+        and calls ``complete`` when its order is whole)."""
 
     def on_link_down(self, link: Link[Any], orders: list[Any], exc: BaseException) -> None:
         """The stream failed; ``orders`` were in flight and not cancelled, and are the engine's again."""
@@ -133,16 +130,18 @@ class Link(Generic[OrderT]):
     Args:
         address: ``host:port`` of the server.
         events: Its engine, told of chunks, failures and reconnections.
-        options: Timeouts, credits and credentials.
+        connection: Timeouts, credits, the wire (RemoteLoader's ConnectionOptions).
+        security: Credentials (RemoteLoader's SecurityOptions).
 
     Others read its counters and ``state``; only its own methods change them.
     """
 
-    def __init__(self, address: str, events: LinkEvents, options: LinkOptions):
+    def __init__(self, address: str, events: LinkEvents, connection: ConnectionOptions, security: SecurityOptions):
         self.address = address
-        self.options = options
+        self.connection = connection
+        self.security = security
         self._events = events
-        self.max_inflight = options.max_inflight  # lowered to what the server allows by fetch_describe
+        self.max_inflight = connection.max_inflight  # lowered to what the server allows by fetch_describe
         self.describe: loader_pb2.DescribeResponse | None = None
         self.state = LinkState.NEW
         self.orders_sent = 0
@@ -167,7 +166,7 @@ class Link(Generic[OrderT]):
         self._stuck = False  # the last failure was a stream that held orders and sent nothing
         self._setup: loader_pb2.Setup | None = None
         self.shared: same_host.SharedChunks | None = None  # a same-host server's chunk memory, on this stream
-        self._control: grpc.aio.Channel | None = None
+        self.control = ControlChannel(address, connection, security)  # Describe, GetKeys
         self._data: grpc.aio.Channel | None = None
         self._call: Any = None
         self._tasks: list[asyncio.Task] = []
@@ -209,98 +208,25 @@ class Link(Generic[OrderT]):
             "state": self.state.value,
         }
 
-    # ---- control channel --------------------------------------------------------------
-    def _channel(self, max_receive: int) -> grpc.aio.Channel:
-        options = channel_options(max_receive)
-        tls = self.options.tls
-        if tls is None:
-            return grpc.aio.insecure_channel(self.address, options=options)
-        if tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        return grpc.aio.secure_channel(self.address, tls.credentials(), options=options)
-
-    async def fetch_describe(self, timeout: float | None = None, refused: bool = False) -> loader_pb2.DescribeResponse:
-        """Connects the control channel and asks what the server holds (bounded in time).
-        ``refused``: a refused connection is an error at once (at start: nothing listens there),
-        not a wait for the server to come up."""
-        timeout = self.options.connect_timeout if timeout is None else timeout
-        if self._control is None:
-            self._control = self._channel(16 * limits.MiB)
-        stub = loader_pb2_grpc.LoaderStub(self._control)
-        request, metadata = loader_pb2.DescribeRequest(), self.options.metadata
-        try:
-            describe = await self._describe_now(stub, request, timeout) if refused else None
-            if describe is None:  # wait for the server to come up, until the timeout
-                describe = await stub.Describe(request, timeout=timeout, wait_for_ready=True, metadata=metadata)
-            await self._rest_of(stub, describe, timeout)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                hint = " (RemoteLoader(token=...) sends it)" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""
-                raise PermissionError(
-                    f"loader server {self.address} refused this client: {exc.code().name}: {exc.details()}{hint}"
-                ) from None
-            if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
-                raise ConnectionError(  # it answered: say what it answered, not that it is unreachable
-                    f"loader server {self.address} answered Describe with {exc.code().name}: {exc.details()} "
-                    f"(a server of another remoteloader version?)"
-                ) from None
-            raise ConnectionError(
-                f"loader server {self.address} did not answer within {timeout:g}s "
-                f"(down, unreachable, or a TLS/plaintext mismatch): {exc.code().name}: "
-                f"{exc.details()}"
-            ) from None
-        self.describe = describe
-        self.max_inflight = max(1, min(self.options.max_inflight, describe.max_inflight_orders))
+    # ---- control channel: ControlChannel's ----------------------------------------
+    async def fetch_describe(
+        self, timeout: float | None = None, refused: bool = False, starting: bool = False
+    ) -> loader_pb2.DescribeResponse:
+        """Asks what the server holds over the control channel (``ControlChannel.describe``: what
+        ``refused`` and ``starting`` mean) and takes the answer (``adopt``)."""
+        timeout = self.connection.connect_timeout if timeout is None else timeout
+        describe = await self.control.describe(timeout, refused=refused, starting=starting)
+        self.adopt(describe)
         return describe
 
-    async def _rest_of(
-        self, stub: loader_pb2_grpc.LoaderStub, describe: loader_pb2.DescribeResponse, timeout: float
-    ) -> None:
-        """Adds the server's further pages of shards (and their class lists) to its first page."""
-        if describe.shards and not describe.num_shards:  # (every server since 0.2 says how many)
-            raise ConnectionError(
-                f"loader server {self.address} runs remoteloader {describe.version or 'older than 0.2'}, whose "
-                f"Describe and orders this client no longer speaks: run the servers and clients of one version"
-            )
-        while len(describe.shards) < describe.num_shards:
-            request = loader_pb2.DescribeRequest(shard_start=len(describe.shards))
-            page = await stub.Describe(request, timeout=timeout, metadata=self.options.metadata)
-            if page.shard_start != len(describe.shards) or page.class_list_start != len(describe.class_lists):
-                raise ConnectionError(
-                    f"loader server {self.address} sent Describe page {page.shard_start} "
-                    f"(class lists from {page.class_list_start}) for {len(describe.shards)} "
-                    f"({len(describe.class_lists)}): its shards changed while it was described?"
-                )
-            if not page.shards:
-                raise ConnectionError(f"loader server {self.address} sent an empty Describe page at {page.shard_start}")
-            describe.shards.extend(page.shards)
-            describe.class_lists.extend(page.class_lists)
-
-    async def _describe_now(
-        self, stub: loader_pb2_grpc.LoaderStub, request: loader_pb2.DescribeRequest, timeout: float
-    ) -> loader_pb2.DescribeResponse | None:
-        """One Describe without waiting for the channel: the answer; ConnectionError when the
-        connection is refused; None when the server is not reachable yet for another reason."""
-        try:
-            return await stub.Describe(request, timeout=timeout, wait_for_ready=False, metadata=self.options.metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            if "refused" in (exc.details() or "").lower():
-                raise ConnectionError(
-                    f"loader server {self.address} refused the connection: nothing listens there "
-                    f"(is the server running, and on this port?)"
-                ) from None
-            return None
+    def adopt(self, describe: loader_pb2.DescribeResponse) -> None:
+        """What the server said when it was described (here, or before this link was made: a
+        loader describes each server once at start, ``thread_receiver.describe_servers``)."""
+        self.describe = describe
+        self.max_inflight = max(1, min(self.connection.max_inflight, describe.max_inflight_orders))
 
     async def get_keys(self, shard_id: str, start: int, count: int) -> list[str]:
-        stub = loader_pb2_grpc.LoaderStub(self._control)
-        reply = await stub.GetKeys(
-            loader_pb2.GetKeysRequest(shard_id=shard_id, start=start, count=count),
-            timeout=self.options.connect_timeout,
-            metadata=self.options.metadata,
-        )
-        return list(reply.keys)
+        return await self.control.get_keys(shard_id, start, count)
 
     # ---- the order stream -------------------------------------------------------------
     async def open_stream(self, setup: loader_pb2.Setup) -> None:
@@ -314,13 +240,13 @@ class Link(Generic[OrderT]):
             setup.shared_memory = True
         limit = limits.max_message_bytes(self.describe.chunk_bytes, limits.sample_bytes(setup.height, setup.width))
         if self._data is None:
-            self._data = self._channel(limit)
+            self._data = open_channel(self.address, self.security.tls, limit)
         method = self._data.stream_stream(
             _STREAM,
             request_serializer=loader_pb2.StreamRequest.SerializeToString,
             response_deserializer=codec.decode_chunk,
         )
-        self._call = call = method(metadata=self.options.metadata)
+        self._call = call = method(metadata=self.security.metadata)
         self._outbox = asyncio.Queue()
         self._outbox.put_nowait(loader_pb2.StreamRequest(setup=setup))
         self.state = LinkState.UP
@@ -334,11 +260,11 @@ class Link(Generic[OrderT]):
         stream: the server may have restarted); else the stream carries the pixels."""
         self._unmap_shared()
         describe = self.describe
-        if not (self.options.shared_memory and describe is not None and same_host.on_this_host(describe)):
+        if not (self.connection.reads_shared_memory and describe is not None and same_host.on_this_host(describe)):
             return
         try:
             self.shared = await asyncio.get_running_loop().run_in_executor(
-                None, same_host.SharedChunks.open, describe.local_socket, self.options.token
+                None, same_host.SharedChunks.open, describe.local_socket, self.security.token
             )
         except (OSError, ValueError) as exc:  # elsewhere after all (another container), or refused
             log.info(
@@ -350,7 +276,26 @@ class Link(Generic[OrderT]):
             self.shared.close()
             self.shared = None
 
-    def shared_payload(self, shared: loader_pb2.SharedPayload) -> memoryview:
+    def _resolve(self, chunk: codec.DecodedChunk) -> Arrival[OrderT] | None:
+        """The chunk counted and resolved for the engine (None: dropped here, or the link failed)."""
+        header, payload = chunk
+        shared = header.shared if header.HasField("shared") else None  # its payload in the server's memory
+        if shared is not None:
+            try:
+                payload = self._shared_payload(shared)
+            except ValueError as exc:
+                self.fail(ConnectionError(f"bad shared chunk from {self.address} (order {header.order_id}): {exc}"))
+                return None
+        order = self._inflight.get(header.order_id)
+        if order is None and header.order_id in self._dropped:  # already on the way when it was cancelled
+            self.received(len(payload), header.count, header.workers_busy)
+            if shared is not None:
+                self.release(shared)
+            return None
+        self.received(len(payload), header.count, header.workers_busy, header.joined)
+        return Arrival(header, payload, order, self, shared)
+
+    def _shared_payload(self, shared: loader_pb2.SharedPayload) -> memoryview:
         """A chunk's bytes in the server's memory (ValueError: not in it, or its slot reused)."""
         if self.shared is None:
             raise ValueError("a shared chunk on a stream that did not ask for them")
@@ -402,10 +347,6 @@ class Link(Generic[OrderT]):
         self._outbox.put_nowait(loader_pb2.StreamRequest(cancel=loader_pb2.Cancel(order_id=order.order_id)))
         self._dropped.append(order.order_id)
 
-    def dropped(self, order_id: int) -> bool:
-        """Whether chunks of ``order_id`` are of an order cancelled on this stream (to be dropped)."""
-        return order_id in self._dropped
-
     def complete(self, order: OrderT) -> None:
         """All of an order's samples arrived: it is no longer in flight."""
         del self._inflight[order.order_id]
@@ -442,7 +383,9 @@ class Link(Generic[OrderT]):
                 if call is not self._call:
                     return
                 self._healthy = True
-                self._events.on_chunk(self, chunk)
+                arrival = self._resolve(chunk)
+                if arrival is not None:
+                    self._events.on_chunk(self, arrival)
             raise ConnectionError("the server closed the stream")
         except asyncio.CancelledError:
             raise
@@ -479,7 +422,7 @@ class Link(Generic[OrderT]):
         """Seconds this link is still retried for (0: not retrying)."""
         if self.state is not LinkState.DOWN or self._down_since is None:
             return 0.0
-        return max(0.0, self._down_since + self.options.reconnect_timeout - time.monotonic())
+        return max(0.0, self._down_since + self.connection.reconnect_timeout - time.monotonic())
 
     def revive(self) -> None:
         """A link given up on (or refused) earlier gets another reconnect_timeout, from now."""
@@ -505,7 +448,7 @@ class Link(Generic[OrderT]):
         # The back-off carries over when a server fails again before sending anything
         # (one that refuses each new stream, e.g. RESOURCE_EXHAUSTED): no tight retry loop.
         delay = self._retry_delay
-        reconnect_timeout = self.options.reconnect_timeout
+        reconnect_timeout = self.connection.reconnect_timeout
         since = self._down_since or time.monotonic()
         deadline = since + reconnect_timeout
         report = since + STILL_DOWN_EVERY
@@ -514,7 +457,7 @@ class Link(Generic[OrderT]):
             delay = min(delay * 2, MAX_RETRY_DELAY)
             try:
                 await self._reset_channels()
-                timeout = max(0.5, min(self.options.connect_timeout, deadline - time.monotonic()))
+                timeout = max(0.5, min(self.connection.connect_timeout, deadline - time.monotonic()))
                 await self.fetch_describe(timeout, refused=True)  # (refused: back off and try again)
                 assert self._setup is not None, "a link goes down only after open_stream"
                 await self.open_stream(self._setup)
@@ -564,10 +507,10 @@ class Link(Generic[OrderT]):
         self._unmap_shared()  # a dead server's memory must not live on in this process
 
     async def _reset_channels(self) -> None:
-        for channel in (self._control, self._data):
-            if channel is not None:
-                await channel.close(grace=None)
-        self._control = self._data = None
+        await self.control.close()
+        if self._data is not None:
+            await self._data.close(grace=None)
+        self._data = None
 
     async def close(self) -> None:
         """Stops reconnecting, the stream and the channels: CLOSED."""

@@ -16,40 +16,35 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import inspect
 import logging
 import os
 import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
-import torch
 
-from remoteloader.client import failures
+from remoteloader.client import failures, memory_bounds
+from remoteloader.client import options as options_module
 from remoteloader.client import plan as plan_module
 from remoteloader.client.batch_forms import user_batch
-from remoteloader.client.batches import END, Batch, Item, LoaderError, SampleFailure
-from remoteloader.client.cuda_delivery import CudaDelivery
+from remoteloader.client.batches import END, Batch, Item, LoaderError
 from remoteloader.client.delivery import Delivered, Delivery, Output, Readable
-from remoteloader.client.engine import EngineOptions
 from remoteloader.client.epoch import IDENTITY, EpochPosition, FrameworkEpochs, Pass
-from remoteloader.client.host_delivery import HostDelivery
-from remoteloader.client.link import LinkOptions
-from remoteloader.client.options import UINT64, LoaderOptions, Option, check_int
+from remoteloader.client.io_side import open_io
+from remoteloader.client.options import UINT64, LoaderOptions, check_int
 from remoteloader.client.plan import EpochPlan
-from remoteloader.client.process_receiver import ProcessReceiver
 from remoteloader.client.ranks import Partition, Ranks
 from remoteloader.client.receiver import Receiver
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.client.security import TLSConfig
-from remoteloader.client.server_set import ServerSet
-from remoteloader.client.thread_receiver import ThreadReceiver, describe_servers
+from remoteloader.client.server_set import ServerSet, check_offer
+from remoteloader.client.thread_receiver import describe_servers
 from remoteloader.client.throughput import Throughput
 from remoteloader.protos import targets as tg
-from remoteloader.protos.wire import RAW
 
 log = logging.getLogger("remoteloader.client")
 
@@ -58,7 +53,8 @@ _KEY_BLOCK = 1024
 
 
 class RemoteLoader:
-    """Batches of augmented images streamed from loader servers, as an ordinary iterable.
+    __doc__ = options_module.docstring(
+        """Batches of augmented images streamed from loader servers, as an ordinary iterable.
 
     Example:
         loader = RemoteLoader("127.0.0.1:50051,127.0.0.1:50052", batch_size=256, image_size=224)
@@ -70,192 +66,61 @@ class RemoteLoader:
     Args:
         address: Servers: ``"host:port"``, a comma-separated string or a list of them; a
             DNS name expands to every address it resolves to.
-    Batches:
-        batch_size: Samples per batch (default 256).
-        image_size: Output size, an int or (height, width) (default 224).
-        pipeline: ``"train"`` (random resized crop + flip), ``"eval"`` (resize + center
-            crop), ``"detection-train"``, ``"detection-eval"``, ``"segmentation-train"``,
-            ``"segmentation-eval"`` (docs/targets.md), or an albumentations pipeline
-            (``A.Compose``, or its ``A.to_dict``), which the servers must allow (default "train").
-        shuffle: Shuffle the union of all servers' samples every epoch (default True).
-        seed: Seeds the shuffle and every sample's augmentation (default 0).
-        drop_last: Drop the last incomplete batch (default True).
-        sampler: An iterable of global sample ids replacing shuffle (e.g. weighted); its
-            ``set_epoch`` is called if it has one (default None). It is ``options.sampler``:
-            the loader has no ``sampler`` attribute, so that frameworks do not take it for a
-            DataLoader.
-        rank / world_size: This process's part of each epoch; default to torch.distributed's,
-            read at ``len()`` and at each pass's first batch (a loader made before
-            ``init_process_group`` is right), else 0 / 1. Every rank gets the same number of batches.
-    Output:
-        device: ``"cpu"`` or ``"cuda[:i]"`` (default "cpu").
-        normalize: (mean, std) per channel on the 0..1 scale; when given, images come out as
-            ``dtype`` NCHW (channels_last memory) normalized; otherwise uint8 NHWC.
-        dtype: Floating dtype of normalized images (default torch.float32).
-        return_ids: Yield (images, labels, ids) with the global sample ids (default False); with
-            dict batches, the dict holds "ids".
-        fields: The target fields to receive (docs/targets.md): e.g. ``["bboxes", "bbox_labels"]``.
-            Default None: every field the servers' shards carry. When that is more than the class
-            ``label`` (or fields is given), each batch is a dict of "images" and those fields:
-            "label" a tensor, "mask" uint8 [B, H, W] (zeros for a sample without one), each other
-            field a list of per-sample tensors (empty, or None for an extra array, where a sample
-            has none), all on ``device``; otherwise batches are (images, labels) tuples as for
-            classification.
-            (With None, the loader asks the servers what they carry before it opens its
-            streams: one more Describe per server at start; naming the fields saves that.) A
-            field that no server's shards carry is an error naming what carries it (e.g. COCO
-            servers' ``--coco-masks``), except ``orig_size`` and ``to_orig``, which every
-            server computes.
-        batch_format: None (default): batches as above; ``"torchvision"``: (images, targets) as
-            torchvision's detection models and references take them: ``images`` a list of float
-            [3, H, W] tensors on the 0..1 scale (or normalized, with ``normalize``), ``targets``
-            a list of dicts with "boxes", "labels", "image_id", "area", "iscrowd", "masks"
-            (with that field) and the other fields asked for (docs/targets.md, "Detection with torchvision").
-        ordered: Yield batches in plan order (reproducible, default True) or as they complete.
-        on_error: What to do with samples a server could not decode: "raise" (default),
-            "warn" or "skip" (the batch comes without them), or a callable taking a list of
-            SampleFailure that returns nothing (then the batch is kept as is, zeros in place).
-    Flow control:
-        prefetch: Batches requested ahead of the training loop (default 8: with uneven servers
-            and ordered delivery, 4 left 10% of their capacity unused). Host memory is about
-            (prefetch + 2) x batch bytes (pinned on CUDA); with ``normalize`` on the CPU, add
-            the normalized batches you hold and up to two spare ones.
-        max_inflight: Orders outstanding per server (default 4); server-side memory for the
-            stream is about max_inflight x order bytes.
-        connect_timeout: Seconds to wait for each server at start (default 10).
-        reconnect_timeout: Seconds a failed server may take to come back before its
-            unserved samples raise an error, when no other server holds its shards (default 60).
-        progress_timeout: Seconds a server may hold orders without sending anything before it
-            is treated as failed and its orders go elsewhere (default 60); one that still does so
-            after reconnect_timeout is given up, with an error naming it.
-        receiver: Where the batches are received: ``"process"``, a child process that writes
-            them into shared memory (pinned on CUDA), so the training process spends almost
-            no CPU and none of its GIL on input, or ``"thread"``, an I/O thread of this
-            process (no child; one copy less on the CPU). Default: "process" on CUDA,
-            "thread" on the CPU. With "process", (prefetch + 2) batch slots of shared memory
-            replace the host buffers above.
-        wire: How the pixels travel (docs/operator-guide.md, "Wire choices"): ``"raw"`` (default), ``"zstd"``
-            (lossless, about 1.2x fewer bytes on photos, masks far fewer) or ``"jpeg95"`` (LOSSY:
-            JPEG quality 95, about 4x fewer bytes; masks, labels and targets stay exact). The
-            servers encode, this process (or its receiver process) decodes, at some CPU per
-            image: worth it only where the link is the limit. Needs ``pip install
-            'remoteloader[wire]'`` and servers that offer it.
-        shared_memory: Servers on this host hand over their chunk memory, and batches are
-            copied from where their decode workers wrote them instead of through gRPC
-            (docs/operator-guide.md, "Same host"); found out per server, by its host id and a Unix socket only
-            local processes can open; servers elsewhere are read over gRPC. Default True;
-            False reads every server over gRPC. Only with ``wire="raw"``.
-    Jobs sharing a fleet (docs/user-guide.md, "Several jobs on one fleet"):
-        job: The training job this loader feeds, as the servers' operator names it in their
-            ``--job-weights`` (its share of their decode workers) and as their metrics count
-            it: letters, digits, ``.``, ``_``, ``-``, at most 64. Default None: each stream
-            is a job of its own. A job the operator did not list weighs 1 a stream, named
-            or not. Give every rank of a job the same name.
-        share: Default True: where another loader asks a server for the very same chunk (same
-            pipeline, size, fields, wire, seed, epoch and samples: the jobs of a sweep that
-            differ only in the model), the server decodes it once for both; the batches are
-            the same bit for bit, each loader still gets every sample once, and
-            ``stats()["images_shared"]`` counts those that came from a decode another stream
-            started. False: this loader's samples are decoded for it alone.
-    Security:
-        tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
-            client certificate for mutual TLS); default None: plaintext.
-        token: Bearer token the servers expect (their --token-file); default None.
     """
-
-    # The validated arguments, read-only (options.LoaderOptions holds them).
-    batch_size: Option[int] = Option()
-    image_size: Option[tuple[int, int]] = Option()
-    shuffle: Option[bool] = Option()
-    seed: Option[int] = Option()
-    drop_last: Option[bool] = Option()
-    device: Option[torch.device] = Option()
-    normalize: Option[tuple[list[float], list[float]] | None] = Option()
-    dtype: Option[torch.dtype] = Option()
-    return_ids: Option[bool] = Option()
-    fields: Option[tuple[str, ...] | None] = Option()
-    batch_format: Option[str | None] = Option()
-    ordered: Option[bool] = Option()
-    on_error: Option[str | Callable[[list[SampleFailure]], None]] = Option()
-    prefetch: Option[int] = Option()
-    receiver: Option[str] = Option()
-    wire: Option[str] = Option()
-    shared_memory: Option[bool] = Option()
-    job: Option[str | None] = Option()
-    share: Option[bool] = Option()
+    )
 
     def __init__(
         self,
         address: str | Iterable[str],
-        *,
-        batch_size: int = 256,
-        image_size: int | Sequence[int] = 224,
-        pipeline: Any = "train",
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-        sampler: Iterable[int] | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        device: str | torch.device = "cpu",
-        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
-        dtype: torch.dtype = torch.float32,
-        return_ids: bool = False,
-        fields: Sequence[str] | None = None,
-        batch_format: str | None = None,
-        ordered: bool = True,
-        on_error: str | Callable[[list[SampleFailure]], None] = "raise",
-        prefetch: int = 8,
-        max_inflight: int = 4,
-        connect_timeout: float = 10.0,
-        reconnect_timeout: float = 60.0,
-        progress_timeout: float = 60.0,
-        tls: str | TLSConfig | None = None,
-        token: str | None = None,
-        receiver: str | None = None,
-        wire: str = "raw",
-        shared_memory: bool = True,
-        job: str | None = None,
-        share: bool = True,
-    ):
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "address")}  # (options.py checks them)
+        **arguments: Any,  # options.py: their groups, defaults and checks (and __signature__)
+    ) -> None:
         self._close_lock = threading.Lock()
         self._closed = False
         self.options = LoaderOptions.from_arguments(arguments)
-        self._ranks = Ranks(self.options.rank, self.options.world_size)
-        self._position = EpochPosition(self._plan, replayable=sampler is None)
+        self._ranks = Ranks(self.options.batches.rank, self.options.batches.world_size)
+        self._position = EpochPosition(self._plan, replayable=self.options.batches.sampler is None)
         self._counted: Partition | None = None  # the partition len() last counted batches for
         self._final_servers: dict[str, dict] = {}  # the servers' counters when it was closed
         self._final_receiver_cpu = 0.0  # and the receiver's CPU seconds
-        self._throughput = Throughput(self.options.batch_size, self.options.setup.pipeline)
+        self._throughput = Throughput(self.options.batches.batch_size, self.options.setup.pipeline)
         self._keys: dict[tuple[str, int], list[str]] = {}
         self._pid = os.getpid()  # a forked copy of this object owns no thread and no child
         _OPEN.add(self)
         try:
-            if self.fields is None:
-                # The fields the servers' shards carry, asked before the I/O side opens: the
-                # streams ask for them, and batch memory has room for masks when they carry some.
-                # (A server that joins between this and the open with other fields does not
-                # add them.)
-                wanted = self._wanted_fields(SampleSpace(describe_servers(address, self._link_options())))
-                self.options = self.options.with_fields(wanted)
-            self._io, self._delivery = self._open_io(address)
-            self._servers = ServerSet(self._io, self.options.setup)
-            if self.fields is not None:
-                wanted = self._wanted_fields(self._servers.space)
+            wanted = self._start(address)
         except BaseException:
             self.close()
             raise
         # What each batch holds besides the images: None for (images, labels) tuples.
         self._batch_fields: tuple[str, ...] | None = (
-            wanted if self.fields is not None or set(wanted) - {tg.LABEL} else None
+            wanted if self.options.output.fields is not None or set(wanted) - {tg.LABEL} else None
         )
         self._warn_if_epochs_are_empty(self._ranks.current())
+
+    def _start(self, address: str | Iterable[str]) -> tuple[str, ...]:
+        """Describes each server once, checks the plan against what they said (pipeline, image
+        size, wire, fields), checks the buffers fit in this machine's memory, and only then opens
+        the receiver and allocates the buffers, once: a bad argument fails in milliseconds.
+        Returns the fields the batches hold."""
+        o = self.options
+        described = describe_servers(address, o.connection, o.security)
+        for server, describe in described.items():
+            check_offer(o.setup, server, describe)
+        # The fields asked for, or those the servers' shards carry: the streams ask for them,
+        # and batch memory has room for masks when they carry some. (A server that joins
+        # between this and the open with other fields does not add them.)
+        wanted = self._wanted_fields(SampleSpace(described))
+        if o.output.fields is None:
+            self.options = o.with_fields(wanted)
+        memory_bounds.check(self.options)
+        self._io, self._delivery = open_io(address, self.options, described)
+        self._servers = ServerSet(self._io, self.options.setup)
+        return wanted
 
     def _wanted_fields(self, space: SampleSpace) -> tuple[str, ...]:
         """The fields asked for, or (fields=None) those the servers' shards carry; ValueError for
         fields asked for that no shard carries (a model trained on empty targets is silently wrong)."""
-        wanted = space.fields if self.fields is None else self.fields
+        wanted = space.fields if self.options.output.fields is None else self.options.output.fields
         missing = [f for f in wanted if f not in space.fields and f not in tg.RENDERED]
         if missing:
             carried = "; ".join(f"{f}: {tg.CARRIED_BY.get(f, 'shards whose targets have it')}" for f in missing)
@@ -263,70 +128,25 @@ class RemoteLoader:
                 f"fields={list(wanted)}: none of the servers' shards carry {', '.join(missing)} (they carry "
                 f"{', '.join(space.fields) or 'no targets'}). What carries them: {carried}"
             )
-        if self.batch_format == "torchvision" and not {tg.BBOXES, tg.BBOX_LABELS} <= set(wanted):
+        if self.options.output.batch_format == "torchvision" and not {tg.BBOXES, tg.BBOX_LABELS} <= set(wanted):
             raise ValueError(
                 f"batch_format='torchvision' needs the fields bboxes and bbox_labels (asked for: {list(wanted)}; "
                 f"the servers' shards carry {', '.join(space.fields) or 'no targets'})"
             )
         return wanted
 
-    def _open_io(self, address: str | Iterable[str]) -> tuple[Receiver, Delivery]:
-        """The receiver and the delivery the options ask for (closed again if either fails)."""
-        o = self.options
-        engine_options = EngineOptions(
-            seed=o.seed, prefetch=o.prefetch, ordered=o.ordered, progress_timeout=o.progress_timeout
-        )
-        link_options = self._link_options()
-        process: ProcessReceiver | None = None
-        delivery: Delivery | None = None
-        try:
-            if o.receiver == "process":
-                # Batches arrive in its shared slots; the delivery copies them out (to the GPU
-                # on CUDA) and gives the slots back.
-                process = ProcessReceiver(
-                    address, o.setup, o.batch_buffers, o.batch_bytes, engine_options, link_options
-                )
-            if o.device.type == "cuda":
-                delivery = CudaDelivery(
-                    o.device,
-                    o.normalize,
-                    o.dtype,
-                    o.batch_bytes,
-                    o.batch_buffers,
-                    receiver=process,
-                )
-            else:
-                delivery = HostDelivery(
-                    o.normalize, o.dtype, o.batch_buffers, receiver=process, batch=(o.batch_size, *o.image_size)
-                )
-            if process is not None:
-                return process, delivery
-            return ThreadReceiver(address, o.setup, delivery, engine_options, link_options), delivery
-        except BaseException:
-            if delivery is not None:
-                delivery.close(final=True)
-            if process is not None:
-                process.close()
-            raise
-
-    def _link_options(self) -> LinkOptions:
-        o = self.options
-        return LinkOptions(
-            connect_timeout=o.connect_timeout,
-            max_inflight=o.max_inflight,
-            reconnect_timeout=o.reconnect_timeout,
-            tls=o.tls,
-            metadata=o.metadata,
-            token=o.token,
-            shared_memory=o.shared_memory and o.wire == RAW,
-        )
-
     def _warn_if_epochs_are_empty(self, partition: Partition) -> None:
         n = self._epoch_samples()
-        if n and plan_module.num_batches(n, self.batch_size, partition.world_size, self.drop_last) == 0:
+        if (
+            n
+            and plan_module.num_batches(
+                n, self.options.batches.batch_size, partition.world_size, self.options.batches.drop_last
+            )
+            == 0
+        ):
             warnings.warn(
-                f"RemoteLoader: batch_size={self.batch_size} with drop_last=True leaves no whole batch "
-                f"of the {n} samples {'the sampler gives' if self.options.sampler is not None else 'it serves'} "
+                f"RemoteLoader: batch_size={self.options.batches.batch_size} with drop_last=True leaves no whole batch "
+                f"of the {n} samples {'it serves' if self.options.batches.sampler is None else 'the sampler gives'} "
                 f"for each of {partition.world_size} rank(s): every epoch is empty (pass drop_last=False or "
                 f"a smaller batch_size)",
                 stacklevel=4,
@@ -399,11 +219,13 @@ class RemoteLoader:
             raise TypeError("len(RemoteLoader) is unknown: its sampler has no __len__ (as DataLoader, len() needs one)")
         partition = self._ranks.current()
         self._counted = partition
-        return plan_module.num_batches(n, self.batch_size, partition.world_size, self.drop_last)
+        return plan_module.num_batches(
+            n, self.options.batches.batch_size, partition.world_size, self.options.batches.drop_last
+        )
 
     def _epoch_samples(self) -> int | None:
         """Samples an epoch plays before splitting into ranks (None: a sampler without __len__)."""
-        sampler = self.options.sampler
+        sampler = self.options.batches.sampler
         if sampler is None:
             return self.num_samples
         return len(sampler) if isinstance(sampler, Sized) else None
@@ -431,14 +253,14 @@ class RemoteLoader:
     def _plan(self, epoch: int, partition: Partition) -> EpochPlan:
         return plan_module.make_plan(
             self.num_samples,
-            self.batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
+            self.options.batches.batch_size,
+            shuffle=self.options.batches.shuffle,
+            seed=self.options.batches.seed,
             epoch=epoch,
             rank=partition.rank,
             world_size=partition.world_size,
-            drop_last=self.drop_last,
-            sampler=self.options.sampler,
+            drop_last=self.options.batches.drop_last,
+            sampler=self.options.batches.sampler,
         )
 
     def sample_key(self, sample_id: int) -> str:
@@ -501,7 +323,7 @@ class RemoteLoader:
         return self._pass()
 
     def _pass(self) -> Iterator:
-        played, token, source = self._start_pass()
+        played, source = self._start_pass()
         out = self._delivery.start(source)
         ended = False  # the receiver said the pass is over
         meter = self._throughput
@@ -512,28 +334,28 @@ class RemoteLoader:
 
         try:
             while True:
-                item = meter.wait_for(lambda: self._get(out, token))
+                item = meter.wait_for(lambda: self._get(out, played))
                 if item is END:
                     ended = True
-                    if self._position.ended(token):  # an epoch with no batches for this rank
+                    if self._position.ended(played):  # an epoch with no batches for this rank
                         epoch_done()
                     break
                 if isinstance(item, BaseException):
                     raise item
                 assert isinstance(item, (Batch, Delivered)), item
-                self._io.consumed(token)
+                self._io.consumed(played)
                 result = self._deliver(item)
                 # Only once delivered (a batch that raised is played again on resume); the last
                 # batch ends the epoch, whether or not the loop asks for another.
-                if self._position.delivered(token, item.seq):
+                if self._position.delivered(played, item.seq):
                     epoch_done()
                 if result is not None:
                     yield result
         finally:
-            if not ended and self._io.token == token:  # left early, and no newer pass started
-                self._abandon(token)
+            if not ended and self._io.playing is played:  # left early, and no newer pass started
+                self._abandon(played)
 
-    def _start_pass(self) -> tuple[Pass, int, queue.Queue[Item]]:
+    def _start_pass(self) -> tuple[Pass, queue.Queue[Item]]:
         """Finds the servers, reads the partition and starts the receiver on what this pass plays."""
         space = self._servers.next_epoch(self._position.resume_space())
         partition = self._ranks.current()
@@ -546,19 +368,12 @@ class RemoteLoader:
                 f"torch.distributed initialized after len() was read?)",
                 stacklevel=3,
             )
-        played = self._position.next_pass(partition)
-        out = self._io.start_epoch(
-            token=played.token,
-            epoch=played.epoch,
-            batches=played.plan.batches,
-            first_seq=played.start,
-            space=space,
-            skip=played.done,
-        )
+        played = self._position.next_pass(partition, space)
+        out = self._io.start_epoch(played)
         self._position.begin(played)
-        return played, played.token, out
+        return played, out
 
-    def _get(self, out: Readable[Output], token: int) -> Output:
+    def _get(self, out: Readable[Output], played: Pass) -> Output:
         while True:
             try:
                 return out.get(timeout=1.0)
@@ -568,15 +383,15 @@ class RemoteLoader:
                 stopped = self._io.stopped()
                 if stopped is not None:
                     raise LoaderError(stopped) from None
-                if self._io.token != token:
+                if self._io.playing is not played:
                     raise RuntimeError(
                         "this iteration was superseded: iter(loader) was called again, which starts the epoch anew"
                     ) from None
 
-    def _abandon(self, token: int) -> None:
+    def _abandon(self, played: Pass) -> None:
         """The consumer stopped mid-epoch: stop the work (cancel_epoch gives the buffers back)."""
         try:
-            self._io.cancel_epoch(token)
+            self._io.cancel_epoch(played)
         except (RuntimeError, LoaderError, TimeoutError, concurrent.futures.TimeoutError):
             # closed meanwhile, or the receiver is gone or stuck
             return
@@ -584,7 +399,7 @@ class RemoteLoader:
 
     def _deliver(self, item: Batch | Delivered) -> tuple | dict[str, Any] | None:
         """The batch as the training loop gets it (None: on_error left none of its rows)."""
-        delivered = failures.apply(self.on_error, self._delivery.finish(item))
+        delivered = failures.apply(self.options.output.on_error, self._delivery.finish(item))
         if delivered is None:
             return None
         self._throughput.delivered(len(delivered.ids), delivered.nbytes)
@@ -625,6 +440,29 @@ class RemoteLoader:
             self.close()
         except Exception:
             pass
+
+
+class _ReadBack:
+    """A read-only attribute of RemoteLoader: the option of the same name (``options.read_back``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, loader: RemoteLoader | None, owner: type) -> Any:
+        if loader is None:
+            return self
+        return options_module.read_back(loader.options, self.name)
+
+    def __set__(self, loader: RemoteLoader, value: Any) -> None:
+        raise AttributeError(f"RemoteLoader.{self.name} is fixed when it is made: make another loader")
+
+
+for _name in options_module.READ_BACK:  # (the options declared read_back=True)
+    setattr(RemoteLoader, _name, _ReadBack())
+    RemoteLoader.__dict__[_name].__set_name__(RemoteLoader, _name)
+RemoteLoader.__init__.__signature__ = options_module.signature(  # type: ignore[attr-defined]
+    inspect.Parameter("address", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+)
 
 
 @atexit.register

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,12 +34,11 @@ from typing import Any
 import numpy as np
 
 from remoteloader.client import cpu
-from remoteloader.client.assembly import PlannedBatches
+from remoteloader.client import receiver_messages as msg
 from remoteloader.client.batches import END, Batch, Item, LoaderError
-from remoteloader.client.engine import EngineOptions
-from remoteloader.client.link import LinkOptions
+from remoteloader.client.epoch import Pass
+from remoteloader.client.option_groups import ConnectionOptions, FlowOptions, SecurityOptions
 from remoteloader.client.receiver_channel import SharedSlots, rebuild_error
-from remoteloader.client.sample_space import SampleSpace
 from remoteloader.protos import loader_pb2
 
 log = logging.getLogger("remoteloader.client")
@@ -59,8 +58,11 @@ class ProcessReceiver:
         setup: loader_pb2.Setup,
         slots: int,
         slot_bytes: int,
-        engine_options: EngineOptions,
-        link_options: LinkOptions,
+        flow: FlowOptions,
+        connection: ConnectionOptions,
+        security: SecurityOptions,
+        seed: int,
+        described: Mapping[str, loader_pb2.DescribeResponse] | None = None,
     ):
         self._setup_hw = (setup.height, setup.width)
         self._masks = "mask" in setup.fields
@@ -97,51 +99,48 @@ class ProcessReceiver:
         self._replies: dict[int, Future[Any]] = {}
         self._queues: dict[int, queue.Queue[Item]] = {}  # the running epoch's, by token
         self._queues_lock = threading.Lock()  # a batch is either put where cancel drains it, or freed
-        self._current: int | None = None
+        self._playing: Pass | None = None  # the pass it started last, until it is cancelled
         self._dead: str | None = None
         self._close_when_read = False
-        self._send(("init", address, setup.SerializeToString(), slots, slot_bytes, engine_options, link_options))
+        described_bytes = {a: d.SerializeToString() for a, d in (described or {}).items()}
+        self._send(
+            msg.Init(
+                address, setup.SerializeToString(), slots, slot_bytes, flow, connection, security, seed, described_bytes
+            )
+        )
         self._reader = threading.Thread(target=self._read, name="remoteloader-receiver", daemon=True)
         self._reader.start()
 
     # ---- the Receiver contract --------------------------------------------------------------
     def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
-        describes, new = self._request("discover")
+        describes, new = self._request(msg.Discover())
         return {a: loader_pb2.DescribeResponse.FromString(d) for a, d in describes.items()}, new
 
     def forget(self, addresses: list[str]) -> None:
-        self._request("forget", addresses)
+        self._request(msg.Forget(addresses))
 
     def get_keys(self, owners: list[str], shard_id: str, start: int, count: int) -> list[str]:
-        return self._request("get_keys", owners, shard_id, start, count)
+        return self._request(msg.GetKeys(owners, shard_id, start, count))
 
     def server_stats(self, timeout: float | None = None) -> dict[str, dict]:
-        return self._request("server_stats", timeout=timeout)
+        return self._request(msg.ServerStats(), timeout=timeout)
 
-    def start_epoch(
-        self,
-        *,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int],
-    ) -> queue.Queue[Item]:
-        self._request("start_epoch", token, epoch, batches, first_seq, space, skip)
-        return self._queues[token]  # made by the reader before any of the epoch's batches
+    def start_epoch(self, played: Pass) -> queue.Queue[Item]:
+        self._request(msg.StartPass(played))
+        self._playing = played
+        return self._queues[played.token]  # made by the reader before any of the pass's batches
 
     @property
-    def token(self) -> int | None:
-        return self._current
+    def playing(self) -> Pass | None:
+        return self._playing
 
-    def cancel_epoch(self, token: int) -> None:
+    def cancel_epoch(self, played: Pass) -> None:
         if self._dead is None:
-            self._request("cancel_epoch", token, timeout=30)
+            self._request(msg.CancelPass(played.token), timeout=30)
         with self._queues_lock:
-            out = self._queues.pop(token, None)
-        if self._current == token:
-            self._current = None
+            out = self._queues.pop(played.token, None)
+        if self._playing is played:
+            self._playing = None
         if out is not None:
             self._drain(out)
 
@@ -155,8 +154,8 @@ class ProcessReceiver:
             if isinstance(item, Batch):
                 self.free(item.images)
 
-    def consumed(self, token: int) -> None:
-        self._post(("consumed", token))
+    def consumed(self, played: Pass) -> None:
+        self._post(msg.Consumed(played.token))
 
     @property
     def slot_memory(self) -> np.ndarray:
@@ -166,7 +165,7 @@ class ProcessReceiver:
     def free(self, images: Any) -> None:
         """Gives a batch's slot back to the receiver (``images`` is the slot's view or tensor)."""
         address = images.data_ptr() if hasattr(images, "data_ptr") else images.ctypes.data
-        self._post(("free", self.slots.slot_of(address)))
+        self._post(msg.Free(self.slots.slot_of(address)))
 
     def cpu_seconds(self) -> float:
         return cpu.process_cpu(self.process.pid)
@@ -186,7 +185,7 @@ class ProcessReceiver:
             return
         if self.process.poll() is None:
             try:
-                self._request("close", timeout=15)
+                self._request(msg.Close(), timeout=15)
             except Exception:
                 pass
             try:
@@ -218,7 +217,7 @@ class ProcessReceiver:
             os.close(fd)
 
     # ---- messages ---------------------------------------------------------------------------
-    def _request(self, *message: Any, timeout: float | None = None) -> Any:
+    def _request(self, request: msg.Request, timeout: float | None = None) -> Any:
         if os.getpid() != self._pid:  # its reader thread did not survive fork; the parent's reads the link
             raise RuntimeError(
                 f"this RemoteLoader was made in process {self._pid}; after a fork its receiver "
@@ -232,61 +231,61 @@ class ProcessReceiver:
         future: Future[Any] = Future()
         self._replies[request_id] = future
         try:
-            self._send(("call", request_id, *message))
+            self._send(msg.Call(request_id, request))
         except OSError:  # the child is gone; the reader says why
             self._replies.pop(request_id, None)
             self._reader.join(timeout=5)
             raise LoaderError(self._dead or "the RemoteLoader's receiver process is gone") from None
         return future.result(timeout)
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: msg.Consumed | msg.Free) -> None:
         if self._dead is None and os.getpid() == self._pid:
             try:
                 self._send(message)
             except OSError:
                 pass  # the reader reports the death
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: msg.Init | msg.ToChild) -> None:
         with self._send_lock:
             self._conn.send(message)
+
+    def _take(self, message: msg.ToParent, h: int, w: int) -> None:
+        """One message from the child, on the reader thread."""
+        match message:
+            case msg.Reply(request_id, ok, value):
+                future = self._replies.pop(request_id)
+                future.set_result(value) if ok else future.set_exception(rebuild_error(value))
+            case msg.Started(request_id, token):  # before any of the pass's batches, on this same thread
+                with self._queues_lock:
+                    superseded = list(self._queues.values())
+                    self._queues = {token: queue.Queue()}  # one pass at a time
+                for old in superseded:  # as the engine drains its own queue on a new pass
+                    self._drain(old)
+                self._replies.pop(request_id).set_result(token)
+            case msg.BatchReady(token, seq, slot, ids, labels, failures, nbytes, targets):
+                images = self.slots.view(slot, len(ids), h, w)
+                masks = self.slots.mask_view(slot, len(ids), h, w) if self._masks else None
+                with self._queues_lock:
+                    out = self._queues.get(token)
+                    if out is not None:
+                        out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes, masks, targets))
+                if out is None:  # a pass that was cancelled meanwhile
+                    self._post(msg.Free(slot))
+            case msg.PassEnded(token, error):
+                with self._queues_lock:
+                    out = self._queues.get(token)
+                    if out is not None:
+                        out.put(END if error is None else rebuild_error(error))
+            case msg.Log(level, name, text):
+                logging.getLogger(name).log(level, "%s", text)
+            case _:
+                raise TypeError(f"the receiver process sent {type(message).__name__}")
 
     def _read(self) -> None:
         h, w = self._setup_hw
         try:
             while True:
-                kind, *rest = self._conn.recv()
-                if kind == "reply":
-                    request_id, ok, value = rest
-                    future = self._replies.pop(request_id)
-                    future.set_result(value) if ok else future.set_exception(rebuild_error(value))
-                elif kind == "started":  # before any of the epoch's batches, on this same thread
-                    request_id, token = rest
-                    with self._queues_lock:
-                        superseded = list(self._queues.values())
-                        self._queues = {token: queue.Queue()}  # one epoch at a time
-                    self._current = token
-                    for out in superseded:  # as the engine drains its own queue on a new epoch
-                        self._drain(out)
-                    self._replies.pop(request_id).set_result(token)
-                elif kind == "batch":
-                    token, seq, slot, ids, labels, failures, nbytes, targets = rest
-                    images = self.slots.view(slot, len(ids), h, w)
-                    masks = self.slots.mask_view(slot, len(ids), h, w) if self._masks else None
-                    with self._queues_lock:
-                        epoch_out = self._queues.get(token)
-                        if epoch_out is not None:
-                            epoch_out.put(Batch(seq, ids, images, images, labels, 0, failures, nbytes, masks, targets))
-                    if epoch_out is None:  # an epoch that was cancelled meanwhile
-                        self._post(("free", slot))
-                elif kind in ("end", "error"):
-                    token, item = rest
-                    with self._queues_lock:
-                        epoch_out = self._queues.get(token)
-                        if epoch_out is not None:
-                            epoch_out.put(END if kind == "end" else rebuild_error(item))
-                elif kind == "log":
-                    level, name, text = rest
-                    logging.getLogger(name).log(level, "%s", text)
+                self._take(self._conn.recv(), h, w)
         except (EOFError, OSError):
             reason = None
         except BaseException as exc:  # a bug here must not leave requests waiting forever

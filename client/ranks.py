@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class Partition:
@@ -44,7 +42,8 @@ class Ranks:
         rank, world_size = self.rank, self.world_size
         known = rank is not None and world_size is not None
         if not known:
-            dist = torch.distributed
+            import torch.distributed as dist  # (here: the receiver process unpickles Partitions, and imports no torch)
+
             if dist.is_available() and dist.is_initialized():
                 rank = dist.get_rank() if rank is None else rank
                 world_size = dist.get_world_size() if world_size is None else world_size

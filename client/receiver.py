@@ -11,9 +11,8 @@ from __future__ import annotations
 import queue
 from typing import Protocol
 
-from remoteloader.client.assembly import PlannedBatches
 from remoteloader.client.batches import Item
-from remoteloader.client.sample_space import SampleSpace
+from remoteloader.client.epoch import Pass
 from remoteloader.protos import loader_pb2
 
 
@@ -40,29 +39,20 @@ class Receiver(Protocol):
         """Each server's counters (``Link.counters``), by address; ``timeout`` bounds a wait for
         another process (TimeoutError), where the receiver has to ask one."""
 
-    def start_epoch(
-        self,
-        *,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int],
-    ) -> queue.Queue[Item]:
-        """Starts the pass ``token`` (``epoch.Pass``: the loader's position names its passes) over
-        ``space`` (the one its plan was made from), at ``first_seq`` less ``skip``; returns the
-        queue its Batches, then END (or an error), arrive on."""
+    def start_epoch(self, played: Pass) -> queue.Queue[Item]:
+        """Starts the pass ``played`` (``epoch.Pass``: its plan from its start, less what was
+        done, over its sample space); returns the queue its Batches, then END (or an error),
+        arrive on."""
 
     @property
-    def token(self) -> int | None:
-        """The running epoch's token (None when none runs)."""
+    def playing(self) -> Pass | None:
+        """The pass running (None when none runs)."""
 
-    def cancel_epoch(self, token: int) -> None:
-        """Stops the epoch ``token`` if it still runs (its buffers return to the delivery)."""
+    def cancel_epoch(self, played: Pass) -> None:
+        """Stops the pass ``played`` if it still runs (its buffers return to the delivery)."""
 
-    def consumed(self, token: int) -> None:
-        """The consumer took one batch of epoch ``token`` (one more may be requested); never blocks."""
+    def consumed(self, played: Pass) -> None:
+        """The consumer took one batch of the pass ``played`` (one more may be requested); never blocks."""
 
     def cpu_seconds(self) -> float:
         """CPU seconds spent receiving so far: the I/O thread's, or the receiver process's."""

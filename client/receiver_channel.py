@@ -7,20 +7,11 @@
   receives pixels straight into them, the parent copies (or lends) them out.
 * Errors, which cross as (type name, message): ``portable_error`` in the child,
   ``rebuild_error`` in the parent, for the types in ``_ERRORS``.
-* The messages, over a socketpair with ``multiprocessing.connection``: pickled tuples of plain
-  values, numpy arrays and the sample space, which is safe here because both ends are this
-  library in processes it started; nothing from the network is ever unpickled. The child
-  exits when its parent is gone (it watches its parent pid, and EOF on the socket)::
-
-    parent -> child   ("init", address, setup bytes, slots, slot_bytes, engine_options, link_options)
-                      ("call", request id, method name, *args)      a Receiver method (start_epoch's
-                                                                    args: token, epoch, batches, first_seq, space, skip)
-                      ("consumed", token)  ("free", slot)            never answered
-    child -> parent   ("reply", request id, ok, value or error)
-                      ("started", request id, token)                 start_epoch's reply; its batches follow
-                      ("batch", token, seq, slot, ids, labels, failures, nbytes, targets)
-                      ("end" | "error", token, None | error)
-                      ("log", level, logger name, text)
+* The messages (``receiver_messages.py``: one NamedTuple a message), over a socketpair with
+  ``multiprocessing.connection``: pickled plain values, numpy arrays, option groups and the
+  pass (``epoch.Pass``, with its plan and sample space), which is safe here because both ends
+  are this library in processes it started; nothing from the network is ever unpickled. The
+  child exits when its parent is gone (it watches its parent pid, and EOF on the socket).
 """
 
 from __future__ import annotations

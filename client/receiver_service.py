@@ -20,15 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from remoteloader.client import receiver_messages as msg
 from remoteloader.client.batches import Batch, Item
+from remoteloader.client.epoch import Pass
 from remoteloader.client.receiver_channel import SharedSlots, portable_error
 from remoteloader.client.thread_receiver import ThreadReceiver
 from remoteloader.protos import loader_pb2
 
 log = logging.getLogger("remoteloader.client")
-
-# Receiver methods the parent calls by name whose answer goes back as is.
-_PLAIN_CALLS = frozenset({"forget", "get_keys", "server_stats", "cancel_epoch"})
 
 
 class SlotBuffers:
@@ -73,9 +72,10 @@ class ReceiverService:
         self.slots_fd = slots_fd
         self.lock = threading.Lock()
         self._forwarder: threading.Thread | None = None
+        self._played: Pass | None = None  # the pass started last (the parent names it by its token)
         self._stop = threading.Event()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: msg.ToParent) -> None:
         with self.lock:
             self.conn.send(message)
 
@@ -83,12 +83,21 @@ class ReceiverService:
         """Reads the parent's messages: "free" and "consumed" at once, calls on a worker thread
         (so a slow call, e.g. GetKeys, never holds back the slots coming back)."""
         try:
-            _, address, setup, slots, slot_bytes, engine_options, link_options = self.conn.recv()
+            init: msg.Init = self.conn.recv()
         except (EOFError, OSError):
             return
-        buffers = SlotBuffers(SharedSlots(slots, slot_bytes, self.slots_fd))
-        receiver = ThreadReceiver(address, loader_pb2.Setup.FromString(setup), buffers, engine_options, link_options)
-        calls: queue.Queue[tuple | None] = queue.Queue()
+        buffers = SlotBuffers(SharedSlots(init.slots, init.slot_bytes, self.slots_fd))
+        receiver = ThreadReceiver(
+            init.address,
+            loader_pb2.Setup.FromString(init.setup),
+            buffers,
+            init.flow,
+            init.connection,
+            init.security,
+            init.seed,
+            {a: loader_pb2.DescribeResponse.FromString(d) for a, d in init.described.items()},
+        )
+        calls: queue.Queue[msg.Call | None] = queue.Queue()
         worker = threading.Thread(
             target=self._calls, args=(receiver, buffers, calls), name="remoteloader-calls", daemon=True
         )
@@ -99,55 +108,64 @@ class ReceiverService:
                     message = self.conn.recv()
                 except (EOFError, OSError):
                     return  # the parent is gone, or done with us
-                kind = message[0]
-                if kind == "consumed":
-                    receiver.consumed(message[1])
-                elif kind == "free":
-                    buffers.give(message[1])
-                elif kind == "call":
-                    calls.put(message)
+                match message:
+                    case msg.Consumed(token):
+                        played = self._played
+                        if played is not None and played.token == token:
+                            receiver.consumed(played)
+                    case msg.Free(slot):
+                        buffers.give(slot)
+                    case msg.Call():
+                        calls.put(message)
         finally:
             calls.put(None)
             worker.join(timeout=15)
             self._stop.set()
             receiver.close()
 
-    def _calls(self, receiver: ThreadReceiver, buffers: SlotBuffers, calls: queue.Queue[tuple | None]) -> None:
-        while (message := calls.get()) is not None:
-            _, request_id, name, *args = message
+    def _calls(self, receiver: ThreadReceiver, buffers: SlotBuffers, calls: queue.Queue[msg.Call | None]) -> None:
+        while (call := calls.get()) is not None:
             try:
-                value = self._call(receiver, name, args)
+                value = self._call(receiver, call.request)
             except Exception as exc:
-                self.send(("reply", request_id, False, portable_error(exc)))
+                self.send(msg.Reply(call.request_id, False, portable_error(exc)))
                 continue
-            if name == "start_epoch":
-                token, out = args[0], value
-                self.send(("started", request_id, token))
-                self._forward(buffers, token, out)  # its batches follow the "started" message
+            if isinstance(call.request, msg.StartPass):
+                token = call.request.played.token
+                self.send(msg.Started(call.request_id, token))
+                self._forward(buffers, token, value)  # its batches follow the Started message
             else:
-                self.send(("reply", request_id, True, value))
-            if name == "close":
+                self.send(msg.Reply(call.request_id, True, value))
+            if isinstance(call.request, msg.Close):
                 os._exit(0)  # the receiver is closed and the parent has its answer
 
-    def _call(self, receiver: ThreadReceiver, name: str, args: list[Any]) -> Any:
-        if name in _PLAIN_CALLS:
-            return getattr(receiver, name)(*args)
-        if name == "discover":
-            describes, new = receiver.discover()
-            return {a: d.SerializeToString() for a, d in describes.items()}, new
-        if name == "start_epoch":
-            self._stop.set()  # the previous epoch's forwarder
-            if self._forwarder is not None:
-                self._forwarder.join()
-            token, epoch, batches, first_seq, space, skip = args  # as ProcessReceiver.start_epoch sends them
-            return receiver.start_epoch(
-                token=token, epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip
-            )
-        if name == "close":
-            self._stop.set()
-            receiver.close()
-            return None
-        raise ValueError(f"the receiver process has no call {name!r}")
+    def _call(self, receiver: ThreadReceiver, request: msg.Request) -> Any:
+        match request:
+            case msg.Discover():
+                describes, new = receiver.discover()
+                return {a: d.SerializeToString() for a, d in describes.items()}, new
+            case msg.Forget(addresses):
+                return receiver.forget(addresses)
+            case msg.GetKeys(owners, shard_id, start, count):
+                return receiver.get_keys(owners, shard_id, start, count)
+            case msg.ServerStats():
+                return receiver.server_stats()
+            case msg.StartPass(played):
+                self._stop.set()  # the previous pass's forwarder
+                if self._forwarder is not None:
+                    self._forwarder.join()
+                self._played = played
+                return receiver.start_epoch(played)
+            case msg.CancelPass(token):
+                running = self._played
+                if running is not None and running.token == token:
+                    receiver.cancel_epoch(running)
+                return None
+            case msg.Close():
+                self._stop.set()
+                receiver.close()
+                return None
+        raise ValueError(f"the receiver process has no call {type(request).__name__}")
 
     def _forward(self, buffers: SlotBuffers, token: int, out: queue.Queue[Item]) -> None:
         """Sends the epoch's batches to the parent as slot numbers, in the order they come."""
@@ -161,24 +179,15 @@ class ReceiverService:
                     continue
                 if isinstance(item, Batch):
                     slot = buffers.slots.slot_of(item.pixels.ctypes.data)
-                    self.send(
-                        (
-                            "batch",
-                            token,
-                            item.seq,
-                            slot,
-                            item.ids,
-                            item.labels,
-                            item.failures,
-                            item.nbytes,
-                            item.targets,
-                        )
+                    ready = msg.BatchReady(
+                        token, item.seq, slot, item.ids, item.labels, item.failures, item.nbytes, item.targets
                     )
+                    self.send(ready)
                 elif isinstance(item, BaseException):
-                    self.send(("error", token, portable_error(item)))
+                    self.send(msg.PassEnded(token, portable_error(item)))
                     return
                 else:  # END
-                    self.send(("end", token, None))
+                    self.send(msg.PassEnded(token, None))
                     return
 
         self._forwarder = threading.Thread(target=run, name="remoteloader-forward", daemon=True)
@@ -194,7 +203,7 @@ class _ForwardLogs(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.service.send(("log", record.levelno, record.name, record.getMessage()))
+            self.service.send(msg.Log(record.levelno, record.name, record.getMessage()))
         except Exception:
             pass
 

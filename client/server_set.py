@@ -71,7 +71,7 @@ class ServerSet:
         refused = {}
         for address in new:
             try:
-                self._check_offer(address, describes[address])
+                check_offer(self._setup, address, describes[address])
             except ValueError as exc:
                 if known is None:
                     raise
@@ -88,24 +88,25 @@ class ServerSet:
         self.addresses = list(describes)
         return SampleSpace(describes)
 
-    def _check_offer(self, address: str, d: loader_pb2.DescribeResponse) -> None:
-        """Raises ValueError if the server cannot serve this loader's pipeline, size and wire."""
-        setup = self._setup
-        h, w = setup.height, setup.width
-        if setup.pipeline == CUSTOM_PIPELINE:
-            if not d.custom_pipelines:
-                raise ValueError(
-                    f"loader server {address} does not accept custom albumentations pipelines "
-                    f"(start it with --allow-custom-pipelines); it offers {', '.join(d.pipelines)}"
-                )
-        elif setup.pipeline not in d.pipelines:
-            raise ValueError(f"pipeline={setup.pipeline!r}: loader server {address} offers {', '.join(d.pipelines)}")
-        if setup.wire not in ("", RAW) and setup.wire not in d.wires:
+
+def check_offer(setup: loader_pb2.Setup, address: str, d: loader_pb2.DescribeResponse) -> None:
+    """Raises ValueError if the server cannot serve the pipeline, size and wire ``setup`` asks for
+    (at start, before any buffer is allocated; and for each server that joins later)."""
+    h, w = setup.height, setup.width
+    if setup.pipeline == CUSTOM_PIPELINE:
+        if not d.custom_pipelines:
             raise ValueError(
-                f"wire={setup.wire!r}: loader server {address} offers {', '.join([RAW, *d.wires])} "
-                f"(an older server, or one without zstandard and simplejpeg: pip install 'remoteloader[server]')"
+                f"loader server {address} does not accept custom albumentations pipelines "
+                f"(start it with --allow-custom-pipelines); it offers {', '.join(d.pipelines)}"
             )
-        if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
-            raise ValueError(
-                f"image_size={h}x{w}: loader server {address} offers sizes {d.min_image_size}..{d.max_image_size}"
-            )
+    elif setup.pipeline not in d.pipelines:
+        raise ValueError(f"pipeline={setup.pipeline!r}: loader server {address} offers {', '.join(d.pipelines)}")
+    if setup.wire not in ("", RAW) and setup.wire not in d.wires:
+        raise ValueError(
+            f"wire={setup.wire!r}: loader server {address} offers {', '.join([RAW, *d.wires])} "
+            f"(an older server, or one without zstandard and simplejpeg: pip install 'remoteloader[server]')"
+        )
+    if not (d.min_image_size <= h <= d.max_image_size and d.min_image_size <= w <= d.max_image_size):
+        raise ValueError(
+            f"image_size={h}x{w}: loader server {address} offers sizes {d.min_image_size}..{d.max_image_size}"
+        )

@@ -12,16 +12,17 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 from remoteloader.client import cpu
-from remoteloader.client.assembly import BatchBuffers, Order, PlannedBatches
+from remoteloader.client.assembly import BatchBuffers, Order
 from remoteloader.client.batches import Item, LoaderError
 from remoteloader.client.discovery import discover
-from remoteloader.client.engine import Engine, EngineOptions
-from remoteloader.client.link import Link, LinkOptions, LinkState
-from remoteloader.client.sample_space import SampleSpace
+from remoteloader.client.engine import Engine
+from remoteloader.client.epoch import Pass
+from remoteloader.client.link import Link, LinkState
+from remoteloader.client.option_groups import ConnectionOptions, FlowOptions, SecurityOptions
 from remoteloader.protos import loader_pb2, malloc
 
 T = TypeVar("T")
@@ -51,11 +52,13 @@ def io_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
         return _shared[1], _shared[2]
 
 
-def describe_servers(address: str | Iterable[str], options: LinkOptions) -> dict[str, loader_pb2.DescribeResponse]:
+def describe_servers(
+    address: str | Iterable[str], connection: ConnectionOptions, security: SecurityOptions
+) -> dict[str, loader_pb2.DescribeResponse]:
     """What the servers at ``address`` hold and offer, asked once on the process's I/O loop
     (their connections closed again): what a loader learns before it opens its receiver,
     whose batch memory depends on the fields the servers carry. Raises as ``discover()``."""
-    links = [Link[Order](a, _NOT_STREAMING, options) for a in discover(address)]
+    links = [Link[Order](a, _NOT_STREAMING, connection, security) for a in discover(address)]
 
     async def describe_and_close() -> None:
         try:
@@ -64,13 +67,14 @@ def describe_servers(address: str | Iterable[str], options: LinkOptions) -> dict
             await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
 
     loop, _ = io_loop()
-    asyncio.run_coroutine_threadsafe(describe_and_close(), loop).result(timeout=options.connect_timeout + 5)
+    asyncio.run_coroutine_threadsafe(describe_and_close(), loop).result(timeout=connection.connect_timeout + 5)
     return {link.address: link.describe for link in links if link.describe is not None}
 
 
 async def _describe(links: list[Link[Order]]) -> None:
-    """Describes every link (a refused connection fails at once); the first error closes them all."""
-    results = await asyncio.gather(*(link.fetch_describe(refused=True) for link in links), return_exceptions=True)
+    """Describes every link (a refused connection is tried again until connect_timeout); the first
+    error closes them all."""
+    results = await asyncio.gather(*(link.fetch_describe(starting=True) for link in links), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
@@ -107,8 +111,11 @@ class ThreadReceiver:
         setup: The stream's Setup message.
         buffers: Where batches are received (the consumer's delivery, or the receiver
             process's shared slots).
-        engine_options: Scheduling options.
-        link_options: Connection options.
+        flow: The engine's options.
+        connection, security: The links' options.
+        seed: The loader's seed (the engine's orders carry it).
+        described: What the servers said when the loader described them (``describe_servers``):
+            their links start with it, and the first ``discover`` reports them without asking again.
     """
 
     def __init__(
@@ -116,26 +123,35 @@ class ThreadReceiver:
         address: str | Iterable[str],
         setup: loader_pb2.Setup,
         buffers: BatchBuffers,
-        engine_options: EngineOptions,
-        link_options: LinkOptions,
+        flow: FlowOptions,
+        connection: ConnectionOptions,
+        security: SecurityOptions,
+        seed: int,
+        described: Mapping[str, loader_pb2.DescribeResponse] | None = None,
     ):
         malloc.tune_malloc()  # multi-MB messages: see its docstring for the measured effect
         self._address = address
-        self._link_options = link_options
+        self._connection, self._security = connection, security
         self.links: dict[str, Link[Order]] = {}
         self._loop, self._thread = io_loop()
         self._pid = os.getpid()
         self._closed = False
-        self.engine = Engine(self.links, setup, engine_options, buffers)
+        self.engine = Engine(self.links, setup, flow, buffers, seed)
+        for address, describe in (described or {}).items():
+            link = Link[Order](address, self.engine, connection=connection, security=security)
+            link.adopt(describe)
+            self.links[address] = link
+        self._unreported = list(self.links)  # described before: the first discover() reports them as new
         buffers.listen(self._buffer_freed)  # (told by the buffers themselves: nothing relays it)
 
     # ---- servers ------------------------------------------------------------------------
     def discover(self) -> tuple[dict[str, loader_pb2.DescribeResponse], list[str]]:
         new = [a for a in discover(self._address) if a not in self.links]
         if new:
-            links = [Link[Order](a, self.engine, self._link_options) for a in new]
-            self._call(self._describe_all(links), timeout=self._link_options.connect_timeout + 5)
-        return {a: link.describe for a, link in self.links.items() if link.describe is not None}, new
+            links = [Link[Order](a, self.engine, connection=self._connection, security=self._security) for a in new]
+            self._call(self._describe_all(links), timeout=self._connection.connect_timeout + 5)
+        reported, self._unreported = self._unreported, []
+        return {a: link.describe for a, link in self.links.items() if link.describe is not None}, reported + new
 
     async def _describe_all(self, links: list[Link[Order]]) -> None:
         await _describe(links)
@@ -167,34 +183,22 @@ class ThreadReceiver:
         return {a: link.counters() for a, link in self.links.items()}
 
     # ---- epochs -------------------------------------------------------------------------
-    def start_epoch(
-        self,
-        *,
-        token: int,
-        epoch: int,
-        batches: PlannedBatches,
-        first_seq: int,
-        space: SampleSpace,
-        skip: frozenset[int],
-    ) -> queue.Queue[Item]:
-        start = self.engine.start_epoch(
-            token=token, epoch=epoch, batches=batches, first_seq=first_seq, space=space, skip=skip
-        )
-        self._call(start, timeout=None)
+    def start_epoch(self, played: Pass) -> queue.Queue[Item]:
+        self._call(self.engine.start_epoch(played), timeout=None)
         return self.engine.out
 
     @property
-    def token(self) -> int | None:
-        return self.engine.token
+    def playing(self) -> Pass | None:
+        return self.engine.playing
 
-    def cancel_epoch(self, token: int) -> None:
+    def cancel_epoch(self, played: Pass) -> None:
         if self._on_loop_thread():  # a generator finalized by a collection on the I/O thread
-            self._loop.call_soon(self.engine.cancel_epoch, token)
+            self._loop.call_soon(self.engine.cancel_epoch, played)
             return
-        self._call(_run(self.engine.cancel_epoch, token), timeout=10)
+        self._call(_run(self.engine.cancel_epoch, played), timeout=10)
 
-    def consumed(self, token: int) -> None:
-        self._soon(self.engine.consumed, token)
+    def consumed(self, played: Pass) -> None:
+        self._soon(self.engine.consumed, played)
 
     def _buffer_freed(self) -> None:
         """A buffer came back (any thread): dispatch goes on, on the I/O loop."""

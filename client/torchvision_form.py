@@ -36,8 +36,8 @@ def torchvision_form(
     images: torch.Tensor, targets: dict[str, Any], ids: torch.Tensor, options: LoaderOptions
 ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """The batch's images and per-image target dicts (module docstring)."""
-    if options.normalize is None:  # uint8 NHWC: float NCHW on the 0..1 scale
-        images = images.permute(0, 3, 1, 2).to(options.dtype).div_(255)
+    if options.output.normalize is None:  # uint8 NHWC: float NCHW on the 0..1 scale
+        images = images.permute(0, 3, 1, 2).to(options.output.dtype).div_(255)
     out: list[dict[str, torch.Tensor]] = []
     device = images.device
     for row in range(len(images)):

@@ -218,7 +218,7 @@ def test_prepare_with_connect_still_refuses_a_foreign_folder(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("address, message", [
-    ("127.0.0.1:{closed}", "refused the connection: nothing listens there"),  # at once, not after connect_timeout
+    ("127.0.0.1:{closed}", "refused the connection: nothing listens there"),  # tried until connect_timeout (issue 43)
     ("127.0.0.1:{silent}", "did not answer within 2s"),  # a port that accepts and never answers
     ("no-port-here", "expected host:port"),
 ])
@@ -241,8 +241,8 @@ def test_connect_to_no_server_is_a_one_line_error(monkeypatch, closed_port, addr
     took = time.monotonic() - started
     assert isinstance(info.value.code, str) and "\n" not in info.value.code, info.value.code
     assert info.value.code.startswith(f"--connect={address}: ") and message in info.value.code, info.value.code
-    if "refused" in message:
-        assert took < 1.5, f"a refused connection took {took:.1f}s to report"
+    if "refused" in message:  # tried again until connect_timeout=2 (a server may be starting), then reported
+        assert 1.5 < took < 2 + 4, f"a refused connection took {took:.1f}s to report"
 
 
 # A client-only install (`pip install remoteloader`, no `server` extra): its modules fail to import.

@@ -17,7 +17,7 @@ import pytest
 from packing import pack_cli
 
 from remoteloader.client import RemoteLoader
-from remoteloader.client.link import LinkOptions
+from remoteloader.client.option_groups import ConnectionOptions, SecurityOptions
 from remoteloader.client.sample_space import SampleSpace
 from remoteloader.client.thread_receiver import describe_servers
 from remoteloader.protos import SERVICE, limits, loader_pb2
@@ -102,8 +102,8 @@ def described(answer) -> loader_pb2.DescribeResponse:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        options = LinkOptions(connect_timeout=20, max_inflight=4, reconnect_timeout=5, tls=None, metadata=())
-        (response,) = describe_servers(f"127.0.0.1:{port}", options).values()
+        connection = ConnectionOptions(connect_timeout=20, max_inflight=4, reconnect_timeout=5)
+        (response,) = describe_servers(f"127.0.0.1:{port}", connection, SecurityOptions()).values()
         return response
     finally:
         server.stop(None)

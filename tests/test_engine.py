@@ -19,10 +19,13 @@ import pytest
 from remoteloader.client import chunks
 from remoteloader.client.assembly import Order
 from remoteloader.client.batches import END, Batch, LoaderError
-from remoteloader.client.engine import Engine, EngineOptions
-from remoteloader.client.link import LinkState
+from remoteloader.client.engine import Engine
+from remoteloader.client.epoch import Pass
+from remoteloader.client.link import Arrival, LinkState
+from remoteloader.client.option_groups import FlowOptions
+from remoteloader.client.plan import EpochPlan
 from remoteloader.client.sample_space import SampleSpace
-from remoteloader.protos import codec, loader_pb2, wire
+from remoteloader.protos import loader_pb2, wire
 
 H = W = 2
 SAMPLE = H * W * 3
@@ -72,16 +75,10 @@ class FakeLink:
         self.outstanding += order.samples
         self.sent.append(order)
 
-    def received(self, nbytes: int, samples: int, workers_busy: float, joined: bool = False) -> None:
-        pass
-
     def cancel(self, order: Order) -> None:
         if self._inflight.pop(order.order_id, None) is not None:
             self.outstanding -= order.samples
             self.cancelled.append(order.order_id)
-
-    def dropped(self, order_id: int) -> bool:
-        return order_id in self.cancelled
 
     def complete(self, order: Order) -> None:
         del self._inflight[order.order_id]
@@ -119,7 +116,15 @@ class FakeLink:
             errors=[loader_pb2.SampleError(position=p, key=f"k{p}", reason=r) for p, r in (errors or {}).items()],
         )
         payload = np.repeat((local % 256).astype(np.uint8), SAMPLE).tobytes()
-        self.engine.on_chunk(self, codec.DecodedChunk(header, memoryview(payload)))  # type: ignore[arg-type]
+        self.arrive(header, payload)
+
+    def arrive(self, header: loader_pb2.ChunkHeader, payload: bytes) -> None:
+        """As Link._resolve: a chunk of an order cancelled here is dropped; others reach the engine."""
+        assert self.engine is not None
+        order = self._inflight.get(header.order_id)
+        if order is None and header.order_id in self.cancelled:
+            return
+        self.engine.on_chunk(self, Arrival(header, memoryview(payload), order))  # type: ignore[arg-type]
 
     def answer_all(self) -> None:
         for order in self.orders():
@@ -163,8 +168,8 @@ def space(shards: dict[str, tuple[int, list[str]]]) -> SampleSpace:
 def engine_of(links: list[FakeLink], *, prefetch: int = 8, ordered: bool = True, buffers: Buffers | None = None,
               setup: loader_pb2.Setup | None = None) -> Engine:
     setup = setup or loader_pb2.Setup(height=H, width=W)
-    options = EngineOptions(seed=1, prefetch=prefetch, ordered=ordered, progress_timeout=60.0)
-    engine = Engine({link.address: link for link in links}, setup, options, buffers or Buffers())  # type: ignore[misc]
+    flow = FlowOptions(prefetch=prefetch, ordered=ordered, progress_timeout=60.0)
+    engine = Engine({link.address: link for link in links}, setup, flow, buffers or Buffers(), seed=1)  # type: ignore[misc]
     for link in links:
         link.engine = engine
     return engine
@@ -181,8 +186,10 @@ class Listed(list):
 
 
 async def start(engine: Engine, sample_space: SampleSpace, batches: list[np.ndarray], **kw) -> queue.Queue:
-    await engine.start_epoch(token=7, epoch=0, batches=Listed(batches), first_seq=kw.pop("first_seq", 0),
-                             space=sample_space, skip=kw.pop("skip", frozenset()))
+    plan = EpochPlan(epoch=0, num_samples=sample_space.num_samples, batch_size=1, rank=0, world_size=1,
+                     drop_last=False, shuffle=False, seed=1, batches=Listed(batches))  # type: ignore[arg-type]
+    played = Pass(0, plan, kw.pop("first_seq", 0), kw.pop("skip", frozenset()), token=7, space=sample_space)
+    await engine.start_epoch(played)
     return engine.out
 
 
@@ -247,7 +254,7 @@ def test_batches_are_split_by_owners_and_order_size_and_dispatched_up_to_prefetc
         a.answer_all()
         b.answer_all()
         assert [b.seq for b in drain(out)] == [0, 1]
-        engine.consumed(engine.token)  # the consumer took one: the third batch goes out
+        engine.consumed(engine.playing)  # the consumer took one: the third batch goes out
         assert [o.batch.seq for o in a.sent[4:]] == [2, 2]
         engine.close()
 
@@ -321,7 +328,7 @@ def test_a_slow_replica_gets_only_the_part_it_can_finish_before_the_loop_wants_i
         while fast.orders() or slow.orders():
             fast.answer_all()
             slow.answer_all()
-            engine.consumed(engine.token)
+            engine.consumed(engine.playing)
         asked = np.sort(np.concatenate([o.local for o in fast.sent + slow.sent]))
         assert np.array_equal(asked, np.arange(2048))
         engine.close()
@@ -382,7 +389,7 @@ def test_a_malformed_chunk_fails_its_server_and_the_order_is_served_elsewhere():
         (order,) = a.sent
         header = loader_pb2.ChunkHeader(order_id=order.order_id, start=0, count=8, order_size=8, height=H,
                                         width=W + 1, channels=3, labels=[0] * 8)
-        engine.on_chunk(a, codec.DecodedChunk(header, memoryview(bytes(8 * H * (W + 1) * 3))))  # type: ignore[arg-type]
+        a.arrive(header, bytes(8 * H * (W + 1) * 3))
         assert a.state is LinkState.DOWN and "malformed chunk from a" in a.last_error
         b.state = LinkState.UP
         engine.on_link_up(b)  # type: ignore[arg-type]

@@ -32,12 +32,12 @@ class Trainer:
     def __init__(self, position: EpochPosition | None = None, partition: Partition = ONE):
         self.position = position or EpochPosition(make_plan, replayable=True)
         self.partition = partition
-        self.token = 0
+        self.played = None
 
     def start(self):
         played = self.position.next_pass(self.partition)
-        assert played.token > self.token, "each pass gets a token of its own"
-        self.token = played.token
+        assert self.played is None or played.token > self.played.token, "each pass gets a token of its own"
+        self.played = played
         self.position.begin(played)
         return played
 
@@ -48,9 +48,9 @@ class Trainer:
         if batches is not None:
             todo = todo[:batches]
         for seq in todo:
-            self.position.delivered(self.token, seq)
+            self.position.delivered(self.played, seq)
         if batches is None and not todo:
-            self.position.ended(self.token)
+            self.position.ended(self.played)
         return played.epoch, [played.plan.batches[s].tolist() for s in todo]
 
     def state(self) -> dict:

@@ -231,7 +231,7 @@ def test_a_billion_sample_position_resumes_on_another_rank():
     played = playing.next_pass(Partition(1, world_size))
     playing.begin(played)
     for seq in range(5):
-        playing.delivered(played.token, seq)
+        playing.delivered(played, seq)
     state = json.loads(json.dumps(playing.state_dict(identity, Partition(1, world_size))))
     fresh = EpochPosition(plan_of, replayable=True)
     fresh.load(state, identity, None, Partition(2, world_size))

@@ -243,7 +243,7 @@ def test_a_state_dict_resumes_exactly_the_batches_not_yet_delivered(case):
     played = playing.next_pass(partition)
     playing.begin(played)
     for seq in delivered:
-        playing.delivered(played.token, seq)
+        playing.delivered(played, seq)
     state = playing.state_dict(identity, partition)
     assert json.loads(json.dumps(state)) == state  # what a checkpoint holds
 

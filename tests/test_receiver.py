@@ -279,7 +279,7 @@ def test_bad_arguments_and_unreachable_servers_are_clear(shards):
     with pytest.raises(ValueError, match="receiver='pipe'"):
         make(cluster, first, receiver="pipe")
     with pytest.raises(ConnectionError, match="127.0.0.1:9 refused the connection: nothing listens there"):
-        RemoteLoader("127.0.0.1:9", connect_timeout=1, receiver="process")  # (from the receiver process, too)
+        RemoteLoader("127.0.0.1:9", connect_timeout=1, receiver="process")  # (before the receiver process starts)
 
 
 def test_a_new_iteration_frees_what_the_superseded_one_held(shards):

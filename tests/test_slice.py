@@ -192,11 +192,15 @@ def test_epochs_differ_and_set_epoch_replays_one(data):
 def test_iteration_without_set_epoch_advances_the_epoch(data):
     with loader_for(data, seed=7, return_ids=True) as loader, \
             loader_for(data, seed=7, return_ids=True) as reference:
-        data.epoch(loader)
+        first = data.epoch(loader)
         second = data.epoch(loader)
         reference.set_epoch(1)
         expected = data.epoch(reference)
-    for (xa, _, ia), (xb, _, ib) in zip(second, expected):
+    # Each pass plays a whole epoch (an empty one would compare equal to anything), and the
+    # second plays epoch 1: another order than the first, the same as epoch 1 played by name.
+    assert len(first) == len(second) == len(expected) == len(loader) > 0
+    assert torch.cat([i for _, _, i in second]).tolist() != torch.cat([i for _, _, i in first]).tolist()
+    for (xa, _, ia), (xb, _, ib) in zip(second, expected, strict=True):
         assert torch.equal(ia, ib) and torch.equal(xa, xb)
 
 

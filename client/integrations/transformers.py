@@ -236,14 +236,16 @@ class RemoteTrainer(Trainer):
     def num_examples(self, dataloader: Any) -> int:
         """Samples an epoch of the loader plays on every rank (Trainer's logs, speed metrics)."""
         if isinstance(dataloader, LoaderInputs):
-            return len(dataloader) * dataloader.loader.batch_size * dataloader.loader.world_size
+            return len(dataloader) * dataloader.loader.options.batches.batch_size * dataloader.loader.world_size
         return super().num_examples(dataloader)
 
     def get_total_train_batch_size(self, args: Any) -> int:
         total = super().get_total_train_batch_size(args)
         if self.train_loader is None:
             return total
-        return total // self._train_batch_size * self.train_loader.batch_size  # the loader's batches, not args'
+        return (
+            total // self._train_batch_size * self.train_loader.options.batches.batch_size
+        )  # the loader's batches, not args'
 
     # ---- checkpoints and resume -------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
