@@ -23,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from remoteloader.server.decode import DecodeError
-from remoteloader.server.seeds import splitmix64
+from remoteloader.server.seeds import splitmix64, stream_seeds
 
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov")
 MAX_FRAMES = 1 << 22  # frames in one video's index (about 19 hours at 60 fps): a bound on its memory
@@ -194,8 +194,8 @@ def clip_frames(
 ) -> np.ndarray:
     """The frame numbers of a video's clip(s) of ``length`` frames ``stride`` apart: [clips, length].
 
-    ``start`` given: the clip starting there. Else with ``seed``: one clip at a start drawn from
-    the seed, uniform over the starts that keep the clip inside the video (a training clip: the
+    ``start`` given: the clip starting there. Else with ``seed``: ``clips`` clips at starts drawn
+    from the seed, uniform over the starts that keep a clip inside the video (training clips: the
     seed is the sample's, from (seed, epoch, shard, index)). Else ``clips`` clips with starts
     spread uniformly (one: the centre clip; an evaluation's). A video shorter than the clip
     repeats its last frame to the clip's length."""
@@ -208,8 +208,10 @@ def clip_frames(
     if start is not None:
         starts = np.asarray([start], np.int64)
     elif seed is not None:
-        draw = int(splitmix64(seed & ((1 << 64) - 1)))
-        starts = np.asarray([draw % (room + 1)], np.int64)
+        # The sample seed's first stream (its transforms' streams start at the second: Pipeline.reseed)
+        first = int(splitmix64(seed & ((1 << 64) - 1)))
+        draws = [first] if clips == 1 else stream_seeds(first, clips)
+        starts = np.asarray([d % (room + 1) for d in draws], np.int64)
     elif clips == 1:
         starts = np.asarray([room // 2], np.int64)
     else:
