@@ -28,6 +28,7 @@ from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.shared_memory import CACHE_FILL, CACHE_READ
 from remoteloader.server.sources import load_source, source_sample
+from remoteloader.server.video_pipelines import VideoPipeline, make_pipeline
 from remoteloader.server.worker_messages import (
     DefinePipeline,
     ForgetPipelines,
@@ -179,15 +180,15 @@ class _Pipelines:
         self.allow_custom = allow_custom
         self.max_pixels = max_pixels
         self.region_decode = region_decode
-        self._built: OrderedDict[PipelineSpec, Pipeline | str] = OrderedDict()
+        self._built: OrderedDict[PipelineSpec, Pipeline | VideoPipeline | str] = OrderedDict()
 
-    def get(self, spec: PipelineSpec) -> Pipeline | str:
+    def get(self, spec: PipelineSpec) -> Pipeline | VideoPipeline | str:
         pipeline = self._built.get(spec)
         if pipeline is not None:
             self._built.move_to_end(spec)
             return pipeline
         try:
-            pipeline = Pipeline(spec, self.allow_custom, self.max_pixels, self.region_decode)
+            pipeline = make_pipeline(spec, self.allow_custom, self.max_pixels, self.region_decode)
         except PipelineError as exc:
             pipeline = f"pipeline error: {exc}"
         self._built[spec] = pipeline
@@ -199,7 +200,9 @@ class _Pipelines:
 class _Samples:
     """Renders a task's samples with one pipeline (or its error message)."""
 
-    def __init__(self, pipeline: Pipeline | str, cache: mmap.mmap | None, indexed_ns: int, sources: list):
+    def __init__(
+        self, pipeline: Pipeline | VideoPipeline | str, cache: mmap.mmap | None, indexed_ns: int, sources: list
+    ):
         self.pipeline = pipeline
         self.cache = cache
         self.indexed_ns = indexed_ns
