@@ -54,9 +54,9 @@ class Found:
 
 
 def _formats() -> tuple[ModuleType, ...]:
-    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, tar, tfrecord
+    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, tar, tfrecord, video
 
-    return (coco, tar, tfrecord, parquet, lmdb, imagefolder)  # ImageFolder last: any other folder is one
+    return (coco, tar, tfrecord, parquet, lmdb, video, imagefolder)  # ImageFolder last: any other folder is one
 
 
 def open_shards(paths: list[str], options: FormatOptions | None = None) -> list[Shard]:
