@@ -24,10 +24,12 @@ import cv2
 import numpy as np
 
 from remoteloader.protos import CUSTOM_PIPELINE
+from remoteloader.protos import targets as tg
 from remoteloader.server import video_decode as vd
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
 
 VIDEO_PRESETS = ("video-train", "video-eval")
+FRAME_INDICES = tg.FRAME_INDICES  # the field of a clip's source frames: int64 [T] (or [K, T]), 0-based
 MAX_CLIP_FRAMES = 512  # frames of one clip
 MAX_FRAME_STRIDE = 1024
 MAX_CLIPS_PER_VIDEO = 64
@@ -93,10 +95,15 @@ class VideoPipeline:
     def __call__(self, data: bytes, seed: int, fused: bool = True, verified: bool = False) -> np.ndarray:
         """The sample's clips from the video's bytes, as rows (``fused`` False: full-size frames
         through the whole compose, as a user's plain pipeline; ``verified`` is not used)."""
+        return self.render(data, seed, fused)[0]
+
+    def render(self, data: bytes, seed: int, fused: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The sample's clips as rows [K * T * H, W, 3], and their source frames [K, T] (int64)."""
         index = vd.index_video(data)
         if index.height * index.width > self.max_pixels:
             raise vd.VideoError(f"frames of {index.width}x{index.height} are over max_pixels={self.max_pixels}")
-        return self.clips(data, index, seed, fused).reshape(-1, self.width, 3)
+        numbers = self.frame_numbers(index, seed)
+        return self.clips(data, index, seed, fused, numbers).reshape(-1, self.width, 3), numbers
 
     def frame_numbers(self, index: vd.VideoIndex, seed: int) -> np.ndarray:
         """The source frames of the sample's clips: [K, T] (train: drawn from the seed; else spread)."""
@@ -106,9 +113,11 @@ class VideoPipeline:
             len(index), spec.clip_frames, spec.frame_stride, seed=seed if train else None, clips=spec.clips_per_video
         )
 
-    def clips(self, data: vd.Source, index: vd.VideoIndex, seed: int, fused: bool = True) -> np.ndarray:
+    def clips(
+        self, data: vd.Source, index: vd.VideoIndex, seed: int, fused: bool = True, numbers: np.ndarray | None = None
+    ) -> np.ndarray:
         """uint8 [K * T, H, W, 3]: each clip decoded and put through one draw of the pipeline."""
-        numbers = self.frame_numbers(index, seed)
+        numbers = self.frame_numbers(index, seed) if numbers is None else numbers
         out = np.empty((self.frames, self.height, self.width, 3), np.uint8)
         t = self.spec.clip_frames
         for k, clip in enumerate(numbers):
