@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from remoteloader.client.clips import as_video, frame_indices
 from remoteloader.client.delivery import Delivered
 from remoteloader.client.options import LoaderOptions
 from remoteloader.client.torchvision_form import torchvision_form
@@ -21,6 +22,16 @@ def user_batch(delivered: Delivered, options: LoaderOptions, fields: tuple[str, 
     """``delivered`` in the loader's form; ``fields``: what a dict batch holds besides the images
     (None: tuples)."""
     images, labels, ids, targets = delivered.images, delivered.labels, delivered.ids, delivered.targets
+    if options.clip is not None:
+        batch = {"video": as_video(images, options.clip, options.normalize is not None), tg.LABEL: labels}
+        for name in fields or ():
+            if name == tg.FRAME_INDICES:  # the same shape for every clip: one tensor [B, T] ([B, K, T])
+                batch[name] = frame_indices(targets[name], options.clip, images.device)
+            elif name != tg.LABEL:
+                batch[name] = targets[name]
+        if options.return_ids:
+            batch["ids"] = ids
+        return batch
     if options.batch_format == "torchvision":
         return torchvision_form(images, targets, ids, options)
     if fields is not None:

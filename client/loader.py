@@ -157,6 +157,17 @@ class RemoteLoader:
             the same bit for bit, each loader still gets every sample once, and
             ``stats()["images_shared"]`` counts those that came from a decode another stream
             started. False: this loader's samples are decoded for it alone.
+    Video (docs/video.md; servers that serve videos):
+        clip_frames: Frames per clip, T (default None: images). Each sample is then a video's clip:
+            batches are dicts with "video" uint8 [B, T, H, W, C] (``image_size`` is a frame's),
+            with ``normalize`` ``dtype`` [B, C, T, H, W], "label", and "ids" with ``return_ids``.
+            ``pipeline`` "train" and "eval" become "video-train" (one random clip per video per
+            epoch, random resized crop + flip drawn once per clip) and "video-eval" (the centre clip,
+            resized and centre-cropped as "eval").
+        frame_stride: Source frames between a clip's frames, S (default 1).
+        clips_per_video: Clips per video, K (default 1): "video-eval" spreads them uniformly,
+            "video-train" draws each; with K > 1 "video" has a K axis after B.
+        video_layout: Normalized clips as ``"BCTHW"`` (default) or ``"BTCHW"``.
     Security:
         tls: Path of the CA PEM that signed the servers' certificates, or a TLSConfig (with a
             client certificate for mutual TLS); default None: plaintext.
@@ -217,6 +228,10 @@ class RemoteLoader:
         shared_memory: bool = True,
         job: str | None = None,
         share: bool = True,
+        clip_frames: int | None = None,
+        frame_stride: int = 1,
+        clips_per_video: int = 1,
+        video_layout: str = "BCTHW",
     ):
         arguments = {k: v for k, v in locals().items() if k not in ("self", "address")}  # (options.py checks them)
         self._close_lock = threading.Lock()
@@ -256,7 +271,8 @@ class RemoteLoader:
         """The fields asked for, or (fields=None) those the servers' shards carry; ValueError for
         fields asked for that no shard carries (a model trained on empty targets is silently wrong)."""
         wanted = space.fields if self.fields is None else self.fields
-        missing = [f for f in wanted if f not in space.fields and f not in tg.RENDERED]
+        rendered = tg.RENDERED + ((tg.FRAME_INDICES,) if self.options.clip is not None else ())
+        missing = [f for f in wanted if f not in space.fields and f not in rendered]
         if missing:
             carried = "; ".join(f"{f}: {tg.CARRIED_BY.get(f, 'shards whose targets have it')}" for f in missing)
             raise ValueError(
@@ -297,7 +313,7 @@ class RemoteLoader:
                 )
             else:
                 delivery = HostDelivery(
-                    o.normalize, o.dtype, o.batch_buffers, receiver=process, batch=(o.batch_size, *o.image_size)
+                    o.normalize, o.dtype, o.batch_buffers, receiver=process, batch=(o.batch_size, *o.sample_size)
                 )
             if process is not None:
                 return process, delivery

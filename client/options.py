@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from remoteloader.client.batches import SampleFailure
+from remoteloader.client.clips import VIDEO_PIPELINES, ClipOptions
 from remoteloader.client.normalize import Normalize
 from remoteloader.client.security import TLSConfig, tls_config, token_metadata
 from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2
@@ -73,6 +74,7 @@ class LoaderOptions:
     tls: TLSConfig | None
     token: str | None
     metadata: tuple[tuple[str, str], ...]
+    clip: ClipOptions | None = None  # video clips (client/clips.py); None: images
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> LoaderOptions:
@@ -81,7 +83,16 @@ class LoaderOptions:
         a = _Arguments(arguments)
         batch_size = check_int("batch_size", a.take("batch_size"), 1)
         size = _size(a.take("image_size"))
-        setup = _setup(a.take("pipeline"), size)
+        clip = ClipOptions.of(
+            a.take("clip_frames"), a.take("frame_stride"), a.take("clips_per_video"), a.take("video_layout")
+        )
+        pipeline = a.take("pipeline")
+        if clip is not None and isinstance(pipeline, str):
+            pipeline = VIDEO_PIPELINES.get(pipeline, pipeline)
+        setup = _setup(pipeline, size)
+        if clip is not None:  # a clip travels as one image of its frames' rows (protos/loader.proto)
+            setup.height, setup.clip_frames = clip.rows * size[0], clip.frames
+            setup.frame_stride, setup.clips_per_video = clip.stride, clip.clips
         setup.wire = _wire(a.take("wire"))
         fields = _fields(a.take("fields"))
         if fields is not None:  # what the streams ask for; "label" always travels
@@ -152,6 +163,7 @@ class LoaderOptions:
             tls=tls,
             token=token.strip() if isinstance(token, str) else None,
             metadata=token_metadata(token),
+            clip=clip,
         )
 
     @property
@@ -162,8 +174,14 @@ class LoaderOptions:
     @property
     def batch_bytes(self) -> int:
         """Bytes of one received batch (uint8 NHWC, then the masks, uint8 NHW)."""
-        h, w = self.image_size
+        h, w = self.sample_size
         return self.batch_size * limits.sample_bytes(h, w, self.masks)
+
+    @property
+    def sample_size(self) -> tuple[int, int]:
+        """(rows, width) of one sample as it travels: the image size, or a clip's K x T frames' rows."""
+        h, w = self.image_size
+        return (h * self.clip.rows if self.clip is not None else h), w
 
     def with_fields(self, fields: Sequence[str]) -> LoaderOptions:
         """These options with the streams asking for ``fields`` ("label" always travels)."""

@@ -91,7 +91,7 @@ class ServerSet:
     def _check_offer(self, address: str, d: loader_pb2.DescribeResponse) -> None:
         """Raises ValueError if the server cannot serve this loader's pipeline, size and wire."""
         setup = self._setup
-        h, w = setup.height, setup.width
+        h, w = setup.height // max(1, setup.clip_frames * (setup.clips_per_video or 1)), setup.width  # (a clip's frame)
         if setup.pipeline == CUSTOM_PIPELINE:
             if not d.custom_pipelines:
                 raise ValueError(
