@@ -7,6 +7,7 @@ import pathlib
 
 import numpy as np
 import pytest
+import torch
 
 av = pytest.importorskip("av", reason="the video extra (pip install 'remoteloader[video]')")
 
@@ -142,3 +143,152 @@ def test_eval_clips_are_centred_or_spread_and_short_videos_repeat_their_last_fra
     np.testing.assert_array_equal(vd.clip_frames(1, 3, 1, seed=5), [[0, 0, 0]])
     with pytest.raises(ValueError, match="must be >= 1"):
         vd.clip_frames(10, 0, 1)
+
+
+# ---- a server on a folder of class folders of videos ----------------------------------------------
+
+FOLDER_SPECS = [
+    VideoSpec("a0", "libx264", "mp4", 48, 64, 24, 25, 6),
+    VideoSpec("a1", "libx264", "mkv", 48, 64, 30, 30, 250),
+    VideoSpec("b0", "libvpx-vp9", "webm", 48, 64, 20, 24, 8, vfr=True),
+    VideoSpec("b1", "mpeg4", "avi", 60, 80, 16, 25, 4),
+    VideoSpec("c0", "libx264", "mov", 48, 64, 5, 30, 12),  # shorter than a clip
+    VideoSpec("c1", "libx264", "mp4", 64, 48, 26, 25, 12),  # portrait
+]
+CLIP = {"clip_frames": 4, "frame_stride": 2}
+
+
+@pytest.fixture(scope="module")
+def video_folder(tmp_path_factory) -> pathlib.Path:
+    """``videos/<class>/<file>``: three classes, two videos each, and one broken file in class c."""
+    root = tmp_path_factory.mktemp("kinetics") / "videos"
+    for i, spec in enumerate(FOLDER_SPECS):
+        folder = root / spec.name[0]
+        folder.mkdir(parents=True, exist_ok=True)
+        encode(spec, folder / spec.file, seed=i)
+    (root / "c" / "c2_truncated.mp4").write_bytes((root / "a" / "a0.mp4").read_bytes()[:300])
+    return root
+
+
+@pytest.fixture(scope="module")
+def video_server(module_cluster, video_folder):
+    module_cluster.add(video_folder, "--workers", "2")
+    return module_cluster
+
+
+def _epoch(server, **options) -> list[dict]:
+    from remoteloader.client import RemoteLoader
+
+    arguments = {"batch_size": 2, "image_size": 32, "drop_last": False, "return_ids": True, **CLIP}
+    arguments.update({"on_error": lambda failures: None, **options})  # (a failed clip is kept, zeros)
+    with RemoteLoader(server.target, **arguments) as loader:
+        batches = list(loader)
+        keys = {int(i): loader.sample_key(int(i)) for b in batches for i in b["ids"]}
+    for b in batches:
+        b["keys"] = [keys[int(i)] for i in b["ids"]]
+    return batches
+
+
+def _eval_clip(path: pathlib.Path, size: int) -> np.ndarray:
+    """The eval clip as a PyAV user gets it: the centre clip's frames decoded whole, then the "eval"
+    geometry (resize to cover size / 0.875, centre crop) applied by albumentations."""
+    from remoteloader.server.pipelines import PipelineSpec, build_compose
+
+    frames = plain_decode(path)
+    numbers = vd.clip_frames(len(frames), CLIP["clip_frames"], CLIP["frame_stride"])[0]
+    return build_compose(PipelineSpec("eval", size, size), False)(images=frames[numbers])["images"]
+
+
+def test_eval_serves_every_video_once_as_its_centre_clip(video_server, video_folder):
+    failures = []
+    batches = _epoch(video_server, pipeline="video-eval", shuffle=False, on_error=failures.extend)
+    keys = [k for b in batches for k in b["keys"]]
+    assert sorted(keys) == sorted(str(p.relative_to(video_folder)) for p in video_folder.glob("*/*"))
+    assert [f.key for f in failures] == ["c/c2_truncated.mp4"] and "not a video" in failures[0].reason
+    for batch in batches:
+        assert batch["video"].dtype == torch.uint8 and batch["video"].shape[1:] == (4, 32, 32, 3)
+        for key, video, label in zip(batch["keys"], batch["video"], batch["label"]):
+            assert int(label) == "abc".index(key[0])
+            if key.endswith("truncated.mp4"):
+                continue
+            expected = _eval_clip(video_folder / key, 32).astype(np.int16)
+            difference = np.abs(video.numpy().astype(np.int16) - expected)
+            assert difference.mean() < 2.5 and np.percentile(difference, 99) <= 12, (key, difference.mean())
+
+
+def test_training_clips_repeat_bit_for_bit_and_change_with_the_epoch(video_server):
+    from remoteloader.client import RemoteLoader
+
+    def pixels(epoch: int, seed: int = 3) -> dict[str, np.ndarray]:
+        with RemoteLoader(video_server.target, batch_size=3, image_size=32, pipeline="video-train", seed=seed,
+                          return_ids=True, on_error="skip", drop_last=False, **CLIP) as loader:
+            loader.set_epoch(epoch)
+            return {loader.sample_key(int(i)): v.numpy() for b in loader for i, v in zip(b["ids"], b["video"])}
+
+    first, again, later = pixels(0), pixels(0), pixels(1)
+    assert len(first) == 6 and first.keys() == again.keys() == later.keys()
+    for key in first:
+        np.testing.assert_array_equal(first[key], again[key], err_msg=key)
+    assert sum(not np.array_equal(first[k], later[k]) for k in first) >= 4  # new clips, new crops
+
+
+@pytest.mark.parametrize("layout", ["BCTHW", "BTCHW"])
+def test_normalized_clips_come_in_the_layout_asked_for(video_server, layout):
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    plain = _epoch(video_server, pipeline="video-eval", shuffle=False)
+    normal = _epoch(video_server, pipeline="video-eval", shuffle=False, normalize=(mean, std), video_layout=layout)
+    for a, b in zip(plain, normal):
+        expected = (a["video"].float() / 255 - 0.5) / 0.25  # [B, T, H, W, C]
+        expected = expected.permute(0, 4, 1, 2, 3) if layout == "BCTHW" else expected.permute(0, 1, 4, 2, 3)
+        assert b["video"].dtype == torch.float32 and b["video"].shape == expected.shape
+        torch.testing.assert_close(b["video"], expected, atol=1e-5, rtol=0)
+
+
+def test_frame_indices_name_each_clips_source_frames(video_server, video_folder):
+    batches = _epoch(video_server, pipeline="video-eval", fields=["label", "frame_indices"])
+    seen = 0
+    for batch in batches:
+        assert batch["frame_indices"].dtype == torch.int64 and batch["frame_indices"].shape[1:] == (4,)
+        for key, numbers in zip(batch["keys"], batch["frame_indices"]):
+            if key.endswith("truncated.mp4"):
+                continue
+            count = len(vd.index_video(str(video_folder / key)))
+            np.testing.assert_array_equal(numbers.numpy(), vd.clip_frames(count, 4, 2)[0])
+            seen += 1
+    assert seen == 6
+
+
+def test_clip_arguments_are_checked_before_any_connection():
+    from remoteloader.client import RemoteLoader
+
+    for bad, match in (
+        ({"clip_frames": 0}, "clip_frames=0"),
+        ({"clip_frames": 4, "frame_stride": 0}, "frame_stride=0"),
+        ({"clip_frames": 4, "video_layout": "NCHW"}, "video_layout='NCHW'"),
+        ({"frame_stride": 2}, "frame_stride given without clip_frames"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            RemoteLoader("127.0.0.1:1", connect_timeout=0.1, **bad)
+
+
+def test_the_server_refuses_clips_out_of_bounds_or_larger_than_a_slot():
+    from remoteloader.server.pipelines import PipelineError, PipelineSpec
+    from remoteloader.server.video_pipelines import VideoPipeline, check_clip
+
+    with pytest.raises(PipelineError, match="clip_frames"):
+        check_clip(PipelineSpec("video-eval", 32, 32))
+    with pytest.raises(PipelineError, match="clip_frames=600"):
+        check_clip(PipelineSpec("video-eval", 600 * 32, 32, clip_frames=600))
+    with pytest.raises(PipelineError, match="not clips_per_video x clip_frames"):
+        check_clip(PipelineSpec("video-eval", 33, 32, clip_frames=4))
+    with pytest.raises(PipelineError, match="video-train, video-eval"):
+        VideoPipeline(PipelineSpec("train", 128, 32, clip_frames=4))
+    VideoPipeline(PipelineSpec("video-train", 128, 32, clip_frames=4)).check_output()
+
+
+def test_a_clip_larger_than_a_chunk_slot_is_refused_at_setup(video_server):
+    from remoteloader.client import RemoteLoader
+
+    with pytest.raises(Exception, match="does not fit this server's chunk slots"):
+        with RemoteLoader(video_server.target, batch_size=1, image_size=512, clip_frames=64) as loader:
+            next(iter(loader))
