@@ -220,8 +220,17 @@ def test_training_clips_repeat_bit_for_bit_and_change_with_the_epoch(video_serve
     from remoteloader.client import RemoteLoader
 
     def pixels(epoch: int, seed: int = 3) -> dict[str, np.ndarray]:
-        with RemoteLoader(video_server.target, batch_size=3, image_size=32, pipeline="video-train", seed=seed,
-                          return_ids=True, on_error="skip", drop_last=False, **CLIP) as loader:
+        with RemoteLoader(
+            video_server.target,
+            batch_size=3,
+            image_size=32,
+            pipeline="video-train",
+            seed=seed,
+            return_ids=True,
+            on_error="skip",
+            drop_last=False,
+            **CLIP,
+        ) as loader:
             loader.set_epoch(epoch)
             return {loader.sample_key(int(i)): v.numpy() for b in loader for i, v in zip(b["ids"], b["video"])}
 
@@ -292,3 +301,54 @@ def test_a_clip_larger_than_a_chunk_slot_is_refused_at_setup(video_server):
     with pytest.raises(Exception, match="does not fit this server's chunk slots"):
         with RemoteLoader(video_server.target, batch_size=1, image_size=512, clip_frames=64) as loader:
             next(iter(loader))
+
+
+def test_webdataset_tars_with_video_members_serve_clips(cluster, video_folder, tmp_path):
+    import tarfile
+
+    tar = tmp_path / "videos-000.tar"
+    with tarfile.open(tar, "w") as out:
+        for i, path in enumerate(sorted(video_folder.glob("[ab]/*"))):
+            out.add(path, f"clip{i:03d}{path.suffix}")
+            cls = tmp_path / f"clip{i:03d}.cls"
+            cls.write_text(str("ab".index(path.parent.name)))
+            out.add(cls, cls.name)
+    cluster.add(tar)
+    batches = _epoch(cluster, pipeline="video-eval", shuffle=False, fields=["label", "frame_indices"])
+    served = {k: (v, int(label)) for b in batches for k, v, label in zip(b["keys"], b["video"], b["label"])}
+    files = sorted(video_folder.glob("[ab]/*"))
+    assert sorted(served) == [f"clip{i:03d}{p.suffix}" for i, p in enumerate(files)]
+    for i, path in enumerate(files):
+        video, label = served[f"clip{i:03d}{path.suffix}"]
+        assert label == "ab".index(path.parent.name)
+        expected = _eval_clip(path, 32).astype(np.int16)
+        assert np.abs(video.numpy().astype(np.int16) - expected).mean() < 2.5
+
+
+def test_two_replicas_one_killed_mid_epoch_serve_every_clip_once_and_the_same(cluster, video_folder):
+    from remoteloader.client import RemoteLoader
+
+    cluster.add_many([video_folder, video_folder], "--workers", "1")
+    options = {
+        "batch_size": 1,
+        "image_size": 32,
+        "pipeline": "video-train",
+        "seed": 5,
+        "return_ids": True,
+        "on_error": lambda failures: None,
+        "prefetch": 2,
+        "max_inflight": 1,
+        **CLIP,
+    }
+    with RemoteLoader(cluster.target, **options) as loader:
+        assert len(loader.catalog.shards) == 1, "two servers of one folder are replicas of one shard"
+        reference = {int(b["ids"][0]): b["video"][0].clone() for b in loader}
+        loader.set_epoch(0)
+        it = iter(loader)
+        got = [next(it)]
+        assert cluster.kill(1) == -9
+        got += list(it)
+    ids = [int(b["ids"][0]) for b in got]
+    assert sorted(ids) == sorted(reference) and len(ids) == 7
+    for b in got:
+        assert torch.equal(b["video"][0], reference[int(b["ids"][0])])
