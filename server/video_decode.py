@@ -131,12 +131,15 @@ def decode_frames(
     frames: np.ndarray | list[int],
     size: tuple[int, int] | None = None,
     threads: int = 1,
+    crop: tuple[int, int, int, int] | None = None,
 ) -> np.ndarray:
     """The frames numbered ``frames`` (display order, increasing, repeats allowed) as uint8 RGB
     [len(frames), height, width, 3]; ``size`` (height, width) scales them there as they are
     converted (None: the video's size). Decodes from the keyframe at or before the first frame
     to the last one, and converts only the frames kept. ``threads``: FFmpeg's threads for this
-    decoder (1: none of its own; the server's workers are the parallelism)."""
+    decoder (1: none of its own; the server's workers are the parallelism). ``crop`` (x1, y1,
+    x2, y2, in the frame's pixels) with ``size``: that region of each frame, resized to ``size``
+    (``region_to_rgb``: the region's YUV planes resized, then converted at the output size)."""
     import av
 
     wanted = np.asarray(frames, np.int64)
@@ -157,7 +160,8 @@ def decode_frames(
         try:
             if start > 0:
                 container.seek(int(index.pts[start]), stream=stream, backward=True, any_frame=False)
-            found = _decode_into(container, stream, targets, out, first_at, height, width)
+            convert = _converter(height, width, crop)
+            found = _decode_into(container, stream, targets, out, first_at, convert)
         except av.FFmpegError as exc:
             raise VideoError(f"cannot be decoded ({_reason(exc)})") from None
     missing = np.flatnonzero(~found)
@@ -171,7 +175,47 @@ def decode_frames(
     return out
 
 
-def _decode_into(container, stream, targets, out, first_at, height, width) -> np.ndarray:
+def _converter(height: int, width: int, crop: tuple[int, int, int, int] | None):
+    """How a kept frame becomes RGB at (height, width): swscale, or the crop's region."""
+    if crop is None:
+        return lambda frame: frame.to_ndarray(format="rgb24", width=width, height=height)
+    return lambda frame: region_to_rgb(frame, crop, height, width)
+
+
+def region_to_rgb(frame, crop: tuple[int, int, int, int], height: int, width: int) -> np.ndarray:
+    """The region ``crop`` (x1, y1, x2, y2) of a decoded frame as RGB resized to (height, width).
+
+    For 4:2:0 frames (H.264's, HEVC's and VP9's usual) and an even output size, the region's Y, U
+    and V planes are resized to the output and converted there (BT.601, as swscale's rgb24):
+    the conversion costs output pixels, not the frame's. Otherwise the whole frame is converted,
+    then cropped and resized. Both resize bilinearly (as the image pipeline's crop)."""
+    import cv2
+
+    x1, y1, x2, y2 = crop
+    if frame.format.name == "yuv420p" and height % 2 == 0 and width % 2 == 0:
+        x1, y1 = x1 & ~1, y1 & ~1  # chroma rows and columns cover two of luma's
+        x2, y2 = min(frame.width, x2 + (x2 & 1)), min(frame.height, y2 + (y2 & 1))
+        if x2 - x1 >= 2 and y2 - y1 >= 2:
+            planes = [_plane(p) for p in frame.planes[:3]]
+            luma = cv2.resize(planes[0][y1:y2, x1:x2], (width, height), interpolation=cv2.INTER_LINEAR)
+            chroma = [
+                cv2.resize(
+                    p[y1 // 2 : y2 // 2, x1 // 2 : x2 // 2], (width // 2, height // 2), interpolation=cv2.INTER_LINEAR
+                )
+                for p in planes[1:]
+            ]
+            i420 = np.concatenate([luma.reshape(-1), chroma[0].reshape(-1), chroma[1].reshape(-1)])
+            return cv2.cvtColor(i420.reshape(height * 3 // 2, width), cv2.COLOR_YUV2RGB_I420)
+    rgb = frame.to_ndarray(format="rgb24")
+    return cv2.resize(rgb[y1:y2, x1:x2], (width, height), interpolation=cv2.INTER_LINEAR)
+
+
+def _plane(plane) -> np.ndarray:
+    """A frame's plane as a uint8 [height, width] view (its rows padded to line_size)."""
+    return np.frombuffer(plane, np.uint8).reshape(plane.height, plane.line_size)[:, : plane.width]
+
+
+def _decode_into(container, stream, targets, out, first_at, convert) -> np.ndarray:
     """Decodes forward from where the container stands, writing each target frame into its first
     place in ``out``; stops after the last target. Returns which targets were found."""
     found = np.zeros(len(targets), bool)
@@ -182,7 +226,7 @@ def _decode_into(container, stream, targets, out, first_at, height, width) -> np
             continue
         k = int(np.searchsorted(targets, stamp))
         if k < len(targets) and targets[k] == stamp and not found[k]:
-            out[first_at[k]] = frame.to_ndarray(format="rgb24", width=width, height=height)
+            out[first_at[k]] = convert(frame)
             found[k] = True
         if stamp >= last and found.all():
             break

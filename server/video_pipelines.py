@@ -9,18 +9,18 @@ numbers come from the sample seed too (``video_decode.clip_frames``): a training
 random start, the eval clip(s) centred or spread.
 
 Decoding costs least where the frames are converted small: with "video-train" the crop is drawn
-first, on the video's full-size frame, and the frames are converted (swscale) at the smallest
-size that keeps the crop at least the output size; with "video-eval" they are converted straight
-to the size the first resize gives. The output is [K * T, H, W, 3] as one [K * T * H, W, 3] image
+first, on the video's full-size frame, and only that region of each kept frame is resized and
+converted to RGB, at the output size (``video_decode.region_to_rgb``); with "video-eval" the
+frames are converted (swscale) straight to the size the first resize gives. The output is [K * T, H, W, 3] as one [K * T * H, W, 3] image
 (protos/loader.proto, Setup.clip_frames): the rows of the clips' frames, one under another.
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
+from collections import OrderedDict
 
 import albumentations as A
-import cv2
 import numpy as np
 
 from remoteloader.protos import CUSTOM_PIPELINE
@@ -34,6 +34,31 @@ MAX_CLIP_FRAMES = 512  # frames of one clip
 MAX_FRAME_STRIDE = 1024
 MAX_CLIPS_PER_VIDEO = 64
 _IMAGE_PRESET = {"video-train": "train", "video-eval": "eval"}
+MAX_KEPT_FRAMES = 2_000_000  # frames of the video indexes a process keeps (9 bytes a frame: about 18 MB)
+
+
+class _RecentIndexes:
+    """A process's recently read video indexes, by a digest of the video's bytes (a long video's
+    packets take longer to read than a clip takes to decode), up to ``MAX_KEPT_FRAMES`` frames."""
+
+    def __init__(self):
+        self._kept: OrderedDict[bytes, vd.VideoIndex] = OrderedDict()
+        self._frames = 0
+
+    def get(self, data: bytes) -> vd.VideoIndex:
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        index = self._kept.get(key)
+        if index is not None:
+            self._kept.move_to_end(key)
+            return index
+        index = self._kept[key] = vd.index_video(data)
+        self._frames += len(index)
+        while self._frames > MAX_KEPT_FRAMES and len(self._kept) > 1:
+            self._frames -= len(self._kept.popitem(last=False)[1])
+        return index
+
+
+_INDEXES = _RecentIndexes()  # (one a worker process: its pipelines share it)
 
 
 def is_video(spec: PipelineSpec) -> bool:
@@ -99,11 +124,14 @@ class VideoPipeline:
 
     def render(self, data: bytes, seed: int, fused: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """The sample's clips as rows [K * T * H, W, 3], and their source frames [K, T] (int64)."""
-        index = vd.index_video(data)
+        index = self._index(data)
         if index.height * index.width > self.max_pixels:
             raise vd.VideoError(f"frames of {index.width}x{index.height} are over max_pixels={self.max_pixels}")
         numbers = self.frame_numbers(index, seed)
         return self.clips(data, index, seed, fused, numbers).reshape(-1, self.width, 3), numbers
+
+    def _index(self, data: bytes) -> vd.VideoIndex:
+        return _INDEXES.get(data)
 
     def frame_numbers(self, index: vd.VideoIndex, seed: int) -> np.ndarray:
         """The source frames of the sample's clips: [K, T] (train: drawn from the seed; else spread)."""
@@ -131,25 +159,8 @@ class VideoPipeline:
         if fused and self._crop is not None:
             params = self._crop.get_params()
             params["shape"] = (height, width, 3)
-            x1, y1, x2, y2 = self._crop.get_params_dependent_on_data(params, {})["crop_coords"]
-            scale = min(1.0, max(self.height / max(y2 - y1, 1), self.width / max(x2 - x1, 1)))
-            size = (min(height, math.ceil(height * scale)), min(width, math.ceil(width * scale)))
-            frames = vd.decode_frames(data, index, numbers, size, self.threads)
-            sy, sx = size[0] / height, size[1] / width
-            box = (
-                int(x1 * sx),
-                int(y1 * sy),
-                max(int(x1 * sx) + 1, round(x2 * sx)),
-                max(int(y1 * sy) + 1, round(y2 * sy)),
-            )
-            region = np.stack(
-                [
-                    cv2.resize(
-                        f[box[1] : box[3], box[0] : box[2]], (self.width, self.height), interpolation=cv2.INTER_LINEAR
-                    )
-                    for f in frames
-                ]
-            )
+            coords = self._crop.get_params_dependent_on_data(params, {})["crop_coords"]
+            region = vd.decode_frames(data, index, numbers, (self.height, self.width), self.threads, crop=coords)
             assert self._rest is not None
             return self._rest(images=region)["images"] if self._rest.transforms else region
         size = None

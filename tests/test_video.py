@@ -352,3 +352,19 @@ def test_two_replicas_one_killed_mid_epoch_serve_every_clip_once_and_the_same(cl
     assert sorted(ids) == sorted(reference) and len(ids) == 7
     for b in got:
         assert torch.equal(b["video"][0], reference[int(b["ids"][0])])
+
+
+def test_a_crops_region_converted_at_the_output_size_is_close_to_a_full_conversion(videos):
+    import cv2
+
+    spec, path = videos["h264_gop4"]
+    index = vd.index_video(str(path))
+    full = plain_decode(path)[[3, 9]]
+    crop = (10, 6, 50, 40)  # x1, y1, x2, y2
+    got = vd.decode_frames(str(path), index, [3, 9], (16, 20), crop=crop)
+    expected = np.stack([cv2.resize(f[6:40, 10:50], (20, 16), interpolation=cv2.INTER_LINEAR) for f in full])
+    difference = np.abs(got.astype(np.int16) - expected)
+    assert got.shape == (2, 16, 20, 3) and difference.mean() < 3, difference.mean()
+    # the whole frame at its own size: the conversion alone
+    whole = vd.decode_frames(str(path), index, [3], (48, 64), crop=(0, 0, 64, 48))
+    assert np.abs(whole.astype(np.int16) - full[:1]).mean() < 2
