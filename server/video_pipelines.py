@@ -11,8 +11,9 @@ random start, the eval clip(s) centred or spread.
 Decoding costs least where the frames are converted small: with "video-train" the crop is drawn
 first, on the video's full-size frame, and only that region of each kept frame is resized and
 converted to RGB, at the output size (``video_decode.region_to_rgb``); with "video-eval" the
-frames are converted (swscale) straight to the size the first resize gives. The output is [K * T, H, W, 3] as one [K * T * H, W, 3] image
-(protos/loader.proto, Setup.clip_frames): the rows of the clips' frames, one under another.
+frames are converted (swscale) straight to the size the first resize gives. The output is
+[K * T, H, W, 3] as one [K * T * H, W, 3] image (protos/loader.proto, Setup.clip_frames): the
+rows of the clips' frames, one under another.
 """
 
 from __future__ import annotations
