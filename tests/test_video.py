@@ -88,32 +88,32 @@ def test_a_clip_decodes_from_the_keyframe_before_it_not_from_the_start(videos, m
     spec, path = videos["h264_gop4"]
     index = vd.index_video(str(path))
     decoded: list[int] = []
-    real = vd._decode_into
+    real = vd._keep
 
-    def counting(container, stream, *args):
-        def frames(s):
-            for frame in real_decode(s):
-                decoded.append(frame.pts)
-                yield frame
+    def counting(frame, *args):  # every frame the decoder hands out passes here
+        decoded.append(frame.pts)
+        return real(frame, *args)
 
-        real_decode = container.decode
-        container.decode = frames
-        return real(container, stream, *args)
-
-    class Counting:  # a container whose decode() is counted (PyAV's containers take no new attributes)
-        def __init__(self, container):
-            self._c = container
-
-        def __getattr__(self, name):
-            return getattr(self._c, name)
-
-    monkeypatch.setattr(vd, "_decode_into", lambda c, *a: counting(Counting(c), *a))
-    vd.decode_frames(str(path), index, [30, 31])
+    monkeypatch.setattr(vd, "_keep", counting)
+    got = vd.decode_frames(str(path), index, [30, 32])
+    np.testing.assert_array_equal(got, plain_decode(path)[[30, 32]])
     key = index.keyframe_before(30)
     assert 26 <= key <= 30
-    # decoded: from the keyframe to the clip's last frame (and the B-frames the decoder hands out on the way)
+    # decoded: from the keyframe to the clip's last frame (and the B-frames the decoder hands out on
+    # the way), less the frames no other refers to (skip_frame=NONREF)
     assert min(decoded) == index.pts[key]
-    assert len(decoded) <= 31 - key + 1 + 3, decoded
+    assert len(decoded) <= 32 - key + 1 + 3, decoded
+
+
+def test_frames_no_other_frame_refers_to_are_not_decoded_unless_kept(videos, monkeypatch):
+    spec, path = videos["h264_long_gop"]  # one keyframe, then P- and B-frames
+    index = vd.index_video(str(path))
+    decoded: list[int] = []
+    real = vd._keep
+    monkeypatch.setattr(vd, "_keep", lambda frame, *args: decoded.append(frame.pts) or real(frame, *args))
+    got = vd.decode_frames(str(path), index, [40, 42, 44])
+    np.testing.assert_array_equal(got, plain_decode(path)[[40, 42, 44]])
+    assert len(decoded) < 40, f"{len(decoded)} frames decoded for a clip ending at frame 44: no B-frame skipped"
 
 
 @pytest.mark.parametrize("kind", ["truncated", "empty", "text", "audio"])

@@ -52,7 +52,7 @@ def encode(spec: VideoSpec, path: pathlib.Path, seed: int = 0) -> pathlib.Path:
 
     options = {"g": str(spec.gop), "keyint_min": str(spec.gop)}
     if spec.codec == "libx264":
-        options.update({"preset": "ultrafast", "bf": "2"})
+        options.update({"preset": "veryfast", "bf": "3"})  # B-frames, some of them non-reference
     elif spec.codec == "libx265":
         options = {"preset": "ultrafast", "x265-params": f"keyint={spec.gop}:min-keyint={spec.gop}:log-level=error"}
     elif spec.codec == "libvpx-vp9":
