@@ -49,7 +49,7 @@ def open_io(
                 out.dtype,
                 o.batch_buffers,
                 receiver=process,
-                batch=(b.batch_size, *b.image_size),
+                batch=(b.batch_size, *o.sample_size),
             )
         if process is not None:
             return process, delivery

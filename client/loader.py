@@ -121,7 +121,8 @@ class RemoteLoader:
         """The fields asked for, or (fields=None) those the servers' shards carry; ValueError for
         fields asked for that no shard carries (a model trained on empty targets is silently wrong)."""
         wanted = space.fields if self.options.output.fields is None else self.options.output.fields
-        missing = [f for f in wanted if f not in space.fields and f not in tg.RENDERED]
+        rendered = tg.RENDERED + ((tg.FRAME_INDICES,) if self.options.clip is not None else ())
+        missing = [f for f in wanted if f not in space.fields and f not in rendered]
         if missing:
             carried = "; ".join(f"{f}: {tg.CARRIED_BY.get(f, 'shards whose targets have it')}" for f in missing)
             raise ValueError(

@@ -3,7 +3,7 @@
 ``option(default, doc, check)`` declares a field once; a group (``_Group``) checks its fields
 when it is made and keeps the normalized values. These groups travel to the receiver process,
 which never imports torch: ``OutputOptions``, which needs it, and ``LoaderOptions``, which
-holds all six, live in ``options.py`` (its docstring says how to add an option).
+holds all seven, live in ``options.py`` (its docstring says how to add an option).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""RemoteLoader's options: six frozen groups, each field declaring its default, doc and check.
+"""RemoteLoader's options: seven frozen groups, each field declaring its default, doc and check.
 
 The groups are the sections of RemoteLoader's docstring, which is made from the fields' docs:
-``BatchOptions``, ``OutputOptions``, ``FlowOptions``, ``ConnectionOptions``, ``JobOptions`` and
-``SecurityOptions`` (all but ``OutputOptions``, which needs torch, in ``option_groups.py``). A
+``BatchOptions``, ``OutputOptions``, ``FlowOptions``, ``ConnectionOptions``, ``JobOptions``,
+``VideoOptions`` and ``SecurityOptions`` (in ``option_groups.py``, but ``OutputOptions``, which
+needs torch, here, and ``VideoOptions`` in ``clips.py``). A
 group checks its fields when it is made (ValueErrors name the argument, the value and what was
 expected) and keeps the normalized values; the engine takes ``FlowOptions`` and the links
-``ConnectionOptions`` and ``SecurityOptions`` as they are. ``LoaderOptions`` holds the six and
+``ConnectionOptions`` and ``SecurityOptions`` as they are. ``LoaderOptions`` holds the seven and
 what they make together (the streams' Setup).
 
 Adding an option: one ``option(default, doc, check)`` field in its group. RemoteLoader's
@@ -27,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from remoteloader.client.clips import VIDEO_PIPELINES, ClipOptions, VideoOptions
 from remoteloader.client.normalize import Normalize
 from remoteloader.client.option_groups import (
     UINT64,
@@ -183,13 +185,14 @@ GROUPS: tuple[type[_Group], ...] = (
     FlowOptions,
     ConnectionOptions,
     JobOptions,
+    VideoOptions,
     SecurityOptions,
 )
 
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """A RemoteLoader's options: its six groups, and the Setup message they make for the streams.
+    """A RemoteLoader's options: its seven groups, and the Setup message they make for the streams.
 
     ``served``: the fields the streams ask for when ``output.fields`` is None (what the servers'
     shards carry, learned at start: ``with_fields``)."""
@@ -199,6 +202,7 @@ class LoaderOptions:
     flow: FlowOptions
     connection: ConnectionOptions
     jobs: JobOptions
+    video: VideoOptions
     security: SecurityOptions
     served: tuple[str, ...] | None = None
     setup: loader_pb2.Setup = field(init=False, compare=False)
@@ -221,14 +225,19 @@ class LoaderOptions:
 
     def _make_setup(self) -> loader_pb2.Setup:
         """The pipeline, the output size, the fields, the wire and the job, as the servers are told."""
-        h, w = self.batches.image_size
+        h, w = self.sample_size
         pipeline = self.batches.pipeline
+        clip = self.clip
+        if clip is not None and isinstance(pipeline, str):
+            pipeline = VIDEO_PIPELINES.get(pipeline, pipeline)
         if isinstance(pipeline, str):
             setup = loader_pb2.Setup(pipeline=pipeline, height=h, width=w)
         else:
             setup = loader_pb2.Setup(
                 pipeline=CUSTOM_PIPELINE, height=h, width=w, albumentations_json=json.dumps(pipeline)
             )
+        if clip is not None:  # a clip travels as one image of its frames' rows (protos/loader.proto)
+            setup.clip_frames, setup.frame_stride, setup.clips_per_video = clip.frames, clip.stride, clip.clips
         setup.wire = self.connection.wire.value
         fields = self.output.fields if self.output.fields is not None else self.served
         if fields is not None:  # what the streams ask for; "label" always travels
@@ -255,8 +264,20 @@ class LoaderOptions:
     @property
     def batch_bytes(self) -> int:
         """Bytes of one received batch (uint8 NHWC, then the masks, uint8 NHW)."""
-        h, w = self.batches.image_size
+        h, w = self.sample_size
         return self.batches.batch_size * limits.sample_bytes(h, w, self.masks)
+
+    @property
+    def clip(self) -> ClipOptions | None:
+        """Video clips (client/clips.py); None: images."""
+        return self.video.clip
+
+    @property
+    def sample_size(self) -> tuple[int, int]:
+        """(rows, width) of one sample as it travels: the image size, or a clip's K x T frames' rows."""
+        h, w = self.batches.image_size
+        clip = self.clip
+        return (h * clip.rows if clip is not None else h), w
 
     @property
     def batch_buffers(self) -> int:

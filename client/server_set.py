@@ -92,7 +92,7 @@ class ServerSet:
 def check_offer(setup: loader_pb2.Setup, address: str, d: loader_pb2.DescribeResponse) -> None:
     """Raises ValueError if the server cannot serve the pipeline, size and wire ``setup`` asks for
     (at start, before any buffer is allocated; and for each server that joins later)."""
-    h, w = setup.height, setup.width
+    h, w = setup.height // max(1, setup.clip_frames * (setup.clips_per_video or 1)), setup.width  # (a clip's frame)
     if setup.pipeline == CUSTOM_PIPELINE:
         if not d.custom_pipelines:
             raise ValueError(

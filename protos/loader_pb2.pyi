@@ -89,7 +89,7 @@ class GetKeysResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Setup(_message.Message):
-    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire", "shared_memory", "job", "exclusive")
+    __slots__ = ("pipeline", "height", "width", "albumentations_json", "fields", "wire", "shared_memory", "job", "exclusive", "clip_frames", "frame_stride", "clips_per_video")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,9 @@ class Setup(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CLIPS_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
     pipeline: str
     height: int
     width: int
@@ -108,7 +111,10 @@ class Setup(_message.Message):
     shared_memory: bool
     job: str
     exclusive: bool
-    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., job: _Optional[str] = ..., exclusive: _Optional[bool] = ...) -> None: ...
+    clip_frames: int
+    frame_stride: int
+    clips_per_video: int
+    def __init__(self, pipeline: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., albumentations_json: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., wire: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., job: _Optional[str] = ..., exclusive: _Optional[bool] = ..., clip_frames: _Optional[int] = ..., frame_stride: _Optional[int] = ..., clips_per_video: _Optional[int] = ...) -> None: ...
 
 class Order(_message.Message):
     __slots__ = ("order_id", "indices", "seed", "epoch", "shard_ids", "shards")

@@ -45,6 +45,7 @@ ORIG_SIZE = "orig_size"
 TO_ORIG = "to_orig"
 FIELDS = (LABEL, LABELS, BBOXES, BBOX_LABELS, MASK, MASKS, KEYPOINTS, IMAGE_ID, ORIG_SIZE, TO_ORIG)
 RENDERED = (ORIG_SIZE, TO_ORIG)  # computed by the server from the pixels, for any sample
+FRAME_INDICES = "frame_indices"  # a video clip's source frames, int64 [T] ([K, T]): computed for any clip
 # Where servers get each field from (a loader's error names it for a field no server carries).
 CARRIED_BY = {
     LABEL: "ImageFolder class folders, a tar's <key>.cls, or a 'label' in the targets",

@@ -21,6 +21,7 @@ import time
 from remoteloader.protos import limits, loader_pb2, wire
 from remoteloader.server import targets as tg
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
+from remoteloader.server.video_pipelines import VIDEO_PRESETS, VideoPipeline, check_clip, is_video, make_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ MAX_KEPT = 64
 class _Check:
     """A pipeline being built and tried in a thread, and how many Setups wait for it."""
 
-    def __init__(self, future: concurrent.futures.Future[Pipeline]):
+    def __init__(self, future: concurrent.futures.Future[Pipeline | VideoPipeline]):
         self.future = future
         self.waiters = 0
 
@@ -54,28 +55,37 @@ class PipelineChecks:
         self.min_image_size = min_image_size
         self.max_image_size = max_image_size
         self.wires = wire.offered()  # the encodings beside raw that its workers can make
-        self._kept: dict[PipelineSpec, Pipeline] = {}
+        self._kept: dict[PipelineSpec, Pipeline | VideoPipeline] = {}
         self._checks: dict[PipelineSpec, _Check] = {}
         self._preset_checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="preset-check")
         self._custom_checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipeline-check")
 
-    async def get(self, setup: loader_pb2.Setup) -> Pipeline:
+    async def get(self, setup: loader_pb2.Setup) -> Pipeline | VideoPipeline:
         """The checked pipeline for a Setup; raises PipelineError for one this server cannot honour."""
-        for name, value in (("height", setup.height), ("width", setup.width)):
+        spec = PipelineSpec(
+            setup.pipeline,
+            setup.height,
+            setup.width,
+            setup.albumentations_json,
+            self._fields(setup),
+            self._wire(setup),
+            setup.clip_frames,
+            setup.frame_stride or 1,
+            setup.clips_per_video or 1,
+        )
+        frame_height = self._clip_height(spec)
+        for name, value in (("height", frame_height), ("width", setup.width)):
             if not self.min_image_size <= value <= self.max_image_size:
                 raise PipelineError(
                     f"{name}={value} is outside the sizes this server offers: "
                     f"{self.min_image_size}..{self.max_image_size}"
                 )
-        spec = PipelineSpec(
-            setup.pipeline, setup.height, setup.width, setup.albumentations_json, self._fields(setup), self._wire(setup)
-        )
         pipeline = self._kept.get(spec)
         if pipeline is not None:
             return pipeline
         check = self._checks.get(spec)
         if check is None or check.future.cancelled():
-            executor = self._preset_checks if spec.name in PRESETS else self._custom_checks
+            executor = self._preset_checks if spec.name in PRESETS + VIDEO_PRESETS else self._custom_checks
             check = self._checks[spec] = _Check(executor.submit(self._build, spec))
             loop = asyncio.get_running_loop()
             started = check
@@ -108,6 +118,22 @@ class PipelineChecks:
             )
         return fields
 
+    def _clip_height(self, spec: PipelineSpec) -> int:
+        """A frame's height (the spec's height for images); PipelineError for clip parameters out of
+        bounds or clips larger than a chunk slot (server/video_pipelines.py)."""
+        if not is_video(spec):
+            return spec.height
+        check_clip(spec)
+        if limits.sample_bytes(spec.height, spec.width) > limits.pixel_bytes(self.slot_bytes):
+            raise PipelineError(
+                f"a sample of {spec.clips_per_video} x {spec.clip_frames} frames of "
+                f"{spec.height // (spec.clip_frames * spec.clips_per_video)}x{spec.width} "
+                f"({limits.sample_bytes(spec.height, spec.width):,} bytes) does not fit this server's chunk slots "
+                f"({limits.pixel_bytes(self.slot_bytes):,} bytes); start it with a larger --chunk-bytes or "
+                f"--max-image-size, or ask for fewer or smaller frames"
+            )
+        return spec.height // (spec.clip_frames * spec.clips_per_video)
+
     def _wire(self, setup: loader_pb2.Setup) -> str:
         """The Setup's wire encoding (protos.wire); PipelineError for one this server does not offer,
         or for any but raw with shared memory (the client reads the slots as the workers wrote them)."""
@@ -124,9 +150,9 @@ class PipelineChecks:
         for executor in (self._preset_checks, self._custom_checks):
             executor.shutdown(wait=False, cancel_futures=True)
 
-    def _build(self, spec: PipelineSpec) -> Pipeline:
+    def _build(self, spec: PipelineSpec) -> Pipeline | VideoPipeline:
         started = time.perf_counter()
-        pipeline = Pipeline(spec, self.allow_custom, self.max_pixels)
+        pipeline = make_pipeline(spec, self.allow_custom, self.max_pixels)
         pipeline.check_output()
         log.info(
             "pipeline %s %dx%d built and tried in %.2fs",

@@ -85,6 +85,10 @@ class PipelineSpec:
     albumentations_json: str = ""
     fields: tuple[str, ...] = ()  # target fields the stream asked for, "label" left out
     wire: str = "raw"  # how the pixels travel (protos.wire): it changes nothing in the pipeline
+    # Video clips (server/video_pipelines.py): height is then clips_per_video x clip_frames x a frame's
+    clip_frames: int = 0
+    frame_stride: int = 1
+    clips_per_video: int = 1
 
 
 class PipelineError(ValueError):

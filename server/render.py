@@ -165,8 +165,10 @@ class Renderer:
                 )
             )
         # Split the chunk so that all workers share it (a task each), in tasks of
-        # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small.
-        size = min(MAX_TASK_SAMPLES, max(TASK_SAMPLES, -(-len(tasks) // self.pool.size)))
+        # TASK_SAMPLES..MAX_TASK_SAMPLES samples: small enough to keep task messages small. A clip
+        # of T frames costs as much as T images or more: its fewest are TASK_SAMPLES / T, at least 1.
+        fewest = max(1, TASK_SAMPLES // max(1, spec.clip_frames * spec.clips_per_video))
+        size = min(MAX_TASK_SAMPLES, max(fewest, -(-len(tasks) // self.pool.size)))
         spans = _cut(tasks, size)
         parts = [
             self.pool.submit(Task(slot, first, spec, tasks[first:end], seeds[first:end], len(tasks), job))  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import Slots
 from remoteloader.server.stalls import Stalls
+from remoteloader.server.video_pipelines import VIDEO_PRESETS
 from remoteloader.server.worker_pool import WorkerPool
 
 VERSION = "0.2.0"  # 0.2: Describe in pages with class lists once; orders over several shards
@@ -141,7 +142,7 @@ class LoaderService:
         c = self.config
         response = loader_pb2.DescribeResponse(
             version=VERSION,
-            pipelines=list(PRESETS),
+            pipelines=list(PRESETS + VIDEO_PRESETS),
             custom_pipelines=c.allow_custom_pipelines,
             min_image_size=c.min_image_size,
             max_image_size=c.max_image_size,

@@ -28,6 +28,7 @@ from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.shared_memory import CACHE_FILL, CACHE_READ
 from remoteloader.server.sources import load_source, source_sample
+from remoteloader.server.video_pipelines import FRAME_INDICES, VideoPipeline, make_pipeline
 from remoteloader.server.worker_messages import (
     DefinePipeline,
     ForgetPipelines,
@@ -179,15 +180,15 @@ class _Pipelines:
         self.allow_custom = allow_custom
         self.max_pixels = max_pixels
         self.region_decode = region_decode
-        self._built: OrderedDict[PipelineSpec, Pipeline | str] = OrderedDict()
+        self._built: OrderedDict[PipelineSpec, Pipeline | VideoPipeline | str] = OrderedDict()
 
-    def get(self, spec: PipelineSpec) -> Pipeline | str:
+    def get(self, spec: PipelineSpec) -> Pipeline | VideoPipeline | str:
         pipeline = self._built.get(spec)
         if pipeline is not None:
             self._built.move_to_end(spec)
             return pipeline
         try:
-            pipeline = Pipeline(spec, self.allow_custom, self.max_pixels, self.region_decode)
+            pipeline = make_pipeline(spec, self.allow_custom, self.max_pixels, self.region_decode)
         except PipelineError as exc:
             pipeline = f"pipeline error: {exc}"
         self._built[spec] = pipeline
@@ -199,7 +200,9 @@ class _Pipelines:
 class _Samples:
     """Renders a task's samples with one pipeline (or its error message)."""
 
-    def __init__(self, pipeline: Pipeline | str, cache: mmap.mmap | None, indexed_ns: int, sources: list):
+    def __init__(
+        self, pipeline: Pipeline | VideoPipeline | str, cache: mmap.mmap | None, indexed_ns: int, sources: list
+    ):
         self.pipeline = pipeline
         self.cache = cache
         self.indexed_ns = indexed_ns
@@ -258,8 +261,20 @@ class _Samples:
             cache[start : start + length] = data
         return data, verified
 
+    def _clip_targets(self, out: np.ndarray, i: int, sample: TaskSample, seed: int) -> bytes:
+        """Renders video sample ``i``; returns its targets: the clip's source frames (FRAME_INDICES)."""
+        assert isinstance(self.pipeline, VideoPipeline)
+        if sample.source >= 0:
+            raise tg.TargetError("a --source's samples are images, not videos")
+        out[i], numbers = self.pipeline.render(self._read(sample)[0], seed)
+        fields = self.pipeline.spec.fields
+        arrays = {FRAME_INDICES: numbers[0] if len(numbers) == 1 else numbers} if FRAME_INDICES in fields else {}
+        return tg.check_size(tg.to_message(arrays), "its")
+
     def _with_targets(self, out: np.ndarray, masks: np.ndarray | None, i: int, sample: TaskSample, seed: int) -> bytes:
         """Renders sample ``i`` with its targets; returns them transformed, serialized."""
+        if isinstance(self.pipeline, VideoPipeline):
+            return self._clip_targets(out, i, sample, seed)
         assert isinstance(self.pipeline, Pipeline)
         path, source = sample.path, sample.source
         image: bytes | np.ndarray

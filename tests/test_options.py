@@ -60,7 +60,8 @@ def test_every_field_is_checked_naming_it():
     bad = {"batch_size": 0, "image_size": 0, "pipeline": 3, "seed": -1, "world_size": 0, "device": "meta",
            "normalize": (1, 2), "dtype": torch.int8, "fields": "bboxes", "batch_format": "coco", "on_error": "shout",
            "receiver": "pipe", "prefetch": 0, "progress_timeout": 0, "max_inflight": 0, "connect_timeout": -1,
-           "reconnect_timeout": "x", "wire": "gzip", "job": "", "tls": 5, "token": ""}
+           "reconnect_timeout": "x", "wire": "gzip", "job": "", "tls": 5, "token": "", "clip_frames": 0,
+           "frame_stride": 0, "clips_per_video": 0, "video_layout": "TCHW"}
     for name, value in bad.items():
         with pytest.raises(ValueError, match=name):
             LoaderOptions.from_arguments({name: value})

@@ -62,9 +62,10 @@ class Found:
 
 
 def _formats() -> tuple[ModuleType, ...]:
-    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, recordio, tar, tfrecord
+    from remoteloader.server.formats import coco, imagefolder, lmdb, parquet, recordio, tar, tfrecord, video
 
-    return (coco, tar, tfrecord, recordio, parquet, lmdb, imagefolder)  # ImageFolder last: any other folder is one
+    # ImageFolder last: any other folder is one
+    return (coco, tar, tfrecord, recordio, parquet, lmdb, video, imagefolder)
 
 
 def open_shards(paths: list[str], options: FormatOptions | None = None) -> list[Shard]:

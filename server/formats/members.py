@@ -1,7 +1,8 @@
 """The WebDataset member convention, shared by the formats that store samples as named members
-(tar shards, LMDB keys): ``<key>.jpg|jpeg|png`` the image, ``<key>.cls`` its label as decimal
-text, ``<key>.json`` its targets (an object of the fields in ``server/targets.py``) and
-``<key>.mask.png`` its semantic mask; and the shard id made of such an index.
+(tar shards, LMDB keys): ``<key>.jpg|jpeg|png`` the image (or ``<key>.mp4|mkv|webm|avi|mov``, a
+video: docs/video.md), ``<key>.cls`` its label as decimal text, ``<key>.json`` its targets (an
+object of the fields in ``server/targets.py``) and ``<key>.mask.png`` its semantic mask; and the
+shard id made of such an index.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import IMAGE_EXTENSIONS, MASK_SUFFIX, CatalogError, KeyTable, warn_shard
+from remoteloader.server.video_decode import VIDEO_EXTENSIONS
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ def kind_of(name: str) -> tuple[str, str]:
         return name[: -len(MASK_SUFFIX)], "mask"
     stem, _, ext = name.rpartition(".")
     ext = "." + ext.lower()
-    if ext in IMAGE_EXTENSIONS:
+    if ext in IMAGE_EXTENSIONS or ext in VIDEO_EXTENSIONS:  # a video member is the sample's pixels too (docs/video.md)
         return stem, "image"
     return stem, {".cls": "cls", ".json": "json"}.get(ext, "")
 

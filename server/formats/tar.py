@@ -30,6 +30,7 @@ from remoteloader.server.formats import FormatOptions, Found, compressed, file_s
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage
+from remoteloader.server.video_decode import VIDEO_EXTENSIONS
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class TarShard(IndexedFile):
                     else:
                         stem, _, ext = member.name.rpartition(".")
                         ext = "." + ext.lower()
-                        if ext in IMAGE_EXTENSIONS:
+                        if ext in IMAGE_EXTENSIONS or ext in VIDEO_EXTENSIONS:  # (a video: docs/video.md)
                             last_stem = stem
                             pieces = unmatched.pop(stem, {})
                             label = pieces.pop("cls", -1)
