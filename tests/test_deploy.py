@@ -631,6 +631,15 @@ def test_every_server_dependency_is_bounded_and_pinned_inside_its_range():
     assert any("deploy/constraints.txt" in value for value in server.all("COPY"))
 
 
+def test_the_video_server_image_pins_pyav_inside_the_video_extra():
+    from packaging.requirements import Requirement
+
+    (extra,) = [Requirement(text) for text in _pyproject()["project"]["optional-dependencies"]["video"]]
+    video = _dockerfile()["server-video"]
+    (pin,) = re.findall(r'pip install "av==([^"]+)"', " ".join(video.all("RUN")))
+    assert extra.name == "av" and extra.specifier.contains(pin), (str(extra), pin)
+
+
 def test_the_constraints_pin_every_requirement_of_what_they_pin():
     """The pins are a closed set: each pinned distribution installed here at its pinned version has
     each of its own requirements pinned, inside that requirement's range (a pin missing here would
