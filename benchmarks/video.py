@@ -12,6 +12,7 @@ draw for the whole clip, uint8 [B, T, P, P, 3]):
 
   remote   RemoteLoader(clip_frames=T, frame_stride=S, pipeline="video-train") fed by one local
            ``remoteloader-server --workers K`` on the folder (same-host path)
+  grpc     the same loader with shared_memory=False: the same server's chunks over gRPC
   pyav     torch DataLoader(num_workers=K) doing what a PyAV user writes: open the file, seek to
            the clip's start time, decode forward keeping every S-th frame, each converted to
            full-size RGB, then albumentations' RandomResizedCrop + HorizontalFlip on ``images=``
@@ -138,7 +139,7 @@ def _worker_init(_worker_id: int) -> None:
 
 
 def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect: int) -> dict:
-    if name == "remote":
+    if name in ("remote", "grpc"):
         loader.set_epoch(epoch)
     cpu0 = _common.cpu_split(os.getpid(), server_pid)
     started = time.perf_counter()
@@ -175,17 +176,21 @@ def one_case(args, folder: pathlib.Path, log_dir: str) -> dict[str, dict]:
                          log_path=pathlib.Path(log_dir) / f"server-{folder.name}.log")
     server.start(timeout=300)
     try:
-        loaders["remote"] = RemoteLoader(server.address, batch_size=args.batch_size, image_size=args.size,
-                                         clip_frames=args.clip, frame_stride=args.stride, pipeline="video-train")
-        run_epoch("remote", loaders["remote"], 0, server.process.pid, expect)
+        for name, shared in (("remote", True), ("grpc", False)):
+            loaders[name] = RemoteLoader(server.address, batch_size=args.batch_size, image_size=args.size,
+                                         clip_frames=args.clip, frame_stride=args.stride, pipeline="video-train",
+                                         shared_memory=shared)
+            run_epoch(name, loaders[name], 0, server.process.pid, expect)
         records: dict[str, list[dict]] = {name: [] for name in loaders}
         for r in range(args.rounds):
-            for name in ["remote", *(n for n in loaders if n != "remote")]:
+            for name in ["remote", "grpc", *(n for n in loaders if n not in ("remote", "grpc"))]:
                 records[name].append(run_epoch(name, loaders[name], r + 1, server.process.pid, expect))
         return {name: {key: statistics.median(x[key] for x in rs) for key in rs[0] if key != "loader"}
                 for name, rs in records.items()}
     finally:
-        loaders["remote"].close() if "remote" in loaders else None
+        for name in ("remote", "grpc"):
+            if name in loaders:
+                loaders[name].close()  # type: ignore[attr-defined]
         server.stop()
 
 
