@@ -20,9 +20,10 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import time
+
+from remoteloader.tools.local_process import LocalProcess
 
 ACCOUNT = "devstoreaccount1"  # Azurite's development account and its published key
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -54,7 +55,7 @@ def install_azurite(cache: str | os.PathLike, timeout: float = 300.0) -> str:
     return str(binary)
 
 
-class LocalAzure:
+class LocalAzure(LocalProcess):
     """Azurite's Blob service on 127.0.0.1 with the given containers.
 
     Args:
@@ -63,8 +64,11 @@ class LocalAzure:
         cache: Where Azurite is installed (kept across runs).
     """
 
-    def __init__(self, folder: str | os.PathLike, containers: tuple[str, ...] = ("data",),
-                 cache: str | os.PathLike | None = None):
+    LOG = "azurite.log"
+
+    def __init__(
+        self, folder: str | os.PathLike, containers: tuple[str, ...] = ("data",), cache: str | os.PathLike | None = None
+    ):
         self.folder = pathlib.Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.containers = containers
@@ -93,9 +97,22 @@ class LocalAzure:
         logged = len(self.log())
         try:
             self._process = subprocess.Popen(
-                [binary, "--blobHost", "127.0.0.1", "--blobPort", "0", "--location", str(self.folder / "data"),
-                 "--disableTelemetry", "--skipApiVersionCheck", "--silent"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    binary,
+                    "--blobHost",
+                    "127.0.0.1",
+                    "--blobPort",
+                    "0",
+                    "--location",
+                    str(self.folder / "data"),
+                    "--disableTelemetry",
+                    "--skipApiVersionCheck",
+                    "--silent",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -113,12 +130,6 @@ class LocalAzure:
             self.create_container(container)
         return self
 
-    def log(self) -> str:
-        try:
-            return (self.folder / "azurite.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
     def create_container(self, name: str) -> None:
         """Creates a container (a request signed with the development account's key)."""
         headers = {"x-ms-date": email.utils.formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
@@ -127,28 +138,15 @@ class LocalAzure:
         signature = base64.b64encode(hmac.new(base64.b64decode(KEY), signed.encode(), hashlib.sha256).digest())
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         try:
-            connection.request("PUT", f"/{ACCOUNT}/{name}?restype=container", body=b"",
-                               headers={**headers, "Authorization": f"SharedKey {ACCOUNT}:{signature.decode()}"})
+            connection.request(
+                "PUT",
+                f"/{ACCOUNT}/{name}?restype=container",
+                body=b"",
+                headers={**headers, "Authorization": f"SharedKey {ACCOUNT}:{signature.decode()}"},
+            )
             answer = connection.getresponse()
             body = answer.read()
         finally:
             connection.close()
         if answer.status not in (201, 409):  # (409: it exists)
             raise RuntimeError(f"Azurite refused to create container {name}: {answer.status} {body[:500]!r}")
-
-    def stop(self, timeout: float = 20.0) -> None:
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-    def __enter__(self) -> LocalAzure:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import time
 import urllib.parse
 import urllib.request
+
+from remoteloader.tools.local_process import LocalProcess
 
 
 class Unavailable(RuntimeError):
@@ -62,13 +63,15 @@ def listening_port(pid: int) -> int:
     return 0
 
 
-class LocalGCS:
+class LocalGCS(LocalProcess):
     """fake-gcs-server on 127.0.0.1 with the given buckets (held in memory).
 
     Args:
         folder: Where its log lives.
         buckets: Buckets created at start.
     """
+
+    LOG = "fake-gcs.log"
 
     def __init__(self, folder: str | os.PathLike, buckets: tuple[str, ...] = ("data",)):
         self.folder = pathlib.Path(folder)
@@ -83,8 +86,13 @@ class LocalGCS:
 
     def env(self) -> dict[str, str]:
         """The GCS variables that point a loader server at this emulator."""
-        account = {"gcs_base_url": self.endpoint, "disable_oauth": True, "client_email": "", "private_key": "",
-                   "private_key_id": ""}
+        account = {
+            "gcs_base_url": self.endpoint,
+            "disable_oauth": True,
+            "client_email": "",
+            "private_key": "",
+            "private_key_id": "",
+        }
         return {"GOOGLE_SERVICE_ACCOUNT_KEY": json.dumps(account), "GOOGLE_ALLOW_HTTP": "true"}
 
     def start(self, timeout: float = 30.0) -> LocalGCS:
@@ -93,9 +101,25 @@ class LocalGCS:
         log = open(self.folder / "fake-gcs.log", "ab")
         try:
             self._process = subprocess.Popen(
-                [fake_gcs_binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", "0",
-                 "-public-host", "127.0.0.1", "-log-level", "warn"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    fake_gcs_binary(),
+                    "-scheme",
+                    "http",
+                    "-backend",
+                    "memory",
+                    "-host",
+                    "127.0.0.1",
+                    "-port",
+                    "0",
+                    "-public-host",
+                    "127.0.0.1",
+                    "-log-level",
+                    "warn",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -112,15 +136,10 @@ class LocalGCS:
             self.create_bucket(bucket)
         return self
 
-    def log(self) -> str:
-        try:
-            return (self.folder / "fake-gcs.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
     def _call(self, method: str, path: str, body: bytes, content_type: str) -> bytes:
-        request = urllib.request.Request(f"{self.endpoint}{path}", data=body, method=method,
-                                         headers={"Content-Type": content_type})
+        request = urllib.request.Request(
+            f"{self.endpoint}{path}", data=body, method=method, headers={"Content-Type": content_type}
+        )
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.read()
 
@@ -131,20 +150,3 @@ class LocalGCS:
         """Writes (or replaces) an object through the JSON API's upload."""
         query = urllib.parse.urlencode({"uploadType": "media", "name": name})
         self._call("POST", f"/upload/storage/v1/b/{bucket}/o?{query}", data, "application/octet-stream")
-
-    def stop(self, timeout: float = 20.0) -> None:
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-    def __enter__(self) -> LocalGCS:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

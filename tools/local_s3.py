@@ -19,13 +19,14 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from remoteloader.tools.local_process import LocalProcess
 
 BIND_FAILURES = ("is not available", "address already in use")  # what weed logs when a port is taken
 ACCESS_KEY = "remoteloader-test"
@@ -55,7 +56,7 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-class LocalS3:
+class LocalS3(LocalProcess):
     """SeaweedFS on 127.0.0.1: an S3 endpoint with one access key and the given buckets.
 
     Args:
@@ -65,6 +66,8 @@ class LocalS3:
         host: The address it binds (another namespace's, behind a shaped link: benchmarks).
         wrap: A command it runs under, e.g. ``["ip", "netns", "exec", "rl0"]``.
     """
+
+    LOG = "weed.log"
 
     def __init__(
         self,
@@ -196,33 +199,3 @@ class LocalS3:
         except OSError:
             return False
         return True
-
-    def log(self) -> str:
-        try:
-            return (self.folder / "weed.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """Stops the store (SIGTERM, then SIGKILL), keeping its data for ``start``."""
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-    def kill(self) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-    def __enter__(self) -> LocalS3:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
