@@ -18,10 +18,12 @@ import concurrent.futures
 import logging
 import time
 
-from remoteloader.protos import limits, loader_pb2, wire
+from remoteloader.protos import CUSTOM_PIPELINE, limits, loader_pb2, wire
 from remoteloader.server import targets as tg
 from remoteloader.server.pipelines import PRESETS, Pipeline, PipelineError, PipelineSpec
 from remoteloader.server.video_pipelines import VIDEO_PRESETS, VideoPipeline, check_clip, is_video, make_pipeline
+
+OFFERED = PRESETS + VIDEO_PRESETS  # the presets a server offers (Describe lists them), images' then clips'
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class PipelineChecks:
             setup.frame_stride or 1,
             setup.clips_per_video or 1,
         )
+        if spec.name not in OFFERED and spec.name != CUSTOM_PIPELINE:
+            custom = (CUSTOM_PIPELINE,) if self.allow_custom else ()
+            raise PipelineError(f"unknown pipeline {spec.name!r}; this server offers {', '.join(OFFERED + custom)}")
         frame_height = self._clip_height(spec)
         for name, value in (("height", frame_height), ("width", setup.width)):
             if not self.min_image_size <= value <= self.max_image_size:
@@ -85,7 +90,7 @@ class PipelineChecks:
             return pipeline
         check = self._checks.get(spec)
         if check is None or check.future.cancelled():
-            executor = self._preset_checks if spec.name in PRESETS + VIDEO_PRESETS else self._custom_checks
+            executor = self._preset_checks if spec.name in OFFERED else self._custom_checks
             check = self._checks[spec] = _Check(executor.submit(self._build, spec))
             loop = asyncio.get_running_loop()
             started = check

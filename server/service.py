@@ -27,15 +27,14 @@ from remoteloader.server.describe import ShardPages
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_stream import OrderStream, StreamRooms, serialize_chunk
-from remoteloader.server.pipeline_checks import PipelineChecks
-from remoteloader.server.pipelines import PRESETS, PipelineError
+from remoteloader.server.pipeline_checks import OFFERED, PipelineChecks
+from remoteloader.server.pipelines import PipelineError
 from remoteloader.server.rate_limit import RateLimiter
 from remoteloader.server.render import Renderer
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import Slots
 from remoteloader.server.stalls import Stalls
-from remoteloader.server.video_pipelines import VIDEO_PRESETS
 from remoteloader.server.worker_pool import WorkerPool
 
 VERSION = "0.2.0"  # 0.2: Describe in pages with class lists once; orders over several shards
@@ -142,7 +141,7 @@ class LoaderService:
         c = self.config
         response = loader_pb2.DescribeResponse(
             version=VERSION,
-            pipelines=list(PRESETS + VIDEO_PRESETS),
+            pipelines=list(OFFERED),
             custom_pipelines=c.allow_custom_pipelines,
             min_image_size=c.min_image_size,
             max_image_size=c.max_image_size,

@@ -189,10 +189,12 @@ def test_a_dataset_of_class_labels_still_yields_tuples_and_fields_name_what_come
     assert set(batch) == {"images", "bboxes", "labels"}  # no mask asked for: none sent
     # fields=None: what the shards carry (masks included), learned before the loader opens its
     # receiver, which it opens once (its batch memory is sized for the masks from the start).
+    import remoteloader.client.loader as loader_module
+
     opened = []
-    open_io = RemoteLoader._open_io
+    open_io = loader_module.open_io
     with monkeypatch.context() as patch:
-        patch.setattr(RemoteLoader, "_open_io", lambda self, address: opened.append(1) or open_io(self, address))
+        patch.setattr(loader_module, "open_io", lambda *args: opened.append(1) or open_io(*args))
         batch, *_ = one_epoch(servers.address(0), batch_size=4)
     assert len(opened) == 1
     assert {"images", "bboxes", "bbox_labels", "mask"} <= set(batch) and batch["mask"].shape == (4, SIZE, SIZE)
