@@ -41,6 +41,7 @@ from remoteloader.protos import codec, limits, loader_pb2
 from remoteloader.server.catalog import Catalog
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.fair_queue import Job
+from remoteloader.server.fetching import Fetcher
 from remoteloader.server.local_socket import Loans
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_samples import OrderError, Samples
@@ -103,6 +104,7 @@ class StreamRooms(NamedTuple):
 
     config: ServerConfig  # chunk_bytes, max_order_samples, max_inflight_orders
     catalog: Catalog  # the server's shards
+    fetcher: Fetcher  # brings chunks' object-store bytes here before they render
     renderer: Renderer  # starts rendering chunks
     slots: Slots  # the shared slots
     renders: SharedRenders  # the renderings streams share, by chunk
@@ -145,6 +147,7 @@ class OrderStream:
         self._spec = spec
         self._config = rooms.config
         self._catalog = rooms.catalog
+        self._fetcher = rooms.fetcher
         self._renderer = rooms.renderer
         self._slots = rooms.slots
         self._renders = rooms.renders
@@ -268,7 +271,7 @@ class OrderStream:
                 self._live.add(request.order.order_id)
                 self._orders.put_nowait((request.order, checked, time.monotonic()))
                 # Its samples' bytes start coming now, where they are in an object store.
-                self._renderer.prefetch(self._spec, checked)
+                self._fetcher.prefetch(self._spec, checked)
         except asyncio.CancelledError:
             pass
         except DecodeError as exc:  # a message that is not a StreamRequest
@@ -369,7 +372,14 @@ class OrderStream:
                 await self._limiter.take(count)
 
             def render(slot: int, part: Samples = part, chunk_seeds: list[int] = seeds[start : start + count]):
-                return self._renderer.render(self._spec, part, chunk_seeds, slot, self._job)
+                # (its object-store bytes first, where it has any: server.fetching)
+                return self._fetcher.then_render(
+                    self._spec,
+                    part,
+                    lambda located, failures: self._renderer.render(
+                        self._spec, part, chunk_seeds, slot, self._job, located, failures
+                    ),
+                )
 
             slot, future, joined = await self._renders.start(self._slot_counts, key, render)
             if not joined:
