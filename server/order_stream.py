@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, limits, loader_pb2
 from remoteloader.server.catalog import Catalog
+from remoteloader.server.chunk_payload import chunk_payload
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.fair_queue import Job
 from remoteloader.server.fetching import Fetcher
@@ -442,7 +443,7 @@ class OrderStream:
         for record in targets:
             header.targets.add().MergeFromString(record)
         # Raw, or each sample as its worker encoded it (Setup.wire): what travels is counted.
-        pixels, sizes = self._renderer.payload(spec, part, self._slots.arena, item.slot, item.size, errors)
+        pixels, sizes = chunk_payload(spec, part, self._slots.arena, item.slot, item.size, errors)
         header.encoded_sizes.extend(sizes)
         nbytes = sum(sizes) if sizes else len(pixels)
         if ticket:  # raw pixels (pipeline_checks), left in the slot the client maps

@@ -20,14 +20,11 @@ import asyncio
 
 import numpy as np
 
-from remoteloader.protos import limits
-from remoteloader.protos.wire import RAW
 from remoteloader.server.catalog import Catalog, Location
 from remoteloader.server.fair_queue import Job
 from remoteloader.server.order_samples import Samples
 from remoteloader.server.pipelines import PipelineSpec
-from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
-from remoteloader.server.targets import MASK
+from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, SampleCache
 from remoteloader.server.worker_messages import TaskSample
 from remoteloader.server.worker_pool import Rendered, Task, WorkerPool
 
@@ -142,47 +139,6 @@ class Renderer:
 
         future.add_done_callback(done)
         return future
-
-    def payload(
-        self, spec: PipelineSpec, samples: Samples, arena: Arena, slot: int, count: int, errors: list[tuple[int, str]]
-    ) -> tuple[memoryview | list[memoryview], list[int]]:
-        """A rendered chunk's pixels as they travel, and its ChunkHeader.encoded_sizes: the slot's
-        raw pixels (and masks), or with a wire encoding each sample's encoded image (then mask)
-        as its worker wrote it, of the sizes in the slot's size table (protos.limits)."""
-        image = limits.sample_bytes(spec.height, spec.width)
-        mask = spec.height * spec.width if MASK in spec.fields else 0
-        if spec.wire == RAW:
-            return arena.view(slot, count * (image + mask)), []
-        generated = samples.generated()
-        if generated.all():  # its pixels were never rendered, so never encoded: raw
-            sizes = [image] * count + [mask] * (count if mask else 0)
-        else:
-            table = np.frombuffer(
-                arena.view(slot, arena.slot_bytes),
-                "<u4",
-                2 * limits.MAX_CHUNK_SAMPLES,
-                limits.pixel_bytes(arena.slot_bytes),
-            )
-            sizes = table[:count].tolist() + (
-                table[limits.MAX_CHUNK_SAMPLES : limits.MAX_CHUNK_SAMPLES + count].tolist() if mask else []
-            )
-            for pos, _ in errors:  # (a task that failed whole left its entries as they were)
-                sizes[pos] = 0
-                if mask:
-                    sizes[count + pos] = 0
-            for pos in np.flatnonzero(generated).tolist():  # (no task wrote theirs: raw)
-                sizes[pos] = image
-                if mask:
-                    sizes[count + pos] = mask
-        assert all(size <= image for size in sizes[:count]) and all(size <= mask for size in sizes[count:]), (
-            "a worker wrote an encoded size over its raw size"
-        )
-        view = arena.view(slot, count * (image + mask))
-        pieces = [view[i * image : i * image + size] for i, size in enumerate(sizes[:count])]
-        pieces += [
-            view[count * image + i * mask : count * image + i * mask + size] for i, size in enumerate(sizes[count:])
-        ]
-        return pieces, sizes
 
 
 def _cut(samples: list[TaskSample | None], size: int) -> list[tuple[int, int]]:
