@@ -6,7 +6,7 @@ for each (within the stream's fair share, after the rate limit) and starts rende
 the stream's own loop writes the chunks in the order they were started, each once its
 rendering is done. Invariants:
 * Every chunk's slot goes back exactly once, and only when no worker writes into it any
-  more: after its chunk is written, or when the stream ends (slots.Slots.give_when_done).
+  more: after its chunk is written, or when the stream ends (sharing.SharedRenders.give_when_done).
 * At most ``max_inflight_orders`` orders are in flight (received, last chunk not yet written);
   the server's ``remoteloader_queued_orders`` counts them over all streams.
 * A Cancel for an order in flight stops it: its chunks not yet started are not rendered,
@@ -168,7 +168,7 @@ class OrderStream:
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, Samples, float] | _End | None] = asyncio.Queue()
         self._slot_counts = self._slots.open(job)
         self._job = Job(job)
-        self._loans = Loans(self._stalls, self._slot_counts)  # (lent only where shared)
+        self._loans = Loans(self._stalls, self._renders, self._slot_counts)  # (lent only where shared)
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
@@ -203,7 +203,7 @@ class OrderStream:
             while not self._queue.empty():
                 item = self._queue.get_nowait()
                 if isinstance(item, _Pending):
-                    self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+                    self._renders.give_when_done(self._slot_counts, item.slot, item.future)
             # (a slot no other stream holds or keeps changes generation: a copy under way fails)
             self._loans.give_all()
             self._slots.close(self._slot_counts)
@@ -401,7 +401,7 @@ class OrderStream:
                 await self._send(item, rendered, ticket)
         finally:
             if not lent:  # (a lent slot comes back by its Release, or when the stream ends)
-                self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+                self._renders.give_when_done(self._slot_counts, item.slot, item.future)
         if item.start + item.size == len(item.samples):
             self._finish(item.order, item.received)
 
