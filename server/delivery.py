@@ -130,6 +130,7 @@ class SharedDelivery:
     def place(self, header: loader_pb2.ChunkHeader, slot: int, nbytes: int, ticket: int | None, pixels):
         """Says in ``header`` where the chunk's raw pixels (pipeline_checks) lie in the slot the
         client maps; the message carries none of them."""
+        assert ticket is not None, "a shared chunk's slot is lent before it is written"
         arena = self._arena
         header.shared.offset = arena.offset(slot)
         header.shared.length = nbytes
