@@ -41,6 +41,7 @@ import time
 from remoteloader.protos.same_host import MAX_LINE, OK, REFUSED, socket_address
 from remoteloader.server.security import token_matches
 from remoteloader.server.shared_memory import Arena
+from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import StreamSlots
 from remoteloader.server.stalls import Stalled, Stalls
 
@@ -167,13 +168,14 @@ class Loans:
     """The slots lent to one same-host stream's client (Setup.shared_memory), by ticket.
 
     Args:
-        stalls: The server's stall rules (and through them its slots).
+        stalls: The server's stall rules.
+        renders: Where the stream's slots go back (server.sharing, which keeps clean renderings).
         stream: The stream's part of the slots.
     """
 
-    def __init__(self, stalls: Stalls, stream: StreamSlots):
+    def __init__(self, stalls: Stalls, renders: SharedRenders, stream: StreamSlots):
         self._stalls = stalls
-        self._slots = stalls.slots
+        self._renders = renders
         self._stream = stream
         # ticket -> (slot, time.monotonic() when lent), oldest first; each counts in stream.held
         self._lent: dict[int, tuple[int, float]] = {}
@@ -194,14 +196,14 @@ class Loans:
         loan = self._lent.pop(ticket, None)
         if loan is None:
             return False
-        self._slots.give(self._stream, loan[0])
+        self._renders.give(self._stream, loan[0])
         return True
 
     def give_all(self) -> None:
         """Gives back every slot still lent (the stream ends): those no other stream holds or keeps
         go back to the arena, their generations changed."""
         while self._lent:
-            self._slots.give(self._stream, self._lent.popitem()[1][0])
+            self._renders.give(self._stream, self._lent.popitem()[1][0])
 
     def check(self) -> None:
         """Raises Stalled when the client has kept a lent slot as long as the stall rules let a

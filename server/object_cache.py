@@ -178,7 +178,7 @@ class ObjectCache:
         self._tasks: set[asyncio.Future] = set()
         self._writer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="object-cache-write")
 
-    # ---- what the renderer calls ------------------------------------------------------
+    # ---- what fetching calls ---------------------------------------------------------
     def prefetch(self, locations: list[Location]) -> None:
         """Starts fetching what of ``locations`` is missing (an order just arrived)."""
         task = asyncio.ensure_future(self._fetch(locations, pin=False))

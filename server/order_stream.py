@@ -6,7 +6,7 @@ for each (within the stream's fair share, after the rate limit) and starts rende
 the stream's own loop writes the chunks in the order they were started, each once its
 rendering is done. Invariants:
 * Every chunk's slot goes back exactly once, and only when no worker writes into it any
-  more: after its chunk is written, or when the stream ends (slots.Slots.give_when_done).
+  more: after its chunk is written, or when the stream ends (sharing.SharedRenders.give_when_done).
 * At most ``max_inflight_orders`` orders are in flight (received, last chunk not yet written);
   the server's ``remoteloader_queued_orders`` counts them over all streams.
 * A Cancel for an order in flight stops it: its chunks not yet started are not rendered,
@@ -14,10 +14,11 @@ rendering is done. Invariants:
   is ignored. The reader reads on while orders wait for slots, so a Cancel acts at once.
 * Whatever ends the stream (the client's EOF, a bad message, draining, a stall, a server
   bug) ends it with a status that says why; the reader never hangs it.
-* Shared memory (Setup.shared_memory, a same-host client that maps the arena): a chunk goes
-  out as its header alone, with ChunkHeader.shared saying where its payload lies, and its
-  slot is lent to the client (local_socket.Loans) until a Release names its ticket, or the
-  stream ends; a cancelled order's chunks already sent are no exception. A Release of a
+* Shared memory (Setup.shared_memory, a same-host client that maps the arena: how its chunks
+  go out is server.delivery's): a chunk goes out as its header alone, with ChunkHeader.shared
+  saying where its payload lies, and its slot is lent to the client (local_socket.Loans)
+  until a Release names its ticket, or the stream ends; a cancelled order's chunks already
+  sent are no exception. A Release of a
   ticket the stream has not lent ends it (INVALID_ARGUMENT); a client that keeps a slot
   unreleased is ended as one that does not read is.
 * A chunk that another stream renders too (the same key: server.sharing) is rendered once
@@ -39,9 +40,11 @@ from google.protobuf.message import DecodeError
 
 from remoteloader.protos import codec, limits, loader_pb2
 from remoteloader.server.catalog import Catalog
+from remoteloader.server.chunk_payload import chunk_payload
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.delivery import PayloadDelivery, SharedDelivery
 from remoteloader.server.fair_queue import Job
-from remoteloader.server.local_socket import Loans
+from remoteloader.server.fetching import Fetcher
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_samples import OrderError, Samples
 from remoteloader.server.pipelines import PipelineSpec
@@ -54,9 +57,6 @@ from remoteloader.server.targets import MASK
 from remoteloader.server.worker_pool import Rendered
 
 log = logging.getLogger(__name__)
-
-
-_EMPTY = memoryview(b"")
 
 
 class OutChunk(NamedTuple):
@@ -103,6 +103,7 @@ class StreamRooms(NamedTuple):
 
     config: ServerConfig  # chunk_bytes, max_order_samples, max_inflight_orders
     catalog: Catalog  # the server's shards
+    fetcher: Fetcher  # brings chunks' object-store bytes here before they render
     renderer: Renderer  # starts rendering chunks
     slots: Slots  # the shared slots
     renders: SharedRenders  # the renderings streams share, by chunk
@@ -145,6 +146,7 @@ class OrderStream:
         self._spec = spec
         self._config = rooms.config
         self._catalog = rooms.catalog
+        self._fetcher = rooms.fetcher
         self._renderer = rooms.renderer
         self._slots = rooms.slots
         self._renders = rooms.renders
@@ -156,15 +158,17 @@ class OrderStream:
         self._limiter = rooms.limiter
         self._metrics = metrics
         self._draining = rooms.draining
-        self._shared = shared
-        self._failed: _End | None = None  # with shared memory: how the stream ends, ahead of its chunks
         self._queue: asyncio.Queue[_Pending | _Cut | _End | None] = asyncio.Queue()  # None: the client is done
         # Orders received and checked, to be started in turn (with when each came), then an
         # _End or None: what the reader makes of the client's messages, in their order.
         self._orders: asyncio.Queue[tuple[loader_pb2.Order, Samples, float] | _End | None] = asyncio.Queue()
         self._slot_counts = self._slots.open(job)
         self._job = Job(job)
-        self._loans = Loans(self._stalls, self._slot_counts)  # (lent only where shared)
+        self._delivery = (
+            SharedDelivery(self._stalls, self._renders, self._slot_counts, self._slots.arena)
+            if shared
+            else PayloadDelivery()
+        )
         self._live: set[int] = set()  # ids of the orders received whose last chunk is not written yet
         self._cancelled: set[int] = set()  # of those, the ones the client no longer wants
 
@@ -175,12 +179,11 @@ class OrderStream:
         starter = asyncio.create_task(self._start_orders())
         try:
             while True:
-                item = await (self._next_shared() if self._shared else self._queue.get())
+                item = await self._delivery.next(self._queue)
                 if item is None:
                     return
                 if isinstance(item, _End):
-                    if self._shared and item is not self._failed:  # draining: the copies under way finish
-                        await self._until_released()
+                    await self._delivery.before_end(item)  # (draining, shared: the copies under way finish)
                     await context.abort(item.code, item.details)
                     return
                 if isinstance(item, _Cut):
@@ -199,28 +202,9 @@ class OrderStream:
             while not self._queue.empty():
                 item = self._queue.get_nowait()
                 if isinstance(item, _Pending):
-                    self._slots.give_when_done(self._slot_counts, item.slot, item.future)
-            # (a slot no other stream holds or keeps changes generation: a copy under way fails)
-            self._loans.give_all()
+                    self._renders.give_when_done(self._slot_counts, item.slot, item.future)
+            self._delivery.end()
             self._slots.close(self._slot_counts)
-
-    async def _next_shared(self) -> _Pending | _Cut | _End | None:
-        """The next item to write; raises Stalled once the client has kept a lent slot too long,
-        whether or not the stream has anything to write meanwhile."""
-        while True:
-            if self._failed is not None:
-                return self._failed
-            self._loans.check()
-            try:
-                return await asyncio.wait_for(self._queue.get(), min(1.0, self._stalls.stall_timeout))
-            except asyncio.TimeoutError:
-                pass
-
-    async def _until_released(self) -> None:
-        """Returns once the client has released every slot lent to it (the stall rules apply)."""
-        while self._loans and self._failed is None:
-            self._loans.check()
-            await asyncio.sleep(0.01)
 
     async def _read_orders(self) -> None:
         drain = asyncio.ensure_future(self._draining.wait())
@@ -238,7 +222,7 @@ class OrderStream:
                             "server is draining (SIGTERM or SIGINT); send unfinished orders elsewhere",
                         )
                     )
-                    if not self._shared:
+                    if not self._delivery.reads_releases:
                         return
                     drained = True  # shared memory: read on, for the client's Releases
                     continue
@@ -268,7 +252,7 @@ class OrderStream:
                 self._live.add(request.order.order_id)
                 self._orders.put_nowait((request.order, checked, time.monotonic()))
                 # Its samples' bytes start coming now, where they are in an object store.
-                self._renderer.prefetch(self._spec, checked)
+                self._fetcher.prefetch(self._spec, checked)
         except asyncio.CancelledError:
             pass
         except DecodeError as exc:  # a message that is not a StreamRequest
@@ -286,23 +270,12 @@ class OrderStream:
         started; with shared memory at once, as the client's Releases are no longer read, so
         chunks that wait for its slots would never come."""
         self._orders.put_nowait(end)
-        if self._shared and self._failed is None:
-            self._failed = end
-            self._queue.put_nowait(end)  # (wakes _next_shared)
+        self._delivery.fail(end, self._queue)
 
     def _release(self, release: loader_pb2.Release) -> _End | None:
         """Gives back the slots the client has copied out of; why the stream must end, or None."""
-        if not self._shared:
-            return _End(
-                grpc.StatusCode.INVALID_ARGUMENT, "Release on a stream whose Setup did not ask for shared_memory"
-            )
-        for ticket in release.tickets:
-            if not self._loans.give_back(ticket):
-                return _End(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"Release of ticket {ticket}, which this stream does not hold (never sent, or released already)",
-                )
-        return None
+        details = self._delivery.release(release)
+        return _End(grpc.StatusCode.INVALID_ARGUMENT, details) if details else None
 
     def _check(self, request: loader_pb2.StreamRequest) -> Samples | _End:
         """The samples an order asks for, or why it cannot be served."""
@@ -336,7 +309,7 @@ class OrderStream:
         """Starts the orders the reader passes on, in turn; passes on the end of the stream."""
         spec = self._spec
         per_chunk = limits.samples_per_chunk(
-            self._config.stream_chunk_bytes(self._shared),
+            self._delivery.chunk_bytes(self._config),
             limits.sample_bytes(spec.height, spec.width, MASK in spec.fields),
             bool(spec.fields),
         )
@@ -369,7 +342,14 @@ class OrderStream:
                 await self._limiter.take(count)
 
             def render(slot: int, part: Samples = part, chunk_seeds: list[int] = seeds[start : start + count]):
-                return self._renderer.render(self._spec, part, chunk_seeds, slot, self._job)
+                # (its object-store bytes first, where it has any: server.fetching)
+                return self._fetcher.then_render(
+                    self._spec,
+                    part,
+                    lambda located, failures: self._renderer.render(
+                        self._spec, part, chunk_seeds, slot, self._job, located, failures
+                    ),
+                )
 
             slot, future, joined = await self._renders.start(self._slot_counts, key, render)
             if not joined:
@@ -384,13 +364,12 @@ class OrderStream:
             # only when every worker task is done with the slot.
             rendered = await asyncio.shield(item.future)
             if item.order.order_id not in self._cancelled:  # (cancelled: another server sent it first)
-                # Lent before the write: the client may release it before the write returns.
-                ticket = self._loans.lend(item.slot) if self._shared else 0
-                lent = self._shared
+                ticket = self._delivery.lend(item.slot)  # (shared memory: lent before the write)
+                lent = ticket is not None
                 await self._send(item, rendered, ticket)
         finally:
             if not lent:  # (a lent slot comes back by its Release, or when the stream ends)
-                self._slots.give_when_done(self._slot_counts, item.slot, item.future)
+                self._renders.give_when_done(self._slot_counts, item.slot, item.future)
         if item.start + item.size == len(item.samples):
             self._finish(item.order, item.received)
 
@@ -402,7 +381,7 @@ class OrderStream:
         self._metrics.orders.inc()
         self._metrics.order_latency.observe(time.monotonic() - received)
 
-    async def _send(self, item: _Pending, rendered: Rendered, ticket: int) -> None:
+    async def _send(self, item: _Pending, rendered: Rendered, ticket: int | None) -> None:
         """Writes a rendered chunk: its pixels in the message, or (``ticket``: shared memory, its
         slot lent under that ticket) where they lie in the arena."""
         spec = self._spec
@@ -432,17 +411,10 @@ class OrderStream:
         for record in targets:
             header.targets.add().MergeFromString(record)
         # Raw, or each sample as its worker encoded it (Setup.wire): what travels is counted.
-        pixels, sizes = self._renderer.payload(spec, part, self._slots.arena, item.slot, item.size, errors)
+        pixels, sizes = chunk_payload(spec, part, self._slots.arena, item.slot, item.size, errors)
         header.encoded_sizes.extend(sizes)
         nbytes = sum(sizes) if sizes else len(pixels)
-        if ticket:  # raw pixels (pipeline_checks), left in the slot the client maps
-            arena = self._slots.arena
-            header.shared.offset = arena.offset(item.slot)
-            header.shared.length = nbytes
-            header.shared.ticket = ticket
-            header.shared.generation_offset = arena.generation_offset(item.slot)
-            header.shared.generation = arena.generation(item.slot)
-            pixels = _EMPTY
+        pixels = self._delivery.place(header, item.slot, nbytes, ticket, pixels)
         chunk = OutChunk(header, pixels)
         await self._stalls.send(self._context.write(chunk), self._slot_counts)
         m = self._metrics

@@ -17,19 +17,14 @@ while a worker may still write into it. Invariants kept here:
 from __future__ import annotations
 
 import asyncio
-from typing import NamedTuple
 
 import numpy as np
 
-from remoteloader.protos import limits, loader_pb2
-from remoteloader.protos.wire import RAW
 from remoteloader.server.catalog import Catalog, Location
 from remoteloader.server.fair_queue import Job
-from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_samples import Samples
 from remoteloader.server.pipelines import PipelineSpec
-from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, Arena, SampleCache
-from remoteloader.server.targets import MASK
+from remoteloader.server.shared_memory import CACHE_FILL, PLAIN_READ, SampleCache
 from remoteloader.server.worker_messages import TaskSample
 from remoteloader.server.worker_pool import Rendered, Task, WorkerPool
 
@@ -45,83 +40,39 @@ class Renderer:
         catalog: The server's shards.
         pool: The decode workers.
         cache: The shared cache of encoded samples, if any.
-        objects: The local copies of object-store samples, where shards are in a store.
     """
 
-    def __init__(
-        self, catalog: Catalog, pool: WorkerPool, cache: SampleCache | None, objects: ObjectCache | None = None
-    ):
+    def __init__(self, catalog: Catalog, pool: WorkerPool, cache: SampleCache | None):
         self.catalog = catalog
         self.pool = pool
         self.cache = cache
-        self.objects = objects
         # Samples that have decoded whole without error, a byte per sample (by server-wide id): at
         # first those the shard's index knows (Shard.verified), then as samples decode.
         self._decoded = catalog.verified()
 
-    def prefetch(self, spec: PipelineSpec, samples: Samples) -> None:
-        """An order arrived: starts fetching its samples' bytes from their object store (those
-        that are in one), so that they are on this machine when its chunks are rendered."""
-        if self.objects is not None and samples.remote:
-            located = self.catalog.locate(samples.which, samples.indices)
-            self.objects.prefetch(_fetches(spec, samples, located).ranges)
-
     def render(
-        self, spec: PipelineSpec, samples: Samples, seeds: list[int], slot: int, job: Job
-    ) -> asyncio.Future[Rendered]:
-        """Starts rendering samples into a slot, as ``job``'s work; the future gives their Rendered
-        once all are done."""
-        if samples.synthetic:  # transport benchmark: the slot already holds pixels
-            future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
-            future.set_result(Rendered([], [b""] * len(samples) if spec.fields else []))
-            return future
-        located = self.catalog.locate(samples.which, samples.indices)
-        failures = self.catalog.failures(samples.which, samples.indices)
-        if self.objects is None or not samples.remote:
-            return self._render(spec, samples, seeds, slot, job, located, failures)
-        fetches = _fetches(spec, samples, located)
-        held = self.objects.held_locally(fetches.ranges)
-        if held is None:  # some bytes are still to come: the chunk starts when they are here
-            fetched = self._render_fetched(spec, samples, seeds, slot, job, located, failures, fetches)
-            return asyncio.ensure_future(fetched)
-        # All here already (a later epoch): the tasks start now, not a few loop turns from now.
-        for pos, location in zip(fetches.owners[: fetches.own], held):
-            located[pos] = location
-        future = self._render(spec, samples, seeds, slot, job, located, failures)
-        ranges = fetches.ranges
-        objects = self.objects
-
-        def release(_done: asyncio.Future[Rendered]) -> None:
-            objects.release(ranges)
-
-        future.add_done_callback(release)
-        return future
-
-    async def _render_fetched(
         self,
         spec: PipelineSpec,
         samples: Samples,
         seeds: list[int],
         slot: int,
         job: Job,
-        located: list[Location],
-        failures: list[str],
-        fetches: _Fetches,
-    ) -> Rendered:
-        """Renders samples once the byte ranges of those in an object store (``fetches``) are
-        local; a fetch that failed fails its sample with the reason."""
-        objects = self.objects
-        assert objects is not None
-        ranges = fetches.ranges
-        try:  # (fetch pins the objects before its first await: released even if cancelled)
-            reasons = await objects.fetch(ranges)
-            for pos, location in zip(fetches.owners[: fetches.own], ranges):
-                located[pos] = objects.local(location)
-            for owner, reason in zip(fetches.owners, reasons):  # its image's, or its mask member's
-                failures[owner] = failures[owner] or reason
-            return await asyncio.shield(self._render(spec, samples, seeds, slot, job, located, failures))
-        finally:
-            objects.release(ranges)
+        located: list[Location] | None = None,
+        failures: list[str] | None = None,
+    ) -> asyncio.Future[Rendered]:
+        """Starts rendering samples into a slot, as ``job``'s work; the future gives their Rendered
+        once all are done. ``located``: where their bytes are, ``failures``: the reason each fails
+        with ("" for none), when the fetching step (server.fetching) has brought them to this
+        machine; None: at their shards' own places, with the catalog's failures."""
+        if samples.synthetic:  # transport benchmark: the slot already holds pixels
+            future: asyncio.Future[Rendered] = asyncio.get_running_loop().create_future()
+            future.set_result(Rendered([], [b""] * len(samples) if spec.fields else []))
+            return future
+        if located is None:
+            located = self.catalog.locate(samples.which, samples.indices)
+        if failures is None:
+            failures = self.catalog.failures(samples.which, samples.indices)
+        return self._render(spec, samples, seeds, slot, job, located, failures)
 
     def _render(
         self,
@@ -191,47 +142,6 @@ class Renderer:
         future.add_done_callback(done)
         return future
 
-    def payload(
-        self, spec: PipelineSpec, samples: Samples, arena: Arena, slot: int, count: int, errors: list[tuple[int, str]]
-    ) -> tuple[memoryview | list[memoryview], list[int]]:
-        """A rendered chunk's pixels as they travel, and its ChunkHeader.encoded_sizes: the slot's
-        raw pixels (and masks), or with a wire encoding each sample's encoded image (then mask)
-        as its worker wrote it, of the sizes in the slot's size table (protos.limits)."""
-        image = limits.sample_bytes(spec.height, spec.width)
-        mask = spec.height * spec.width if MASK in spec.fields else 0
-        if spec.wire == RAW:
-            return arena.view(slot, count * (image + mask)), []
-        generated = samples.generated()
-        if generated.all():  # its pixels were never rendered, so never encoded: raw
-            sizes = [image] * count + [mask] * (count if mask else 0)
-        else:
-            table = np.frombuffer(
-                arena.view(slot, arena.slot_bytes),
-                "<u4",
-                2 * limits.MAX_CHUNK_SAMPLES,
-                limits.pixel_bytes(arena.slot_bytes),
-            )
-            sizes = table[:count].tolist() + (
-                table[limits.MAX_CHUNK_SAMPLES : limits.MAX_CHUNK_SAMPLES + count].tolist() if mask else []
-            )
-            for pos, _ in errors:  # (a task that failed whole left its entries as they were)
-                sizes[pos] = 0
-                if mask:
-                    sizes[count + pos] = 0
-            for pos in np.flatnonzero(generated).tolist():  # (no task wrote theirs: raw)
-                sizes[pos] = image
-                if mask:
-                    sizes[count + pos] = mask
-        assert all(size <= image for size in sizes[:count]) and all(size <= mask for size in sizes[count:]), (
-            "a worker wrote an encoded size over its raw size"
-        )
-        view = arena.view(slot, count * (image + mask))
-        pieces = [view[i * image : i * image + size] for i, size in enumerate(sizes[:count])]
-        pieces += [
-            view[count * image + i * mask : count * image + i * mask + size] for i, size in enumerate(sizes[count:])
-        ]
-        return pieces, sizes
-
 
 def _cut(samples: list[TaskSample | None], size: int) -> list[tuple[int, int]]:
     """The span (first, end) of each task: every ``size`` samples, and sooner where the samples'
@@ -285,31 +195,3 @@ def _merge(
     if not parts:  # (none of its samples is decoded)
         done()
     return merged
-
-
-class _Fetches(NamedTuple):
-    """The byte ranges to fetch from object stores for a chunk's samples that are in one: first
-    the samples' own (``own`` of them), then (when the stream asks for masks) the mask members of
-    those that have one; ``owners``: the chunk position of the sample each range is for."""
-
-    ranges: list[Location]
-    owners: list[int]
-    own: int
-
-
-def _fetches(spec: PipelineSpec, samples: Samples, located: list[Location]) -> _Fetches:
-    """What to fetch for ``samples``, whose bytes are at ``located`` (their shards' own places)."""
-    remote = [pos for pos, (shard, _) in enumerate(samples.pairs()) if shard.remote]
-    ranges = [located[pos] for pos in remote]
-    owners = list(remote)
-    if MASK in spec.fields:
-        pairs = list(samples.pairs())
-        for pos in remote:
-            shard, index = pairs[pos]
-            record = shard.targets(index)
-            if record:
-                stored = loader_pb2.Targets.FromString(record)
-                if stored.mask_length:
-                    ranges.append(located[pos]._replace(offset=stored.mask_offset, length=stored.mask_length))
-                    owners.append(pos)
-    return _Fetches(ranges, owners, len(remote))

@@ -24,6 +24,7 @@ from remoteloader.server.admission import StreamAdmission, client_address
 from remoteloader.server.catalog import Catalog, Shard
 from remoteloader.server.config import ServerConfig
 from remoteloader.server.describe import ShardPages
+from remoteloader.server.fetching import Fetcher
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_stream import OrderStream, StreamRooms, serialize_chunk
@@ -74,7 +75,8 @@ class LoaderService:
         self.slots = Slots(arena, pool.jobs)
         self.renders = SharedRenders(self.slots)
         self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
-        self.renderer = Renderer(self.catalog, pool, cache, objects)
+        self.fetcher = Fetcher(self.catalog, objects)
+        self.renderer = Renderer(self.catalog, pool, cache)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.metrics = Metrics()
         self.metrics.queue_depth.set_function(lambda: pool.outstanding)
@@ -92,6 +94,7 @@ class LoaderService:
         self.rooms = StreamRooms(
             config,
             self.catalog,
+            self.fetcher,
             self.renderer,
             self.slots,
             self.renders,

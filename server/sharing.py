@@ -12,9 +12,14 @@ Setup says ``exclusive`` and the transport benchmark's synthetic shards.
 Invariants:
 * A rendering can be joined while it renders and, once every sample of it rendered cleanly,
   for as long as its slot stays out of the arena: while any stream holds it, and after,
-  while the slot is kept (server.slots: a kept slot is the first to go back when a take
-  finds none free). One with a failed sample is not joined once done (a transient failure
-  is tried again). A stream that comes later renders its own.
+  while the slot is kept. One with a failed sample is not joined once done (a transient
+  failure is tried again). A stream that comes later renders its own.
+* A kept rendering's whole life is here: when the last stream gives back the slot of a clean
+  rendering that can still be joined, the slot is kept (held for no stream: slots.hold),
+  but only while no take waits for a slot; a take that finds no slot free first lets the
+  oldest kept one go back to the arena; a stream that joins a kept one holds it again. So
+  keeping never makes a stream wait. Every stream gives its chunks' slots back here
+  (``give``, ``give_when_done``: the order stream, and local_socket.Loans for lent ones).
 * Each sharer holds the slot within its own fair share, and gives it back as it would its
   own; a sharer that ends, is slow, or stops reading holds only its own share (the stall
   rules end it), so none of them holds the others back by more than that.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -61,14 +67,15 @@ class Started(NamedTuple):
 
 
 class SharedRenders:
-    """The renderings streams may join, by key; the one place a stream gets a chunk's slot.
+    """The renderings streams may join, by key; the one place a stream gets a chunk's slot, and
+    gives it back.
 
     A rendering is known by its key with its slot and that slot's generation when it started:
     it can be joined while the slot still has that generation (a slot that went back to the
     arena has a new one), so no one needs to tell this class when a slot goes back.
 
     Args:
-        slots: The arena's slots; told to keep clean renderings, it says when a slot goes back.
+        slots: The arena's slots, which hand out, take back and hold the kept ones.
     """
 
     def __init__(self, slots: Slots):
@@ -76,10 +83,16 @@ class SharedRenders:
         self._arena = slots.arena
         self._by_key: dict[ChunkKey, tuple[int, int, asyncio.Future[Rendered]]] = {}  # (slot, generation, future)
         self._key_at: dict[int, ChunkKey] = {}  # slot -> the key it was last rendered for (at most one a slot)
+        self._kept: OrderedDict[int, None] = OrderedDict()  # slots held by no stream, kept: oldest first
 
     def __len__(self) -> int:
         """Renderings that can be joined now."""
         return sum(self._current(key) is not None for key in list(self._by_key))
+
+    @property
+    def kept(self) -> int:
+        """Slots held by no stream, kept for a later sharer."""
+        return len(self._kept)
 
     def has(self, key: ChunkKey | None) -> bool:
         """Whether a rendering of ``key`` can be joined now."""
@@ -117,7 +130,12 @@ class SharedRenders:
             found = self._current(key) if key is not None else None
             if found is not None:
                 slots.join(found[0])
+                if found[0] in self._kept:  # (kept: this stream holds it now)
+                    del self._kept[found[0]]
+                    slots.let_go(found[0])
                 return Started(*found, True)
+            if not self._arena.free and self._kept:  # none free: the oldest kept one goes back
+                slots.let_go(self._kept.popitem(last=False)[0])
             slot = await slots.acquire(stream)
             if key is None:
                 return Started(slot, self._render(stream, slot, render), False)
@@ -130,22 +148,46 @@ class SharedRenders:
                 self._key_at[slot] = key
                 future.add_done_callback(functools.partial(self._done, key))
                 return Started(slot, future, False)
-            slots.give(stream, slot)  # and join the one started meanwhile
+            self.give(stream, slot)  # and join the one started meanwhile
 
     def _render(self, stream: StreamSlots, slot: int, render: Callable[[int], asyncio.Future[Rendered]]):
         try:
             return render(slot)
         except BaseException:
-            self._slots.give(stream, slot)
+            self.give(stream, slot)
             raise
 
+    def give(self, stream: StreamSlots, slot: int) -> None:
+        """Gives back a slot no worker writes into any more: kept, held for no stream, where
+        ``stream`` is its last holder, its rendering is clean and can be joined, and no take
+        waits for a slot; else as the slots take it back."""
+        slots = self._slots
+        if slots.holders(slot) == 1 and not slots.waiters and self._clean(slot):
+            slots.hold(slot)
+            self._kept[slot] = None
+        slots.give(stream, slot)
+
+    def give_when_done(self, stream: StreamSlots, slot: int, rendering: asyncio.Future) -> None:
+        """Gives back ``slot`` now if its rendering is done, else when it is (workers still write there)."""
+        if rendering.done():
+            self.give(stream, slot)
+        else:
+            rendering.add_done_callback(lambda _f: self.give(stream, slot))
+
+    def _clean(self, slot: int) -> bool:
+        """Whether ``slot`` holds a rendering that can be joined and is done, every sample clean."""
+        key = self._key_at.get(slot)
+        found = self._current(key) if key is not None else None
+        if found is None or found[0] != slot:
+            return False
+        future = found[1]
+        return future.done() and not future.cancelled() and not future.result().errors
+
     def _done(self, key: ChunkKey, future: asyncio.Future[Rendered]) -> None:
-        """A rendering finished: kept for later sharers if every sample rendered cleanly, forgotten
-        if not (a later stream renders it again, as it would a chunk never rendered)."""
+        """A rendering finished: joinable on if every sample rendered cleanly, forgotten if not
+        (a later stream renders it again, as it would a chunk never rendered)."""
         found = self._current(key)
         if found is None or found[1] is not future:  # (its slot went back already)
             return
-        if not future.cancelled() and not future.result().errors:
-            self._slots.keepable(found[0])
-        else:
+        if future.cancelled() or future.result().errors:
             self._drop(key)

@@ -8,17 +8,17 @@ Invariants:
   each stream it has open, so that with no weights given every stream's share is slots / open
   streams, named or not; a job the operator weighed weighs that, however many streams it
   has. A stream that opens later gets its share as the others write theirs out.
-* A slot goes back to the arena only when no worker may still write into it (``give_when_done``).
+* A slot goes back to the arena only when no worker may still write into it (its holders give
+  it back once its rendering is done: server.sharing's ``give_when_done``).
 * A stream whose client stops reading is ended by the stall rules (server.stalls), which read
   ``waiters``; a same-host client's loans of slots (server.local_socket's ``Loans``) count
   among its stream's held slots until it releases them.
 * Several streams may hold one slot (a rendering they share, server.sharing): each holds it
   as if it were its own (``join``, within its fair share), and it goes back to the arena
-  once the last of them gives it back. A slot marked ``keepable`` (a clean rendering others
-  may still ask for) is then kept instead, for a later sharer to join, but only while no
-  take waits: a take that finds no slot free first sends the oldest kept one back. Keeping
-  never makes a stream wait. A slot that goes back to the arena gets a new generation, by
-  which server.sharing tells that its rendering can no longer be joined.
+  once the last holder gives it back. Sharing may hold a slot for no stream (``hold``: a
+  kept rendering, which sharing alone decides to keep and to let go); it counts as a holder,
+  in no stream's share. A slot that goes back to the arena gets a new generation, by which
+  server.sharing tells that its rendering can no longer be joined.
 
 Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 """
@@ -26,7 +26,6 @@ Each stream's counts live in its ``StreamSlots``, which only ``Slots`` changes.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 
 from remoteloader.server.jobs import Jobs
 from remoteloader.server.shared_memory import Arena
@@ -59,9 +58,7 @@ class Slots:
         self.jobs = jobs if jobs is not None else Jobs()
         self._freed = asyncio.Condition()
         self._waiters = 0  # takes waiting for a free slot, all streams together
-        self._holders: dict[int, int] = {}  # slot -> streams holding it (out of the arena, not kept)
-        self._keepable: set[int] = set()  # held slots to keep once the last holder gives them back
-        self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, kept: oldest first
+        self._holders: dict[int, int] = {}  # slot -> its holders (streams, and sharing where it keeps it)
 
     def open(self, job: str) -> StreamSlots:
         """A stream of ``job`` opens (after its Setup): registered in the job registry; its counts,
@@ -84,11 +81,6 @@ class Slots:
         """Takes waiting for a free slot, all streams together (the stall rules read it)."""
         return self._waiters
 
-    @property
-    def kept(self) -> int:
-        """Slots held by no stream, kept for a later sharer."""
-        return len(self._kept)
-
     async def room(self, stream: StreamSlots) -> None:
         """Returns once ``stream`` is within its fair share, counting the slot it takes or joins next."""
         while stream.held >= self.fair_share(stream):
@@ -97,9 +89,7 @@ class Slots:
         stream.held += 1
 
     async def acquire(self, stream: StreamSlots) -> int:
-        """A free slot for ``stream`` (after ``room``): a kept one goes back first if none is free."""
-        if not self.arena.free and self._kept:
-            self._back(self._kept.popitem(last=False)[0])
+        """A free slot for ``stream`` (after ``room``), held by it alone."""
         # While none is free, the streams that hold slots and do not read are ended (send).
         self._waiters += 1
         stream.waiting += 1
@@ -112,40 +102,36 @@ class Slots:
         return slot
 
     def join(self, slot: int) -> None:
-        """The stream (after ``room``) holds ``slot`` too: a rendering held or kept, shared."""
-        self._kept.pop(slot, None)
-        self._holders[slot] = self._holders.get(slot, 0) + 1
+        """The stream (after ``room``) holds ``slot`` too: a rendering held, shared."""
+        self._holders[slot] += 1
 
-    def keepable(self, slot: int) -> None:
-        """Keeps ``slot`` (held now) once its last holder gives it back, for a later sharer."""
-        assert slot in self._holders, "only a held slot is marked keepable"
-        self._keepable.add(slot)
+    def holders(self, slot: int) -> int:
+        """How many hold ``slot`` now (0: it is in the arena)."""
+        return self._holders.get(slot, 0)
+
+    def hold(self, slot: int) -> None:
+        """Holds ``slot`` (held now) for no stream: it stays out of the arena until ``let_go``."""
+        assert slot in self._holders, "only a held slot is held on"
+        self._holders[slot] += 1
+
+    def let_go(self, slot: int) -> None:
+        """Ends a ``hold``: the slot goes back to the arena if no stream holds it."""
+        self._unhold(slot)
 
     def give(self, stream: StreamSlots, slot: int) -> None:
         """Gives back a slot no worker writes into any more."""
         stream.held -= 1
+        self._unhold(slot)
+        asyncio.ensure_future(self._notify_freed())
+
+    def _unhold(self, slot: int) -> None:
+        """One holder fewer; the last sends the slot back to the arena (its generation changes)."""
         holders = self._holders[slot] - 1
         if holders:
             self._holders[slot] = holders
         else:
             del self._holders[slot]
-            if slot in self._keepable and not self._waiters:
-                self._kept[slot] = None
-            else:
-                self._back(slot)
-        asyncio.ensure_future(self._notify_freed())
-
-    def _back(self, slot: int) -> None:
-        """Sends a slot held by none back to the arena (its generation changes)."""
-        self._keepable.discard(slot)
-        self.arena.release(slot)
-
-    def give_when_done(self, stream: StreamSlots, slot: int, rendering: asyncio.Future) -> None:
-        """Gives back ``slot`` now if its rendering is done, else when it is (workers still write there)."""
-        if rendering.done():
-            self.give(stream, slot)
-        else:
-            rendering.add_done_callback(lambda _f: self.give(stream, slot))
+            self.arena.release(slot)
 
     async def _notify_freed(self) -> None:
         async with self._freed:

@@ -13,6 +13,7 @@ import pytest
 from remoteloader.protos import limits, loader_pb2
 from remoteloader.server.catalog import Catalog, SyntheticShard
 from remoteloader.server.config import ServerConfig
+from remoteloader.server.fetching import Fetcher
 from remoteloader.server.metrics import Metrics
 from remoteloader.server.order_stream import OrderStream, StreamRooms
 from remoteloader.server.pipelines import PipelineSpec
@@ -82,7 +83,7 @@ async def serve(call: Call, shared: bool = False, **settings) -> tuple[StreamRoo
     slots = Slots(arena)
     pool = WorkerPool(arena, workers=1, allow_custom=False, max_pixels=10**6)  # (not started: never used)
     rooms = StreamRooms(
-        config, CATALOG, Renderer(CATALOG, pool, None), slots, SharedRenders(slots),
+        config, CATALOG, Fetcher(CATALOG, None), Renderer(CATALOG, pool, None), slots, SharedRenders(slots),
         Stalls(slots, config.stall_timeout), None, Metrics(), asyncio.Event(),
     )
     stream = OrderStream(call, "test", SPEC, rooms, job="#1", job_label="(none)", exclusive=False, shared=shared)

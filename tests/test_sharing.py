@@ -26,10 +26,12 @@ from conftest import ANY_PORT, wait_until_equal
 
 from remoteloader.client import RemoteLoader
 from remoteloader.protos import SERVICE, loader_pb2
+from remoteloader.server.local_socket import Loans
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.shared_memory import Arena
 from remoteloader.server.sharing import ChunkKey, SharedRenders
 from remoteloader.server.slots import Slots
+from remoteloader.server.stalls import Stalls
 from remoteloader.server.worker_pool import Rendered
 from remoteloader.tools.textures import make_imagefolder
 
@@ -81,19 +83,19 @@ def test_streams_that_ask_for_the_same_chunk_share_one_rendering_and_one_slot():
         assert len(r.started) == 3 and not r.renders.has(None)
         r.started[0].set_result(Rendered([], []))
         await asyncio.sleep(0)
-        r.slots.give(a, first.slot)
+        r.renders.give(a, first.slot)
         assert r.arena.free == 9  # b still holds it
-        r.slots.give(b, second.slot)
-        assert r.arena.free == 9 and r.slots.kept == 1  # clean: kept for a later stream
+        r.renders.give(b, second.slot)
+        assert r.arena.free == 9 and r.renders.kept == 1  # clean: kept for a later stream
         c = r.slots.open("#3")
         later = await r.start(c, key(0))
-        assert later.joined and later.slot == first.slot and r.slots.kept == 0 and len(r.started) == 3
-        r.slots.give(c, later.slot)
+        assert later.joined and later.slot == first.slot and r.renders.kept == 0 and len(r.started) == 3
+        r.renders.give(c, later.slot)
         for slot, future in ((other.slot, r.started[1]), (apart.slot, r.started[2])):
             future.set_result(Rendered([(0, "broken")], []))
             await asyncio.sleep(0)
-            r.slots.give(b, slot)
-        assert r.arena.free == 11 and r.slots.kept == 1  # a rendering with errors is not kept
+            r.renders.give(b, slot)
+        assert r.arena.free == 11 and r.renders.kept == 1  # a rendering with errors is not kept
         assert not r.renders.has(key(0, seed=1))
 
     asyncio.run(run())
@@ -107,8 +109,8 @@ def test_kept_renderings_go_back_oldest_first_when_a_stream_needs_a_slot():
             started = await r.start(a, key(first))
             r.started[-1].set_result(Rendered([], []))
             await asyncio.sleep(0)
-            r.slots.give(a, started.slot)
-        assert r.slots.kept == 3 and r.arena.free == 0
+            r.renders.give(a, started.slot)
+        assert r.renders.kept == 3 and r.arena.free == 0
         await r.start(a, key(12))  # none free: the oldest kept one goes back
         assert not r.renders.has(key(0)) and r.renders.has(key(4)) and r.renders.has(key(8))
         assert len(r.renders) == 3
@@ -123,15 +125,56 @@ def test_a_kept_rendering_whose_slot_went_back_is_never_joined():
         kept = await r.start(a, key(0))
         r.started[-1].set_result(Rendered([], []))
         await asyncio.sleep(0)
-        r.slots.give(a, kept.slot)
-        assert r.slots.kept == 1 and r.renders.has(key(0))
+        r.renders.give(a, kept.slot)
+        assert r.renders.kept == 1 and r.renders.has(key(0))
         for stream, takes in ((a, 3), (b, 2)):
             for _ in range(takes):
                 await r.start(stream, None)  # rendered apart
         assert r.arena.free == 0
         evicted = await r.start(b, None)  # none free: the kept slot goes back, and is taken for another rendering
-        assert evicted.slot == kept.slot and r.slots.kept == 0
+        assert evicted.slot == kept.slot and r.renders.kept == 0
         assert not r.renders.has(key(0)) and len(r.renders) == 0  # its pixels are another chunk's now
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_a_clean_rendering_is_not_kept_while_a_take_waits_for_a_slot():
+    async def run():
+        r = Renders(4)  # three streams: a share of 2 each
+        a, b, c = r.slots.open("#1"), r.slots.open("#2"), r.slots.open("#3")
+        done = await r.start(a, key(0))
+        await r.start(a, None)
+        for _ in range(2):
+            await r.start(b, None)
+        assert r.arena.free == 0
+        waiting = asyncio.ensure_future(r.start(c, None))
+        while r.slots.waiters != 1:  # (bounded by the test's wait_for)
+            await asyncio.sleep(0)
+        r.started[0].set_result(Rendered([], []))
+        await asyncio.sleep(0)
+        r.renders.give(a, done.slot)  # clean, but a take waits: it goes to that take
+        taken = await asyncio.wait_for(waiting, 5)
+        assert taken.slot == done.slot and r.renders.kept == 0 and not r.renders.has(key(0))
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_a_clean_rendering_lent_to_a_same_host_client_is_kept_once_released():
+    async def run():
+        r = Renders(6)
+        a = r.slots.open("#1")
+        loans = Loans(Stalls(r.slots, stall_timeout=60), r.renders, a)
+        started = await r.start(a, key(0))
+        r.started[-1].set_result(Rendered([], []))
+        await asyncio.sleep(0)
+        ticket = loans.lend(started.slot)
+        assert loans.give_back(ticket) and a.held == 0
+        assert r.renders.kept == 1 and r.renders.has(key(0)) and r.arena.free == 5
+        b = r.slots.open("#2")
+        later = await r.start(b, key(0))
+        assert later.joined and later.slot == started.slot and r.renders.kept == 0
+        r.renders.give(b, later.slot)
+        assert r.renders.kept == 1 and r.arena.free == 5
 
     asyncio.run(asyncio.wait_for(run(), 10))
 

@@ -10,6 +10,7 @@ import pytest
 from remoteloader.server.jobs import Jobs
 from remoteloader.server.local_socket import Loans
 from remoteloader.server.shared_memory import Arena
+from remoteloader.server.sharing import SharedRenders
 from remoteloader.server.slots import Slots
 from remoteloader.server.stalls import CONTENDED_STALL, Stalled, Stalls
 
@@ -49,7 +50,7 @@ def test_a_same_host_clients_loans_are_held_slots_until_released_by_ticket():
     async def run():
         slots = Slots(Arena(6, 4096))
         stream = slots.open("#1")
-        loans = Loans(Stalls(slots, stall_timeout=60), stream)
+        loans = Loans(Stalls(slots, stall_timeout=60), SharedRenders(slots), stream)
         taken = []
         for _ in range(3):
             await slots.room(stream)
@@ -69,7 +70,7 @@ def test_a_loan_kept_past_the_stall_timeout_ends_its_stream():
     async def run():
         slots = Slots(Arena(4, 4096))
         stream = slots.open("#1")
-        loans = Loans(Stalls(slots, stall_timeout=0), stream)  # (0: any loan is kept too long)
+        loans = Loans(Stalls(slots, stall_timeout=0), SharedRenders(slots), stream)  # (0: any loan is kept too long)
         await slots.room(stream)
         loans.lend(await slots.acquire(stream))
         with pytest.raises(Stalled, match="released no shared chunk for stall_timeout=0s"):
