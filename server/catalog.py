@@ -167,6 +167,10 @@ class Shard:
     verified: np.ndarray | None = None
     remote = False  # its bytes are in an object store (object_cache.py fetches them) ...
     storage: Storage | None = None  # ... this one
+    # "<file>/" where the names its format gives its samples repeat in another shard of the
+    # server (a TFRecord record number, a Parquet path): set at start-up by formats/keys.py,
+    # never kept in its index (which holds the format's names as they are).
+    key_prefix = ""
 
     def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str, fields=()):
         self.name = name
@@ -193,6 +197,12 @@ class Shard:
         return int(self._sizes.sum())
 
     def key(self, index: int) -> str:
+        """The sample's key: unique within the server's data (formats/keys.py), stable across starts."""
+        return self.key_prefix + self.name_of(index)
+
+    def name_of(self, index: int) -> str:
+        """The sample's name as its format gives it (a file's path under the shard's root, a
+        record's number...): its key without the file that ``key_prefix`` may add."""
         start = int(self._key_ends[index - 1]) if index else 0
         return str(self._key_blob[start : int(self._key_ends[index])], "utf-8")
 
