@@ -126,6 +126,16 @@ class KeyTable:
         self.target_ends.append(len(self.targets))
         return len(self.ends) - 1
 
+    def rename(self, keys: list[str]) -> None:
+        """Gives its samples these keys, one each in order (a format that chose its names once
+        it had seen them all: a file's own names where no two are the same)."""
+        assert len(keys) == len(self.ends)
+        self.blob = bytearray()
+        self.ends = array("q")
+        for key in keys:
+            self.blob += key.encode()
+            self.ends.append(len(self.blob))
+
     def __len__(self) -> int:
         return len(self.ends)
 
@@ -171,6 +181,10 @@ class Shard:
     # server (a TFRecord record number, a Parquet path): set at start-up by formats/keys.py,
     # never kept in its index (which holds the format's names as they are).
     key_prefix = ""
+    # How its format names its samples, where that changed since indexes were first kept (a
+    # TFRecord file's ``image/filename``, once its record's number): kept in its index, whose
+    # names are not used by a format that now names them another way (formats/index.py).
+    key_rule = ""
 
     def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str, fields=()):
         self.name = name
