@@ -6,7 +6,8 @@ TFRecord framing encoded here by their field numbers, as ``test_formats.py`` doe
 without file names (record numbers repeat in every file), and Parquet files as Hugging Face
 ``datasets`` writes them (an ``Image`` feature: ``{bytes, path}`` structs, the ``huggingface``
 schema metadata; written with pyarrow in that schema, ``datasets`` not being installed here),
-whose paths repeat in every file. Every sample carries its own label, so that a key's sample is
+whose paths repeat in every file; and MXNet RecordIO files, whose ids every ``.rec`` counts from
+0 (``fixtures/recordio/``, written by MXNet). Every sample carries its own label, so that a key's sample is
 known by the label served with its id.
 """
 
@@ -152,6 +153,19 @@ def test_each_sets_keys_name_one_sample_each_with_the_file_where_names_repeat(se
                             FormatOptions(index_folder=str(tmp_path / "one")))
     make_unique([single])
     assert [single.key(i) for i in range(len(single))] == [f"record-{j:08d}" for j in range(PER_FILE)]
+
+
+def test_recordio_ids_that_every_rec_counts_from_zero_carry_their_file(tmp_path):
+    fixtures = pathlib.Path(__file__).parent / "fixtures" / "recordio"  # written by MXNet's recordio
+    for name in ("imagenet", "multilabel"):
+        for ext in ("rec", "idx"):
+            (tmp_path / "data").mkdir(exist_ok=True)
+            (tmp_path / "data" / f"{name}.{ext}").write_bytes((fixtures / f"{name}.{ext}").read_bytes())
+    shards = open_shards([str(tmp_path / "data")], FormatOptions(index_folder=str(tmp_path / "i")))
+    make_unique(shards)
+    keys = [s.key(i) for s in shards for i in range(len(s))]
+    assert len(set(keys)) == len(keys) == 10
+    assert keys[0] == "imagenet.rec/0" and keys[-1] == "multilabel.rec/3"
 
 
 def test_a_parquet_file_whose_paths_repeat_within_it_is_keyed_by_row(tmp_path):
