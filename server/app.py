@@ -36,6 +36,7 @@ from remoteloader.server.config import (
 )
 from remoteloader.server.decode import JPEG_MAGIC, DecodeError, _jpeg, region_decoder
 from remoteloader.server.formats import FormatOptions, open_shards
+from remoteloader.server.formats.keys import make_unique
 from remoteloader.server.health import Health
 from remoteloader.server.jobs import Jobs
 from remoteloader.server.local_socket import LocalSocket
@@ -210,6 +211,7 @@ async def create_server(config: ServerConfig) -> LoaderServer:
         shards.append(open_source(config.source, config.source_args))
     if config.synthetic:
         shards.append(SyntheticShard(config.synthetic))
+    make_unique(shards)  # every key names one sample of this server's data
     resources = RenderResources.start(config, shards, indexed_ns)
     try:
         return await _serve_on(config, shards, resources, token, credentials, started)

@@ -126,6 +126,16 @@ class KeyTable:
         self.target_ends.append(len(self.targets))
         return len(self.ends) - 1
 
+    def rename(self, keys: list[str]) -> None:
+        """Gives its samples these keys, one each in order (a format that chose its names once
+        it had seen them all: a file's own names where no two are the same)."""
+        assert len(keys) == len(self.ends)
+        self.blob = bytearray()
+        self.ends = array("q")
+        for key in keys:
+            self.blob += key.encode()
+            self.ends.append(len(self.blob))
+
     def __len__(self) -> int:
         return len(self.ends)
 
@@ -167,6 +177,14 @@ class Shard:
     verified: np.ndarray | None = None
     remote = False  # its bytes are in an object store (object_cache.py fetches them) ...
     storage: Storage | None = None  # ... this one
+    # "<file>/" where the names its format gives its samples repeat in another shard of the
+    # server (a TFRecord record number, a Parquet path): set at start-up by formats/keys.py,
+    # never kept in its index (which holds the format's names as they are).
+    key_prefix = ""
+    # How its format names its samples, where that changed since indexes were first kept (a
+    # TFRecord file's ``image/filename``, once its record's number): kept in its index, whose
+    # names are not used by a format that now names them another way (formats/index.py).
+    key_rule = ""
 
     def __init__(self, name: str, table: KeyTable, class_names: list[str], fingerprint: str, fields=()):
         self.name = name
@@ -193,6 +211,12 @@ class Shard:
         return int(self._sizes.sum())
 
     def key(self, index: int) -> str:
+        """The sample's key: unique within the server's data (formats/keys.py), stable across starts."""
+        return self.key_prefix + self.name_of(index)
+
+    def name_of(self, index: int) -> str:
+        """The sample's name as its format gives it (a file's path under the shard's root, a
+        record's number...): its key without the file that ``key_prefix`` may add."""
         start = int(self._key_ends[index - 1]) if index else 0
         return str(self._key_blob[start : int(self._key_ends[index])], "utf-8")
 

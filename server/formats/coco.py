@@ -128,7 +128,7 @@ class CocoShard(Shard):
         )
 
     def locate(self, index: int) -> Location:
-        return Location(self._base + self.key(index), 0, int(self._sizes[index]))
+        return Location(self._base + self.name_of(index), 0, int(self._sizes[index]))
 
 
 def _image_sizes(storage: Storage, prefix: str):

@@ -101,7 +101,7 @@ class ImageFolderShard(Shard):
 
     def locate(self, index: int) -> Location:
         # The size was read at indexing time; the worker checks it still matches.
-        return Location(self._base + self.key(index), 0, int(self._sizes[index]))
+        return Location(self._base + self.name_of(index), 0, int(self._sizes[index]))
 
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:

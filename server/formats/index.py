@@ -58,6 +58,7 @@ class Index(NamedTuple):
     failed: dict[int, str]
     verified: np.ndarray | None = None
     classes: tuple[str, ...] = ()
+    keys: str = ""  # how its format named the samples (``IndexedFile.key_rule``): "" the first way
 
 
 def signature(storage: Storage, entry: Entry) -> np.ndarray:
@@ -95,11 +96,17 @@ def _read_beside(storage: Storage, entry: Entry, path: str) -> bytes:
 
 
 def load(
-    storage: Storage, entry: Entry, folder: str = "", beside: bool = True, extent: int | None = None
+    storage: Storage,
+    entry: Entry,
+    folder: str = "",
+    beside: bool = True,
+    extent: int | None = None,
+    keys: str = "",
 ) -> Index | None:
     """The file's index, if one matches it: beside it (unless not ``beside``), else in ``folder``.
     ``extent``: the bytes its samples' offsets lie in, where that is not the file itself (a
-    Parquet file's extract); default the file's size."""
+    Parquet file's extract); default the file's size. ``keys``: the way its format names samples
+    now; an index whose keys were named another way is not used (the file is scanned again)."""
     extent = entry.size if extent is None else extent
     path = "" if storage.remote else storage.location(entry.name)
     mtime = _mtime(storage, entry, path)
@@ -109,7 +116,7 @@ def load(
             raw = _read_beside(storage, entry, path)
     if raw is not None:
         found = _parse(raw, storage, entry, extent, mtime)
-        if found is not None:
+        if found is not None and found[0].keys == keys:
             if found[1] and not storage.remote:  # a copy's, or version 3: written again, to read fast
                 with contextlib.suppress(OSError):
                     storage.write(entry.name + INDEX_SUFFIX, _serialize(found[0], entry, mtime, found[2]))
@@ -118,7 +125,7 @@ def load(
         with contextlib.suppress(OSError):
             target = _in_folder(folder, storage, entry)
             found = _parse(target.read_bytes(), storage, entry, extent, mtime)
-            if found is not None:
+            if found is not None and found[0].keys == keys:
                 if found[1]:
                     with contextlib.suppress(OSError):
                         LocalStorage(target.parent).write(target.name, _serialize(found[0], entry, mtime, found[2]))
@@ -169,7 +176,9 @@ def _parse(
         verified = (
             np.unpackbits(arrays["verified"], count=len(table.labels)).astype(np.bool_) if header["verified"] else None
         )
-        found = Index(table, str(header["index_digest"]), tuple(header["fields"]), failed, verified)
+        found = Index(
+            table, str(header["index_digest"]), tuple(header["fields"]), failed, verified, keys=header.get("keys", "")
+        )
         # Its bytes are as written (the CRC): written from a scan, it holds together; what is checked
         # here is only what the file it indexes could break (an extent smaller than at writing).
         labels = table.labels
@@ -240,7 +249,7 @@ def serialize(shard: Shard, digest: str, entry: Entry, signed: np.ndarray, mtime
     """A shard's index as ``<file>.index.npz`` holds it: made from the file ``entry`` (its size,
     and ETag where it has one), whose signature is ``signed`` and modification time ``mtime`` (ns;
     None in an object store)."""
-    found = Index(_table(shard.index_arrays()), digest, shard.fields, shard.failed, shard.verified)
+    found = Index(_table(shard.index_arrays()), digest, shard.fields, shard.failed, shard.verified, keys=shard.key_rule)
     return _serialize(found, entry, mtime, signed)
 
 
@@ -290,6 +299,7 @@ def _serialize(found: Index, entry: Entry, mtime: int | None, signed: np.ndarray
             "fields": [f for f in found.fields if f != tg.LABEL],
             "failed": [[i, found.failed[i]] for i in sorted(found.failed)],
             "verified": found.verified is not None,
+            "keys": found.keys,
             "counts": [len(arrays[name]) for name in _LAYOUT],
             "types": types,
             # the bytes its samples lie in (offsets + sizes), and a CRC of the arrays' bytes as written

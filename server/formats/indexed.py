@@ -55,7 +55,7 @@ class IndexedFile(Shard):
         file, for the log (default its location)."""
         assert self.kind, "an indexed format names itself"
         self.object = entry
-        found = load(storage, entry, folder, beside=beside, extent=extent)
+        found = load(storage, entry, folder, beside=beside, extent=extent, keys=self.key_rule)
         if found is None:
             started = time.perf_counter()
             found = scan()

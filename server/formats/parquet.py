@@ -5,7 +5,9 @@ columns are found by their types and Hugging Face's names, or named with ``--par
 (JSON, e.g. ``{"image": "img", "label": "fine_label", "bbox_format": "pascal_voc"}``):
 
 * ``image``: a binary column, or a ``{bytes, path}`` struct (Hugging Face's ``Image``); the
-  first such column unless named;
+  first such column unless named. A sample's key is its image's ``path`` where every row of the
+  file has one and no two the same, else its row's number in the file, ``row-00000000``...
+  (``formats/keys.py`` adds the file where these recur across files);
 * ``label``: ``label`` (an integer; Hugging Face's ``ClassLabel`` names become the class names);
 * ``labels``: a list of integers per row, served as the multi-label ``labels`` field;
 * ``objects``: Hugging Face's detection struct, ``{bbox: [[...] x N], category: [N]}``, served as
@@ -84,6 +86,7 @@ class ParquetShard(IndexedFile):
     """
 
     kind = "parquet"
+    key_rule = "path"  # the image's path where unique in the file, else row numbers (before: mixed)
 
     def __init__(
         self, storage: Storage, name: str, class_names: list[str], options: FormatOptions, entry: Entry | None = None
@@ -199,6 +202,7 @@ def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> sh
     pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
     partial = f"{out}.{os.getpid()}.partial"
     written = len(EXTRACT_HEAD)
+    paths: set[str] = set()  # the images' paths ("": a row without one)
     try:
         with open(partial, "wb") as sink:
             sink.write(EXTRACT_HEAD)
@@ -206,6 +210,7 @@ def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> sh
                 for row in file.read_row_group(group, columns=list(found.values())).to_pylist():
                     image, path = _image(row[found["image"]])
                     key = path or f"row-{len(table):08d}"
+                    paths.add(path)
                     label = row.get(found.get("label", ""), -1)
                     label = -1 if label is None else int(label)
                     record = b""
@@ -230,6 +235,8 @@ def _extract(storage: Storage, name: str, out: str, named: dict[str, str]) -> sh
         raise
     if not len(table):
         raise CatalogError(f"{where}: it holds no rows")
+    if "" in paths or len(paths) < len(table):  # a path that names no row, or two: every row its number
+        table.rename([f"row-{i:08d}" for i in range(len(table))])
     log.info(
         "%s: extracted %d images (%.1f MB) into %s; later starts reuse them", where, len(table), written / 1e6, out
     )

@@ -6,6 +6,9 @@ and ``--tfrecord-features`` names others (JSON: ``{"image": "jpeg", "label": "cl
 
 * ``image``: ``image/encoded`` (a JPEG or PNG; the first value);
 * ``label``: ``image/class/label`` (an int64);
+* ``filename``: ``image/filename`` (as ``build_image_data.py`` writes it): the sample's key where
+  every record of the file has one and no two the same, else the record's number in its file,
+  ``record-00000000``... (``formats/keys.py`` adds the file where these recur across files);
 * boxes, as the TF Object Detection API writes them: ``image/object/bbox/xmin``, ``ymin``,
   ``xmax``, ``ymax`` (floats normalised to 0..1, made pixels with the image's size, from
   ``image/width``/``image/height`` or its header) and ``image/object/class/label`` (int64s):
@@ -58,6 +61,7 @@ FEATURES = {
     "bbox_label": "image/object/class/label",
     "width": "image/width",
     "height": "image/height",
+    "filename": "image/filename",
 }
 _MASK_DELTA = 0xA282EAD8
 
@@ -110,6 +114,7 @@ class TFRecordShard(IndexedFile):
     """
 
     kind = "tfrecord"
+    key_rule = "filename"  # image/filename where unique in the file (record numbers before)
 
     def __init__(
         self, storage: Storage, name: str, class_names: list[str], options: FormatOptions, entry: Entry | None = None
@@ -144,6 +149,7 @@ def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> sha
     table = KeyTable()
     digest = hashlib.sha256(json.dumps(names, sort_keys=True).encode())
     failed: dict[int, str] = {}
+    filenames: list[str] = []  # each record's image/filename ("": none)
     boxes = False
     if google_crc32c is None:
         raise CatalogError(f"{where}: checking TFRecord CRCs needs google-crc32c: pip install 'remoteloader[server]'")
@@ -179,9 +185,9 @@ def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> sha
             if masked_crc(data) != struct.unpack("<I", footer)[0]:
                 problem = f"record {len(table)} at byte {start - 12}: its data fails its CRC (a damaged file)"
             try:
-                image, label, targets = _example(memoryview(data), names)
+                image, label, targets, filename = _example(memoryview(data), names)
             except (protowire.WireError, ValueError) as exc:
-                image, label, targets = None, -1, None
+                image, label, targets, filename = None, -1, None, ""
                 problem = problem or f"record {len(table)} at byte {start - 12}: not a tf.train.Example ({exc})"
             if image is None:
                 problem = problem or f"record {len(table)} at byte {start - 12}: no {names['image']!r} feature"
@@ -191,11 +197,14 @@ def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> sha
                 boxes = True
                 stored, _ = tg.stored(tg.to_message(targets))
             index = table.add(key, label, start + image[0], image[1] - image[0], stored)
+            filenames.append("" if problem else filename)  # (a damaged record's name is not trusted)
             if problem:
                 failed[index] = problem
             digest.update(f"{start + image[0]}\0{image[1] - image[0]}\0{label}\n".encode())
     if not len(table):
         raise CatalogError(f"{where}: no TFRecord records in it")
+    if all(filenames) and len(set(filenames)) == len(filenames):
+        table.rename(filenames)
     fields = (tg.BBOXES, tg.BBOX_LABELS) if boxes else ()
     if boxes:  # every sample gets a record: an empty one where it has no boxes
         table = _with_empty_targets(table)
@@ -223,9 +232,9 @@ def _with_empty_targets(table: KeyTable) -> KeyTable:
     return out
 
 
-def _example(data: memoryview, names: dict[str, str]) -> tuple[tuple[int, int] | None, int, dict | None]:
+def _example(data: memoryview, names: dict[str, str]) -> tuple[tuple[int, int] | None, int, dict | None, str]:
     """From a serialized tf.train.Example: the image's (start, end) in ``data``, the label (-1:
-    none), and the boxes' targets (None: no boxes)."""
+    none), the boxes' targets (None: no boxes) and its file name ("": none)."""
     wanted = set(names.values())
     found: dict[str, tuple[int, int, int]] = {}  # feature name -> (kind 1 bytes/2 floats/3 ints, start, end)
     for number, kind, a, b in protowire.fields(data):
@@ -243,20 +252,15 @@ def _example(data: memoryview, names: dict[str, str]) -> tuple[tuple[int, int] |
             if key in wanted:
                 for list_kind, _, la, lb in protowire.fields(data, *value):  # Feature: the one list it has
                     found[key] = (list_kind, la, lb)
-    image = None
-    if names["image"] in found:
-        _, a, b = found[names["image"]]
-        for field, kind, va, vb in protowire.fields(data, a, b):  # BytesList.value: the first
-            if field == 1 and kind == protowire.LENGTH:
-                image = (va, vb)
-                break
+    image = _first_bytes(data, found.get(names["image"]))
+    filename = _text(data, _first_bytes(data, found.get(names["filename"])))
     label = -1
     ints = {k: _ints(data, *found[n][1:]) for k, n in names.items() if n in found and found[n][0] == 3}
     if ints.get("label"):
         label = ints["label"][0]
     corners = [names[k] for k in ("xmin", "ymin", "xmax", "ymax")]
     if not all(c in found for c in corners):
-        return image, label, None
+        return image, label, None, filename
     xmin, ymin, xmax, ymax = (np.asarray(_floats(data, *found[c][1:]), np.float32) for c in corners)
     if not len(xmin) == len(ymin) == len(xmax) == len(ymax):
         raise ValueError("its box coordinates are lists of different lengths")
@@ -270,7 +274,27 @@ def _example(data: memoryview, names: dict[str, str]) -> tuple[tuple[int, int] |
     if len(labels) != len(xmin):
         raise ValueError(f"{len(xmin)} boxes but {len(labels)} box labels")
     pixels = np.stack([xmin * width, ymin * height, xmax * width, ymax * height], axis=1).reshape(-1, 4)
-    return image, label, {tg.BBOXES: pixels.astype(np.float32), tg.BBOX_LABELS: labels}
+    return image, label, {tg.BBOXES: pixels.astype(np.float32), tg.BBOX_LABELS: labels}, filename
+
+
+def _first_bytes(data: memoryview, feature: tuple[int, int, int] | None) -> tuple[int, int] | None:
+    """The (start, end) of a BytesList feature's first value (None: no such feature or value)."""
+    if feature is None:
+        return None
+    for field, kind, va, vb in protowire.fields(data, feature[1], feature[2]):  # BytesList.value
+        if field == 1 and kind == protowire.LENGTH:
+            return va, vb
+    return None
+
+
+def _text(data: memoryview, span: tuple[int, int] | None) -> str:
+    """A bytes value as text ("": none, or not UTF-8, which a key must be)."""
+    if span is None:
+        return ""
+    try:
+        return bytes(data[span[0] : span[1]]).decode("utf-8")
+    except UnicodeDecodeError:
+        return ""
 
 
 def _ints(data: memoryview, start: int, end: int) -> list[int]:
