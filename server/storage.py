@@ -41,8 +41,15 @@ SCHEMES = ("s3://", "s3a://", "gs://", "az://", "abfs://", "abfss://", "azure://
 READ_BUFFER = 4 << 20  # a seekable stream's read size (a tar scanned without an index)
 # obstore's client options that a store's variables may set (``<PREFIX>_<OPTION>``): obstore
 # reads them from the environment itself only when it is given no client options, and it is.
-CLIENT_OPTIONS = ("allow_http", "allow_invalid_certificates", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
-                  "timeout", "connect_timeout")
+CLIENT_OPTIONS = (
+    "allow_http",
+    "allow_invalid_certificates",
+    "proxy_url",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "timeout",
+    "connect_timeout",
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +69,16 @@ class StoreKind:
 STORES = {
     "s3": StoreKind("S3", "AWS_", "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION", "AWS_ENDPOINT_URL"),
     "gs": StoreKind(
-        "GCS", "GOOGLE_",
+        "GCS",
+        "GOOGLE_",
         "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT (a service-account JSON file) or "
         "GOOGLE_SERVICE_ACCOUNT_KEY (its contents)",
         'a service-account JSON with "gcs_base_url" (and "disable_oauth": true for an emulator) in '
         "GOOGLE_SERVICE_ACCOUNT_KEY",
     ),
     "az": StoreKind(
-        "Azure", "AZURE_",
+        "Azure",
+        "AZURE_",
         "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_KEY, or AZURE_CLIENT_ID, "
         "AZURE_CLIENT_SECRET, AZURE_TENANT_ID)",
         "AZURE_STORAGE_ENDPOINT (for Azurite: AZURE_STORAGE_USE_EMULATOR=true and AZURITE_BLOB_STORAGE_URL)",
@@ -77,8 +86,17 @@ STORES = {
     ),
     "http": StoreKind("HTTP", "HTTP_", "none (the server reads what the URL serves)", "the URL itself"),
 }
-_SCHEME_KIND = {"s3": "s3", "s3a": "s3", "gs": "gs", "az": "az", "abfs": "az", "abfss": "az", "azure": "az",
-                "http": "http", "https": "http"}
+_SCHEME_KIND = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gs",
+    "az": "az",
+    "abfs": "az",
+    "abfss": "az",
+    "azure": "az",
+    "http": "http",
+    "https": "http",
+}
 MISSING_BUCKET = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist", "no bucket named")
 
 
@@ -383,15 +401,22 @@ class ObjectStorage(Storage):
                 f"; no credentials for the {kind.name} store were found: set {kind.credentials} (the endpoint: "
                 f"{kind.endpoint}), or give the machine an identity that may read it"
             )
-        if kind.prefix == "AWS_" and any(code in full for code in ("PermanentRedirect", "AuthorizationHeaderMalformed",
-                                                                   "IllegalLocationConstraint")):
+        if kind.prefix == "AWS_" and any(
+            code in full for code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraint")
+        ):
             return "; the bucket is in another region: set AWS_REGION to the bucket's region"
         if any(code in full for code in ("error sending request", "Connection refused", "dns error", "timed out")):
             return f"; the store did not answer: check its endpoint ({kind.endpoint}) and that it is up and reachable"
         if isinstance(exc, (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError)) or any(
             code in full
-            for code in ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch", "AccessDenied",
-                         "AuthorizationFailure", "AuthenticationFailed")
+            for code in (
+                "403 Forbidden",
+                "401 Unauthorized",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "AuthorizationFailure",
+                "AuthenticationFailed",
+            )
         ):
             return (
                 f"; the store refused these credentials: set {kind.credentials} (the endpoint: {kind.endpoint}), "

@@ -79,8 +79,13 @@ def _decompress(storage: Storage, name: str, size: int, out: pathlib.Path) -> No
                 written += len(chunk)
                 if time.monotonic() - last >= PROGRESS_SECONDS:
                     last = time.monotonic()
-                    log.info("%s: decompressing, %.0f of %.0f MB read, %.0f MB written", where, raw.tell() / 1e6,
-                             size / 1e6, written / 1e6)
+                    log.info(
+                        "%s: decompressing, %.0f of %.0f MB read, %.0f MB written",
+                        where,
+                        raw.tell() / 1e6,
+                        size / 1e6,
+                        written / 1e6,
+                    )
         os.replace(partial, out)  # whole or not at all
     except (EOFError, zlib.error, gzip.BadGzipFile, _ZstdError) as exc:  # (a cut or damaged file)
         partial.unlink(missing_ok=True)
@@ -89,8 +94,13 @@ def _decompress(storage: Storage, name: str, size: int, out: pathlib.Path) -> No
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    log.info("%s: decompressed into %s (%.1f MB) in %.1fs; later starts reuse it", where, out, written / 1e6,
-             time.monotonic() - started)
+    log.info(
+        "%s: decompressed into %s (%.1f MB) in %.1fs; later starts reuse it",
+        where,
+        out,
+        written / 1e6,
+        time.monotonic() - started,
+    )
 
 
 class _ZstdError(Exception):

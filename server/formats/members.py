@@ -95,8 +95,9 @@ def add_targets(table: KeyTable, extras: dict[int, dict[str, object]], path) -> 
         table.target_ends.append(len(table.targets))
     if carry_metadata:
         keys = ", ".join(sorted(described)[:12]) + (", ..." if len(described) > 12 else "")
-        log.debug("%s: %d sample(s) carry metadata in their .json, kept out of the targets: %s", path,
-                  carry_metadata, keys)
+        log.debug(
+            "%s: %d sample(s) carry metadata in their .json, kept out of the targets: %s", path, carry_metadata, keys
+        )
     if bad:
         fails = "each fails with the reason when a loader asks for target fields; image batches serve it"
         warn_shard(

@@ -91,14 +91,20 @@ class RecordIOShard(Shard):
             fields = (tg.LABELS,) if scan.multi_label else ()
             self.scanned = True
             self._join(scan, storage, options.index_folder)
-            log.debug("%s has no index: read it (%d images, %d records without one left out) in %.1fs",
-                      self.path, len(table), scan.left_out, time.perf_counter() - started)
+            log.debug(
+                "%s has no index: read it (%d images, %d records without one left out) in %.1fs",
+                self.path,
+                len(table),
+                scan.left_out,
+                time.perf_counter() - started,
+            )
         ident = members.fingerprint("recordio", digest, table.labels, class_names, table.targets)
         super().__init__(basename(name), table, class_names, ident, fields)
         self.failed = failed
         if cached is None and not self._joined:  # (split records' images are joined at each start)
-            self.index_kept, self.index_error = shard_index.save(storage, self.object, self, digest,
-                                                                 options.index_folder)
+            self.index_kept, self.index_error = shard_index.save(
+                storage, self.object, self, digest, options.index_folder
+            )
 
     def _join(self, scan: _Scan, storage: Storage, index_folder: str) -> None:
         """Writes the split records' images, joined, where the workers read them; or, where
@@ -107,8 +113,10 @@ class RecordIOShard(Shard):
             return
         if storage.remote or not index_folder:
             for index in scan.joined:
-                scan.failed[index] = ("its writer split the record (its data holds RecordIO's magic word), and a "
-                                      "split record is served from a file on the server's disk only")
+                scan.failed[index] = (
+                    "its writer split the record (its data holds RecordIO's magic word), and a "
+                    "split record is served from a file on the server's disk only"
+                )
             return
         folder = pathlib.Path(index_folder).parent / "recordio"
         folder.mkdir(parents=True, exist_ok=True)
@@ -241,8 +249,13 @@ def _label(values: np.ndarray) -> tuple[str, int]:
 def _with_labels(table: KeyTable, vectors: dict[int, np.ndarray]) -> KeyTable:
     """The table with each sample's label vector as its ``labels`` target (empty: none)."""
     out = KeyTable()
-    out.blob, out.ends, out.labels, out.offsets, out.sizes = (table.blob, table.ends, table.labels, table.offsets,
-                                                               table.sizes)
+    out.blob, out.ends, out.labels, out.offsets, out.sizes = (
+        table.blob,
+        table.ends,
+        table.labels,
+        table.offsets,
+        table.sizes,
+    )
     for index in range(len(table)):
         values = vectors.get(index, np.zeros(0, np.float32))
         try:
