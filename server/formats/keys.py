@@ -25,7 +25,7 @@ from remoteloader.server.catalog import Shard
 
 log = logging.getLogger(__name__)
 
-_BLOCK_BYTES = 1 << 22  # bytes of names hashed at once (bounds the temporary arrays: ~24 bytes a byte)
+_BLOCK_BYTES = 1 << 20  # bytes of names hashed at once (bounds the temporary arrays: ~24 bytes a byte, 24 MB)
 _MULTIPLIER = np.uint64(0x100000001B3)  # FNV's prime: any odd multiplier of this size will do
 _INVERSE = np.uint64(pow(int(_MULTIPLIER), -1, 1 << 64))
 _EXAMPLES = 3
