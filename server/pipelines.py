@@ -163,6 +163,12 @@ def _build(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
             f"unknown pipeline {spec.name!r}; this server offers "
             f"{', '.join(PRESETS + ((CUSTOM_PIPELINE,) if allow_custom else ()))}"
         )
+    return _custom(spec, allow_custom)
+
+
+def _custom(spec: PipelineSpec, allow_custom: bool) -> A.Compose:
+    """A client's albumentations pipeline (``albumentations_json``), checked against this server's
+    limits before it is rebuilt from albumentations' own registry."""
     if not allow_custom:
         raise PipelineError(
             "this server does not accept custom albumentations pipelines "
