@@ -130,6 +130,18 @@ class Entry:
     etag: str = ""
 
 
+def read_up_to(file: Any, size: int) -> bytes:
+    """``size`` bytes of a reader ``Storage.open`` gave, fewer only at the end of the file (a raw
+    reader, an object store's among them, may return less at once)."""
+    data = file.read(size)
+    while data and len(data) < size:
+        more = file.read(size - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 def is_remote(path: str) -> bool:
     """Whether ``path`` names an object store (a URL) rather than this machine's files."""
     return path.lower().startswith(SCHEMES)

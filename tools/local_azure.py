@@ -93,35 +93,27 @@ class LocalAzure(LocalProcess):
     def start(self, timeout: float = 60.0) -> LocalAzure:
         """Starts Azurite (installing it first if needed) and creates the containers."""
         binary = install_azurite(self.cache)
-        log = open(self.folder / "azurite.log", "ab")
         logged = len(self.log())
-        try:
-            self._process = subprocess.Popen(
-                [
-                    binary,
-                    "--blobHost",
-                    "127.0.0.1",
-                    "--blobPort",
-                    "0",
-                    "--location",
-                    str(self.folder / "data"),
-                    "--disableTelemetry",
-                    "--skipApiVersionCheck",
-                    "--silent",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+        process = self._launch(
+            [
+                binary,
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                "0",
+                "--location",
+                str(self.folder / "data"),
+                "--disableTelemetry",
+                "--skipApiVersionCheck",
+                "--silent",
+            ]
+        )
         deadline = time.monotonic() + timeout
         while not self.port:
             found = LISTENING.search(self.log()[logged:])
             if found:
                 self.port = int(found.group(1))
-            elif self._process.poll() is not None or time.monotonic() > deadline:
+            elif process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"Azurite did not start:\n{self.log()[-3000:]}")
             else:

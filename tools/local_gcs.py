@@ -98,37 +98,29 @@ class LocalGCS(LocalProcess):
     def start(self, timeout: float = 30.0) -> LocalGCS:
         if not os.path.isdir("/proc/self/fd"):
             raise Unavailable("reading back fake-gcs-server's port needs Linux's /proc")
-        log = open(self.folder / "fake-gcs.log", "ab")
-        try:
-            self._process = subprocess.Popen(
-                [
-                    fake_gcs_binary(),
-                    "-scheme",
-                    "http",
-                    "-backend",
-                    "memory",
-                    "-host",
-                    "127.0.0.1",
-                    "-port",
-                    "0",
-                    "-public-host",
-                    "127.0.0.1",
-                    "-log-level",
-                    "warn",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+        process = self._launch(
+            [
+                fake_gcs_binary(),
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                "0",
+                "-public-host",
+                "127.0.0.1",
+                "-log-level",
+                "warn",
+            ]
+        )
         deadline = time.monotonic() + timeout
         while not self.port:
-            self.port = listening_port(self._process.pid)
+            self.port = listening_port(process.pid)
             if self.port:
                 break
-            if self._process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"fake-gcs-server did not start:\n{self.log()[-3000:]}")
             time.sleep(0.05)

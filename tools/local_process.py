@@ -1,8 +1,8 @@
 """What the local stores the tests run (SeaweedFS, Azurite, fake-gcs-server) share: a process in a
 process group of its own with a log file in its folder, stopped with SIGTERM, then SIGKILL.
 
-A subclass sets ``LOG`` (its log's name in ``folder``) and starts its process into ``_process``
-(``start_new_session=True``, so that what it starts goes with it); ``with store:`` starts and
+A subclass sets ``LOG`` (its log's name in ``folder``) and starts its process with ``_launch``
+(in a session of its own, so that what it starts goes with it); ``with store:`` starts and
 stops it.
 """
 
@@ -24,6 +24,14 @@ class LocalProcess:
 
     def start(self, timeout: float = 60.0) -> Any:
         raise NotImplementedError
+
+    def _launch(self, command: list[str]) -> subprocess.Popen:
+        """Starts ``command`` in a process group of its own, its output appended to the log."""
+        with open(self.folder / self.LOG, "ab") as log:
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self._process
 
     def log(self) -> str:
         """Its log so far ("" before there is one)."""

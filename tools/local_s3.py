@@ -172,16 +172,10 @@ class LocalS3(LocalProcess):
     def _start_once(self, deadline: float) -> bool:
         """True once it serves; False when it exited (``_exit_code``); TimeoutError (it is killed)
         when it does neither by ``deadline``."""
-        log = open(self.folder / "weed.log", "ab")
-        try:
-            self._process = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        finally:
-            log.close()
+        process = self._launch(self.command())
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                self._exit_code = self._process.returncode
+            if process.poll() is not None:
+                self._exit_code = process.returncode
                 self._process = None
                 return False
             if all(self._bucket_answers(b) for b in self.buckets):

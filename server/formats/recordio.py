@@ -42,7 +42,7 @@ from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Location, Shard, basename
 from remoteloader.server.formats import FormatOptions, Found, file_shards, members
 from remoteloader.server.formats import index as shard_index
-from remoteloader.server.storage import Entry, Storage
+from remoteloader.server.storage import Entry, Storage, read_up_to
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +137,6 @@ class RecordIOShard(Shard):
         return Location(self.path, int(self._offsets[index]), int(self._sizes[index]), self.etag)
 
 
-def _read(file: IO[bytes], size: int) -> bytes:
-    """``size`` bytes, fewer only at the end of the file (a raw reader may return less at once)."""
-    data = file.read(size)
-    while data and len(data) < size:
-        more = file.read(size - len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
 def _records(reader: IO[bytes], where: str):
     """Each record as (its offset, its data's parts: (offset, bytes) each); CatalogError at a bad
     magic word or a record cut short."""
@@ -155,7 +144,7 @@ def _records(reader: IO[bytes], where: str):
     parts: list[tuple[int, bytes]] = []
     start = 0
     while True:
-        head = _read(reader, 8)
+        head = read_up_to(reader, 8)
         if not head:
             if parts:
                 raise CatalogError(f"{where}: ends inside the record at byte {start} (its last part is missing)")
@@ -166,10 +155,10 @@ def _records(reader: IO[bytes], where: str):
         if magic != MAGIC:
             raise CatalogError(f"{where}: no RecordIO magic word at byte {offset} (a damaged file, or not RecordIO)")
         flag, length = word >> 29, word & ((1 << 29) - 1)
-        data = _read(reader, length)
+        data = read_up_to(reader, length)
         if len(data) < length:
             raise CatalogError(f"{where}: the record at byte {offset} is cut short: {len(data)} of {length} bytes")
-        _read(reader, -length % 4)
+        read_up_to(reader, -length % 4)
         if flag in (0, 1):
             if parts:
                 raise CatalogError(f"{where}: the record at byte {start} has no last part")

@@ -40,7 +40,7 @@ from remoteloader.server.decode import DecodeError, read_size
 from remoteloader.server.formats import FormatOptions, Found, file_shards, protowire
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
-from remoteloader.server.storage import Entry, Storage
+from remoteloader.server.storage import Entry, Storage, read_up_to
 
 google_crc32c: Any
 try:
@@ -90,17 +90,6 @@ def masked_crc(data: bytes | memoryview) -> int:
     """TFRecord's CRC: CRC32C, rotated right by 15 bits, plus a constant."""
     crc = google_crc32c.value(bytes(data))
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-
-
-def _read(file: Any, size: int) -> bytes:
-    """``size`` bytes, fewer only at the end of the file (a raw reader may return less at once)."""
-    data = file.read(size)
-    while data and len(data) < size:
-        more = file.read(size - len(data))
-        if not more:
-            break
-        data += more
-    return data
 
 
 class TFRecordShard(IndexedFile):
@@ -156,7 +145,7 @@ def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> sha
     with storage.open(name) as reader:
         offset = 0
         while True:
-            head = _read(reader, 12)
+            head = read_up_to(reader, 12)
             if not head:
                 break
             key = f"record-{len(table):08d}"
@@ -174,8 +163,8 @@ def _scan(storage: Storage, name: str, where: str, names: dict[str, str]) -> sha
                     "file's",
                 )
                 break
-            data = _read(reader, length)
-            footer = _read(reader, 4)
+            data = read_up_to(reader, length)
+            footer = read_up_to(reader, 4)
             if len(data) < length or len(footer) < 4:
                 log.warning("%s: the record at byte %d is cut short (a truncated file); left out", where, offset)
                 break
