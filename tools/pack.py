@@ -126,7 +126,9 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "src", help="ImageFolder tree (SRC/<class>/<image>), or a COCO annotation file (instances_*.json, ...)"
+        "src",
+        help="ImageFolder tree (SRC/<class>/<image>), video folder (SRC/<class>/<video>: packed as they are), "
+        "or a COCO annotation file (instances_*.json, ...)",
     )
     parser.add_argument(
         "dst",
