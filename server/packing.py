@@ -17,6 +17,9 @@ what pack and the servers agree on. (The other tools use ``cli`` and ``config`` 
 * What servers read back: ``CLASSES_FILE``, ``IMAGE_EXTENSIONS``, ``MASK_SUFFIX``,
   ``MAX_JSON_BYTES`` (a tar's member names and limits), ``INDEX_SUFFIX`` and ``index_tar``
   (a tar's sidecar index).
+* Videos: ``holds_videos`` (whether a folder is a video folder, as a server decides it),
+  ``VideoFolderShard`` (such a folder, each video indexed as a server indexes it) and
+  ``VIDEO_EXTENSIONS`` (the video member names a tar reader takes).
 * ``default_workers``: the usable cores, as a server counts them.
 """
 
@@ -32,9 +35,11 @@ from remoteloader.server.formats.coco import CocoShard
 from remoteloader.server.formats.imagefolder import ImageFolderShard
 from remoteloader.server.formats.index import INDEX_SUFFIX
 from remoteloader.server.formats.tar import TarShard
+from remoteloader.server.formats.video import VideoFolderShard, holds_videos
 from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.storage import Storage, is_remote, open_storage
 from remoteloader.server.targets import TargetError, arrays_of, draw_regions, from_source
+from remoteloader.server.video_decode import VIDEO_EXTENSIONS
 
 __all__ = [
     "CLASSES_FILE",
@@ -49,11 +54,14 @@ __all__ = [
     "Shard",
     "Storage",
     "TargetError",
+    "VIDEO_EXTENSIONS",
+    "VideoFolderShard",
     "arrays_of",
     "can_transcode",
     "default_workers",
     "draw_regions",
     "from_source",
+    "holds_videos",
     "index_tar",
     "is_remote",
     "open_shards",

@@ -71,6 +71,41 @@ def test_detection_demo_trains_a_detector_that_beats_a_constant_box(tmp_path):
     assert not server_pids(data=tmp_path), "the demo left loader servers running"
 
 
+def test_video_demo_trains_a_3d_cnn_on_generated_clips_and_stops_its_servers(tmp_path):
+    pytest.importorskip("av", reason="the video extra (pip install 'remoteloader[video]')")
+    # The default dataset (4 classes x 16 H.264 videos, 8-frame clips of 32x32), 3 epochs: ~25 s on 2 cores.
+    started = time.monotonic()
+    result = subprocess.run(DEMO + ["--video", "--epochs", "3", "--data", str(tmp_path)],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "64 videos, 8 batches of 8 clips (8 frames at stride 2, 32x32) per epoch" in out, out
+    assert re.search(r"^epoch\s+clips/s\s+data wait\s+loss$", out, re.M), out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+(\d+)%\s+([\d.]+)$", out, re.M)
+    assert len(rows) == 3, out
+    assert all(float(r[1]) > 0 for r in rows)  # clips/s
+    losses = [float(r[3]) for r in rows]
+    assert losses[-1] < losses[0], f"the loss should fall: {losses}"
+    assert re.search(r"accuracy \(video-eval clips, 64 videos\): [\d.]+%", out), out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video-0", "video-1"]
+    assert len(list(tmp_path.glob("video-0/*/*.mp4"))) == 4 * 8
+    assert not server_pids(data=tmp_path), "the demo left loader servers running"
+    assert time.monotonic() - started < 200
+
+
+def test_video_demo_prepare_writes_video_folders_without_importing_torch(tmp_path):
+    pytest.importorskip("av", reason="the video extra (pip install 'remoteloader[video]')")
+    code = (f"import sys\nfrom remoteloader.tools.cli import main\n"
+            f"code = main(['demo', '--prepare', {str(tmp_path)!r}, '--video', '--videos-per-class', '2'])\n"
+            f"assert not [m for m in sys.modules if m.split('.')[0] == 'torch'], 'torch imported'\n"
+            f"sys.exit(code)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video-0", "video-1"]
+    videos = sorted(str(p.relative_to(tmp_path / "video-1")) for p in (tmp_path / "video-1").glob("*/*.mp4"))
+    assert videos == [f"{c}/{c}_0000.mp4" for c in ("drifting", "falling", "pulsing", "rising")]
+
+
 def test_detection_data_is_reused_rewritten_when_asked_for_another_size_and_kept_apart(tmp_path):
     from remoteloader.tools.cli import main
 
@@ -168,6 +203,12 @@ def test_ctrl_c_or_sigterm_stops_the_demo_its_servers_and_removes_its_temp_data(
     (["--task", "detection", "--images", "4", "--batch-size", "1"], "too few to hold one in 5 out"),
     (["--task", "detection", "--images", "30"], "fewer than --batch-size 32"),
     (["--task", "detection", "--batch-size", "0"], "--batch-size=0"),
+    (["--video", "--task", "detection"], "does not go with --task detection"),
+    (["--video", "--images-per-class", "8"], "--images-per-class is for --task classification, not --video"),
+    (["--videos-per-class", "8"], "--videos-per-class is for --video, not --task classification"),
+    (["--video", "--videos-per-class", "1"], "at least one video per class"),
+    (["--video", "--videos-per-class", "2", "--batch-size", "16"], "8 videos in all, fewer than --batch-size"),
+    (["--video", "--classes", "5"], "expected 2..4 with --video"),
 ])
 def test_bad_demo_arguments_are_one_line_errors_before_anything_starts(tmp_path, argv, message):
     from remoteloader.tools.cli import main

@@ -24,7 +24,8 @@ COMMANDS = {
     "demo": ("remoteloader.tools.demo", "train a small CNN fed by two local loader servers"),
     "pack": (
         "remoteloader.tools.pack",
-        "write WebDataset tar shards from an ImageFolder tree or a COCO annotation file",
+        "write WebDataset tar shards from an ImageFolder tree, a folder of class folders of videos or a COCO "
+        "annotation file",
     ),
     "probe": ("remoteloader.tools.probe", "exit 0 when a loader server's gRPC health is SERVING"),
 }

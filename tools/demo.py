@@ -11,6 +11,9 @@ trains a tiny one-stage detector (a grid of cells, each predicting "is a shape's
 here", its box and its class) on the "detection-train" pipeline with the boxes and box
 labels as targets, and evaluates it on "detection-eval" over a held-out fifth of the images:
 the mean IoU of its boxes with the true ones, next to what one constant box gets.
+
+``--video`` does it for clips (``tools/demo_video.py``): generated H.264 videos of moving
+stripes, one video folder per server, a tiny 3D CNN on "video-train" clips, clips/s and loss.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ CLASSES = ["diagonal", "horizontal", "slanted", "steep", "vertical", "wavy"]
 DONE_MARKER = ".remoteloader-demo-complete"
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 TASKS = ("classification", "detection")
-# Defaults that depend on --task (None in the parser, filled in by _check).
+# Defaults that depend on --task, or --video (None in the parser, filled in by _check).
 DEFAULTS = {
-    "classification": {"classes": 4, "images_per_class": 160, "batch_size": 64},
-    "detection": {"images": 1200, "batch_size": 32},
+    "classification": {"classes": 4, "images_per_class": 160, "batch_size": 64, "image_size": 64},
+    "detection": {"images": 1200, "batch_size": 32, "image_size": 64},
+    "video": {"classes": 4, "videos_per_class": 16, "batch_size": 8, "image_size": 32},
 }
 HOLD_OUT = 5  # detection: every 5th sample id is held out of training, for the evaluation
 STRIDE = 8  # detection: pixels per cell of the detector's output grid
@@ -58,8 +62,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"detection: images in all, split over the shards; one in {HOLD_OUT} is held out for the "
         f"evaluation (default {DEFAULTS['detection']['images']})",
     )
-    parser.add_argument("--batch-size", type=int, default=None, help="default 64; detection: 32")
-    parser.add_argument("--image-size", type=int, default=64, help="side of the square images trained on (default 64)")
+    parser.add_argument(
+        "--video",
+        action="store_true",
+        help="video classification: generated H.264 clips of moving stripes (one motion per class), a tiny "
+        "3D CNN, clips/s and loss (needs PyAV: the video extra)",
+    )
+    parser.add_argument(
+        "--videos-per-class",
+        type=int,
+        default=None,
+        help=f"--video: videos per class, split over the servers (default {DEFAULTS['video']['videos_per_class']})",
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="default 64; detection: 32; --video: 8")
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="side of the square images (frames) trained on (default 64; --video: 32)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="decode workers per server (default 1)")
     parser.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu or cuda (default auto)")
     parser.add_argument(
@@ -73,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepare",
         metavar="DIR",
         default=None,
-        help="only write the dataset as DIR/shard-<i> (detection: DIR/detection-<i>; one per server) and exit "
+        help="only write the dataset as DIR/shard-<i> (detection: DIR/detection-<i>; --video: DIR/video-<i>; one "
+        "per server) and exit "
         "(needs no torch: the server image runs it)",
     )
     parser.add_argument(
@@ -101,8 +123,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     _check(args)
     if args.prepare:  # data only, without torch: compose's prepare services run on the server image
-        write = _write_detection_shards if args.task == "detection" else _write_shards
-        write(pathlib.Path(args.prepare), args)
+        _writer(args)(pathlib.Path(args.prepare), args)
         return 0
     import torch
 
@@ -117,6 +138,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"loader servers: {addresses}; training on {device}")
         if args.task == "detection":
             _detection(stack, addresses, args, device)
+            return 0
+        if args.task == "video":
+            from remoteloader.tools import demo_video
+
+            demo_video.train_and_evaluate(stack, addresses, args, device)
             return 0
         train, evaluate = _loaders(stack, addresses, args, device)
         model = _model(len(train.class_names)).to(device).to(memory_format=torch.channels_last)
@@ -140,12 +166,20 @@ def _start_servers(stack: contextlib.ExitStack, args: argparse.Namespace) -> str
 
     root = pathlib.Path(args.data or stack.enter_context(tempfile.TemporaryDirectory()))
     servers = []
-    write = _write_detection_shards if args.task == "detection" else _write_shards
-    for shard in write(root, args):
+    for shard in _writer(args)(root, args):
         server = LocalServer(shard, args=["--workers", str(args.workers), "--log-level", "WARNING"])
         stack.callback(server.stop)
         servers.append(server.start())
     return ",".join(s.address for s in servers)
+
+
+def _writer(args: argparse.Namespace):
+    """What writes the dataset's shards for the task."""
+    if args.task == "video":
+        from remoteloader.tools import demo_video
+
+        return demo_video.write_shards
+    return _write_detection_shards if args.task == "detection" else _write_shards
 
 
 def _loaders(stack: contextlib.ExitStack, addresses: str, args: argparse.Namespace, device: str):
@@ -240,16 +274,23 @@ def _check(args: argparse.Namespace) -> None:
     """Refuses bad arguments before anything is written or started; fills in the defaults that
     depend on --task."""
     task = getattr(args, "task", "classification")
+    if getattr(args, "video", False):
+        if task == "detection":
+            raise SystemExit(f"--video trains a video classifier; it does not go with --task {task}")
+        task = "video"
     args.task = task
-    for other in TASKS:
+    for other in DEFAULTS:
         for name in DEFAULTS[other]:
             if other != task and name not in DEFAULTS[task] and getattr(args, name, None) is not None:
-                raise SystemExit(f"--{name.replace('_', '-')} is for --task {other}, not --task {task}")
+                mode = {other: f"--task {other}" for other in TASKS} | {"video": "--video"}
+                raise SystemExit(f"--{name.replace('_', '-')} is for {mode[other]}, not {mode[task]}")
     for name, value in DEFAULTS[task].items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if task == "classification" and not 2 <= args.classes <= len(CLASSES):
         raise SystemExit(f"--classes={args.classes}: expected 2..{len(CLASSES)}")
+    if task == "video" and not 2 <= args.classes <= 4:
+        raise SystemExit(f"--classes={args.classes}: expected 2..4 with --video")
     for name, low in (("servers", 1), ("epochs", 1), ("batch_size", 1), ("workers", 1)):
         if getattr(args, name) < low:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: expected at least {low}")
@@ -277,6 +318,19 @@ def _check(args: argparse.Namespace) -> None:
                 f"fewer than --batch-size {args.batch_size}; raise --images or lower --batch-size"
             )
         return
+    if task == "video":
+        per_shard = args.videos_per_class // args.servers
+        if per_shard < 1:
+            raise SystemExit(
+                f"--videos-per-class={args.videos_per_class}: each of the {args.servers} servers needs at least one "
+                f"video per class"
+            )
+        if not args.prepare and args.classes * per_shard * args.servers < args.batch_size:
+            raise SystemExit(
+                f"{args.classes * per_shard * args.servers} videos in all, fewer than --batch-size "
+                f"{args.batch_size}: raise --videos-per-class or lower --batch-size"
+            )
+        return
     per_shard = args.images_per_class // args.servers
     if per_shard < 1:
         raise SystemExit(
@@ -291,7 +345,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _check_folder(root) -> None:
-    """The dataset folder must be new, empty, or hold only shard-<i> and detection-<i> folders
+    """The dataset folder must be new, empty, or hold only shard-<i>, detection-<i> and video-<i> folders
     (the demo's)."""
     if root is None:
         return
@@ -299,7 +353,9 @@ def _check_folder(root) -> None:
     if root.exists() and not root.is_dir():
         raise SystemExit(f"{root} is not a folder")
     strangers = (
-        [p.name for p in root.iterdir() if not re.fullmatch(r"(shard|detection)-\d+", p.name)] if root.exists() else []
+        [p.name for p in root.iterdir() if not re.fullmatch(r"(shard|detection|video)-\d+", p.name)]
+        if root.exists()
+        else []
     )
     if strangers:
         raise SystemExit(

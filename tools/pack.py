@@ -30,6 +30,13 @@ the original files. Whole decodes of rewritten files cost about 8% more. Progres
 become baseline. What cannot or need not be rewritten (PNGs, CMYK, damaged JPEGs) is copied
 as it is.
 
+A folder of class folders of videos (``SRC/<class>/<video>``, .mp4 .mkv .webm .avi .mov: a
+folder a server serves as videos, docs/video.md) packs the same way: each video becomes
+``<class>/<file>``, its bytes as they are (never re-encoded), and ``<class>/<stem>.cls``. Each
+video is indexed first as a server indexes it (which keeps the folder's video index beside its
+class folders, as a server would); one that cannot be read is packed as it is, with a warning,
+and fails with its reason when served, as from the folder.
+
 Everything pack uses of the server comes from ``remoteloader.server.packing``.
 """
 
@@ -67,6 +74,7 @@ from remoteloader.server.packing import (
     INDEX_SUFFIX,
     MASK_SUFFIX,
     MAX_JSON_BYTES,
+    VIDEO_EXTENSIONS,
     CocoShard,
     DecodeError,
     FormatOptions,
@@ -74,11 +82,13 @@ from remoteloader.server.packing import (
     Shard,
     Storage,
     TargetError,
+    VideoFolderShard,
     arrays_of,
     can_transcode,
     default_workers,
     draw_regions,
     from_source,
+    holds_videos,
     index_tar,
     is_remote,
     open_shards,
@@ -116,7 +126,9 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "src", help="ImageFolder tree (SRC/<class>/<image>), or a COCO annotation file (instances_*.json, ...)"
+        "src",
+        help="ImageFolder tree (SRC/<class>/<image>), video folder (SRC/<class>/<video>: packed as they are), "
+        "or a COCO annotation file (instances_*.json, ...)",
     )
     parser.add_argument(
         "dst",
@@ -171,6 +183,7 @@ class PackReport:
     bytes: int = 0  # of the shards
     rewritten_before: int = 0  # bytes of the rewritten files, before and after
     rewritten_after: int = 0
+    videos: bool = False  # the source is a video folder (nothing to rewrite)
 
 
 # What prepare() makes of a file: its bytes for the shard (None: leave it out), its outcome, why, its size as read.
@@ -187,6 +200,8 @@ def prepare(where: str | tuple[str, int, int], transcode: bool = True) -> Prepar
             data, _ = read_sample(*where)  # (a range of a TFRecord file, an LMDB's data.mdb...)
     except (OSError, DecodeError) as exc:  # one unreadable file must not end a run of hours
         return None, "left out", f"cannot read it: {getattr(exc, 'strerror', None) or exc}", 0
+    if (where if isinstance(where, str) else where[0]).lower().endswith(VIDEO_EXTENSIONS):
+        return data, "copied", "a video, packed as it is", len(data)  # (its index said whether it reads)
     try:  # the header only (a full decode would cost ~1 ms per image)
         fmt, height, width = read_size(data, max_pixels=1 << 62)
     except DecodeError as exc:
@@ -330,6 +345,8 @@ def pack(
             source: Shard = _coco_source(src, image_root, masks)
         else:
             source = _image_folder_source(src, dst, image_root, masks)
+        report = PackReport([], dict.fromkeys(OUTCOMES, 0), videos=isinstance(source, VideoFolderShard))
+        transcode = transcode and not report.videos  # (no worker processes just to copy videos)
         upload = _Upload.to(dst) if is_remote(dst) else None
         out = pathlib.Path(upload.staging if upload is not None else dst)
         if upload is None and out.exists() and any(out.iterdir()):
@@ -337,7 +354,6 @@ def pack(
             raise FileExistsError(f"{out} is not empty; choose a new or empty folder for the shards")
         made = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
         out.mkdir(parents=True, exist_ok=True)
-        report = PackReport([], dict.fromkeys(OUTCOMES, 0))
         preparer = None
         try:
             preparer = _Preparer(transcode, workers, masks)
@@ -425,6 +441,8 @@ def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> Sh
             f"{src} holds .tar files: pack reads an ImageFolder (SRC/<class>/<image>), a COCO annotation .json, "
             f"a TFRecord file, an LMDB database or a Parquet file; servers read tar shards as they are"
         )
+    if pathlib.Path(src).is_dir() and holds_videos(*open_storage(src)):
+        return _video_source(src)
     if pathlib.Path(src).is_dir() and not _other_format(src):
         return ImageFolderShard(*open_storage(src), tars_too=False)
     # A TFRecord file, an LMDB database, a Parquet file: as a server reads it (a Parquet file's
@@ -435,6 +453,14 @@ def _image_folder_source(src: str, dst: str, image_root: str, masks: bool) -> Sh
     if len(shards) != 1:
         raise ValueError(f"{src} holds {len(shards)} shard files: pack one file (or database) at a time")
     return shards[0]
+
+
+def _video_source(src: str) -> Shard:
+    """A folder of class folders of videos, opened (and its videos indexed) as a server opens it."""
+    scratch = tempfile.mkdtemp(prefix="remoteloader-pack-source-")
+    atexit.register(shutil.rmtree, scratch, True)
+    (shard,) = open_shards([src], FormatOptions(index_folder=os.path.join(scratch, "indexes")))
+    return shard
 
 
 def _other_format(src: str) -> bool:
@@ -508,7 +534,8 @@ def _write_shards(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(samples), unit="img", desc=f"packing into {dst or out}", file=sys.stderr)
+        unit = "video" if report.videos else "img"
+        bar = tqdm(total=len(samples), unit=unit, desc=f"packing into {dst or out}", file=sys.stderr)
     tar = None
     written = 0
     rewritten: list[bool] = []  # the current tar's samples, in order: rewritten losslessly
@@ -518,6 +545,8 @@ def _write_shards(
             key = source.key(index)
             if bar is not None:
                 bar.update(1)
+            if report.videos and data is not None and source.failure(index):  # as its index found it
+                outcome, why = "unreadable", source.failure(index).removeprefix(f"{key}: ")
             members: list[tuple[str, bytes]] = []
             name = _image_name(key, data)
             stem, _ = os.path.splitext(name)
@@ -569,7 +598,7 @@ def _write_shards(
     if upload is not None:
         upload.file(out / CLASSES_FILE)
         shutil.rmtree(upload.staging, ignore_errors=True)
-    _warn(counts, named, transcode)
+    _warn(counts, named, transcode, report.videos)
     if not paths:
         raise ValueError(f"none of the {len(source)} samples could be packed (see the warnings above)")
 
@@ -604,7 +633,7 @@ def _classes_text(names: list[str]) -> str:
 def _image_name(key: str, data: bytes | None) -> str:
     """The image member's name: the sample's key, with an extension a tar reader takes for an
     image added when it has none (a COCO ``file_name`` need not have one)."""
-    if key.lower().endswith(IMAGE_EXTENSIONS) or data is None:
+    if key.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) or data is None:
         return key
     return key + (".png" if data.startswith(b"\x89PNG") else ".jpg")
 
@@ -637,7 +666,7 @@ def _json_values(array: np.ndarray) -> list:
     return np.where(short.astype(np.float32) == flat, short, exact).reshape(array.shape).tolist()
 
 
-def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) -> None:
+def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool, videos: bool = False) -> None:
     """One line on stderr per outcome that needs saying, naming its first five files."""
 
     def listed(outcome: str) -> str:
@@ -657,7 +686,8 @@ def _warn(counts: dict[str, int], named: dict[str, list[str]], transcode: bool) 
         )
     if counts["unreadable"]:
         print(
-            f"remoteloader pack: warning: {counts['unreadable']} file(s) have no readable image header; they are "
+            f"remoteloader pack: warning: {counts['unreadable']} file(s) "
+            f"{'are videos that cannot be read' if videos else 'have no readable image header'}; they are "
             f"packed as they are and will fail when served: {listed('unreadable')}",
             file=sys.stderr,
         )
@@ -716,7 +746,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     total = report.bytes
     rewritten = ""
-    if not args.verbatim:
+    if not args.verbatim and not report.videos:
         growth = report.rewritten_after / report.rewritten_before - 1 if report.rewritten_before else 0.0
         rewritten = (
             f"; {report.counts['rewritten']} of {sum(report.counts.values()) - report.counts['bad targets']} "

@@ -174,7 +174,7 @@ def _save(paths: list[pathlib.Path], files, frames: np.ndarray, errors: list[str
     )
 
 
-def _holds_videos(storage: Storage, name: str) -> bool:
+def holds_videos(storage: Storage, name: str) -> bool:
     """Whether a folder's class folders hold video files (the first class folder that holds files decides)."""
     for cls in storage.children(name)[0]:
         if cls.startswith("."):
@@ -187,7 +187,7 @@ def _holds_videos(storage: Storage, name: str) -> bool:
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
     """A folder whose class folders hold videos."""
-    if found.kind != "folder" or storage.remote or not _holds_videos(storage, name):
+    if found.kind != "folder" or storage.remote or not holds_videos(storage, name):
         return None
     try:
         import av  # noqa: F401
