@@ -25,6 +25,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from remoteloader.server.config import ServerConfig
 from remoteloader.tools import signals
@@ -364,29 +365,46 @@ def _check_folder(root) -> None:
         )
 
 
+def remake(shard: pathlib.Path, recipe: str, own: list[str], write: Callable[[], object]) -> None:
+    """Writes ``shard`` with ``write()`` unless it was written whole with this ``recipe`` before.
+
+    Its marker (DONE_MARKER, holding the recipe) is written last: a shard whose writing was cut
+    short (Ctrl-C, a killed container), or made with other arguments, is written again, never
+    served half-made. Its folder may be a mounted volume, so it is emptied of the demo's own
+    files (``own``: glob patterns) and of the folders that leaves empty, not renamed."""
+    done = shard / DONE_MARKER
+    if done.exists() and done.read_text() == recipe:
+        return
+    done.unlink(missing_ok=True)
+    emptied = set()
+    for pattern in own:
+        for old in shard.glob(pattern):
+            old.unlink()
+            emptied.add(old.parent)
+    for folder in emptied - {shard}:
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    write()
+    done.write_text(recipe)
+
+
 def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.Path]:
     from remoteloader.tools.textures import make_imagefolder
 
     classes = CLASSES[: args.classes]
     shards = []
     t0 = time.perf_counter()
+    per = args.images_per_class // args.servers
     for i in range(args.servers):
         shard = root / f"shard-{i}"
-        done = shard / DONE_MARKER
         recipe = f"classes={len(classes)} images_per_class={args.images_per_class} seed={args.seed}\n"
-        # Written last: a shard whose writing was cut short (Ctrl-C, a killed container), or
-        # made with other arguments, is written again, never served half-made. Its folder
-        # may be a mounted volume, so it is emptied of the demo's own files, not renamed.
-        if not done.exists() or done.read_text() != recipe:
-            done.unlink(missing_ok=True)
-            for name in CLASSES:
-                for old in shard.glob(f"{name}/*.jpg"):
-                    old.unlink()
-                if (shard / name).is_dir() and not any((shard / name).iterdir()):
-                    (shard / name).rmdir()
-            per = args.images_per_class // args.servers
-            make_imagefolder(shard, classes, per, size=(96, 128), seed=args.seed * 1000 + i, jitter=0.2)
-            done.write_text(recipe)
+        seed = args.seed * 1000 + i
+        remake(
+            shard,
+            recipe,
+            [f"{name}/*.jpg" for name in CLASSES],
+            lambda shard=shard, seed=seed: make_imagefolder(shard, classes, per, size=(96, 128), seed=seed, jitter=0.2),
+        )
         shards.append(shard)
     print(
         f"dataset: {args.servers} shard(s) under {root}, {len(classes)} classes ({time.perf_counter() - t0:.1f}s)",
@@ -421,17 +439,14 @@ def _write_detection_shards(root: pathlib.Path, args: argparse.Namespace) -> lis
     t0 = time.perf_counter()
     for i in range(args.servers):
         shard = root / f"detection-{i}"
-        done = shard / DONE_MARKER
         recipe = f"detection images={per} seed={args.seed}\n"
-        # As _write_shards: the marker is written last, and a shard made with other
-        # arguments (or cut short) is emptied of the demo's own files and written again.
-        if not done.exists() or done.read_text() != recipe:
-            done.unlink(missing_ok=True)
-            (shard / "annotations.json").unlink(missing_ok=True)
-            for old in shard.glob("images/*.jpg"):
-                old.unlink()
-            make_coco(shard, per, size=(96, 128), seed=args.seed * 1000 + i)
-            done.write_text(recipe)
+        seed = args.seed * 1000 + i
+        remake(
+            shard,
+            recipe,
+            ["annotations.json", "images/*.jpg"],
+            lambda shard=shard, seed=seed: make_coco(shard, per, size=(96, 128), seed=seed),
+        )
         files.append(shard / "annotations.json")
     print(
         f"dataset: {args.servers} shard(s) under {root}, {per * args.servers} images of "

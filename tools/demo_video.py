@@ -20,12 +20,12 @@ import time
 import numpy as np
 
 from remoteloader.tools import signals
+from remoteloader.tools.demo import remake
 
 CLASSES = ["falling", "drifting", "pulsing", "rising"]
 CLIP_FRAMES, FRAME_STRIDE = 8, 2
 FRAMES, FPS, SIDE, GOP = 24, 25, 80, 12  # each generated video: 24 frames of 80x80 at 25 fps, a keyframe every 12
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
-DONE_MARKER = ".remoteloader-demo-complete"
 
 
 def frames(kind: str, rng: np.random.Generator) -> np.ndarray:
@@ -81,22 +81,17 @@ def write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.P
     started = time.perf_counter()
     for i in range(args.servers):
         shard = root / f"video-{i}"
-        done = shard / DONE_MARKER
         recipe = f"classes={len(classes)} videos_per_class={args.videos_per_class} seed={args.seed}\n"
-        if not done.exists() or done.read_text() != recipe:
-            done.unlink(missing_ok=True)
-            for old in shard.glob("*/*.mp4"):
-                old.unlink()
-            rng = np.random.default_rng(args.seed * 1000 + i)
+        rng = np.random.default_rng(args.seed * 1000 + i)
+
+        def write(shard: pathlib.Path = shard, rng: np.random.Generator = rng) -> None:
             for kind in classes:
                 (shard / kind).mkdir(parents=True, exist_ok=True)
                 for n in range(per):
                     signals.raise_if_stopped()
                     encode(shard / kind / f"{kind}_{n:04d}.mp4", frames(kind, rng))
-            for folder in shard.iterdir():
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
-            done.write_text(recipe)
+
+        remake(shard, recipe, ["*/*.mp4"], write)
         shards.append(shard)
     print(
         f"dataset: {args.servers} video folder(s) under {root}, {len(classes)} classes, {per * len(classes)} "
