@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import pathlib
 import re
 import sys
@@ -403,7 +404,7 @@ def _write_shards(root: pathlib.Path, args: argparse.Namespace) -> list[pathlib.
             shard,
             recipe,
             [f"{name}/*.jpg" for name in CLASSES],
-            lambda shard=shard, seed=seed: make_imagefolder(shard, classes, per, size=(96, 128), seed=seed, jitter=0.2),
+            functools.partial(make_imagefolder, shard, classes, per, size=(96, 128), seed=seed, jitter=0.2),
         )
         shards.append(shard)
     print(
@@ -445,7 +446,7 @@ def _write_detection_shards(root: pathlib.Path, args: argparse.Namespace) -> lis
             shard,
             recipe,
             ["annotations.json", "images/*.jpg"],
-            lambda shard=shard, seed=seed: make_coco(shard, per, size=(96, 128), seed=seed),
+            functools.partial(make_coco, shard, per, size=(96, 128), seed=seed),
         )
         files.append(shard / "annotations.json")
     print(
