@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import logging
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -138,6 +138,22 @@ class KeyTable:
 
     def __len__(self) -> int:
         return len(self.ends)
+
+    def with_targets(self, records: Iterable[bytes]) -> KeyTable:
+        """The same samples with ``records`` (serialized ``loader_pb2.Targets``, one a sample, in
+        order) as their targets."""
+        out = KeyTable()
+        out.blob, out.ends, out.labels, out.offsets, out.sizes = (
+            self.blob,
+            self.ends,
+            self.labels,
+            self.offsets,
+            self.sizes,
+        )
+        for record in records:
+            out.targets += record
+            out.target_ends.append(len(out.targets))
+        return out
 
 
 class Shard:

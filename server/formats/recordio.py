@@ -237,24 +237,17 @@ def _label(values: np.ndarray) -> tuple[str, int]:
 
 def _with_labels(table: KeyTable, vectors: dict[int, np.ndarray]) -> KeyTable:
     """The table with each sample's label vector as its ``labels`` target (empty: none)."""
-    out = KeyTable()
-    out.blob, out.ends, out.labels, out.offsets, out.sizes = (
-        table.blob,
-        table.ends,
-        table.labels,
-        table.offsets,
-        table.sizes,
-    )
-    for index in range(len(table)):
-        values = vectors.get(index, np.zeros(0, np.float32))
-        try:
-            message = tg.to_message(tg.from_source({tg.LABELS: values.tolist()})[1])
-        except tg.TargetError as exc:
-            message = tg.to_message({}, f"its label vector: {exc}")
-        data, _ = tg.stored(message)
-        out.targets += data
-        out.target_ends.append(len(out.targets))
-    return out
+    return table.with_targets(_label_record(vectors.get(index)) for index in range(len(table)))
+
+
+def _label_record(values: np.ndarray | None) -> bytes:
+    """A sample's stored targets: its label vector (or why it cannot be one)."""
+    values = np.zeros(0, np.float32) if values is None else values
+    try:
+        message = tg.to_message(tg.from_source({tg.LABELS: values.tolist()})[1])
+    except tg.TargetError as exc:
+        message = tg.to_message({}, f"its label vector: {exc}")
+    return tg.stored(message)[0]
 
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:

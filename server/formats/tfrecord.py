@@ -207,18 +207,7 @@ def _with_empty_targets(table: KeyTable) -> KeyTable:
     )
     ends = np.frombuffer(table.target_ends, np.int64)
     starts = np.concatenate([[0], ends[:-1]])
-    out = KeyTable()
-    out.blob, out.ends, out.labels, out.offsets, out.sizes = (
-        table.blob,
-        table.ends,
-        table.labels,
-        table.offsets,
-        table.sizes,
-    )
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        out.targets += table.targets[s:e] if e > s else empty
-        out.target_ends.append(len(out.targets))
-    return out
+    return table.with_targets(table.targets[s:e] if e > s else empty for s, e in zip(starts.tolist(), ends.tolist()))
 
 
 def _example(data: memoryview, names: dict[str, str]) -> tuple[tuple[int, int] | None, int, dict | None, str]:
