@@ -14,14 +14,16 @@ import time
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int | str) -> tuple[int, float] | None:
-    """(ppid, CPU seconds) of a process, or None where it cannot be read."""
+def _stat(pid: int | str, reaped: bool = True) -> tuple[int, float] | None:
+    """(ppid, CPU seconds) of a process, or None where it cannot be read; ``reaped``: with its
+    reaped children's time. A thread's stat (``self/task/TID``) carries its whole process's reaped
+    children's time, so a thread's figure is read without it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
         fields = raw[raw.rfind(")") + 2 :].split()
         # fields[1] is the ppid; [11:15] utime, stime and the reaped children's cutime, cstime.
-        return int(fields[1]), sum(int(v) for v in fields[11:15]) / _TICK
+        return int(fields[1]), sum(int(v) for v in fields[11 : 15 if reaped else 13]) / _TICK
     except (OSError, IndexError, ValueError):
         return None
 
@@ -76,7 +78,7 @@ def named_threads_cpu(prefixes: tuple[str, ...]) -> float:
                     continue
         except OSError:
             continue
-        stat = _stat(f"self/task/{task}")
+        stat = _stat(f"self/task/{task}", reaped=False)
         total += stat[1] if stat is not None else 0.0
     return total
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -180,6 +181,21 @@ def test_each_epoch_line_names_its_likely_limit(two_servers, run_bounded):
     assert all(0 < busy <= 1 for busy in fast["workers_busy"].values())
     assert 0 < fast["receiver_busy"] < 1.5
     assert slow["wait_fraction"] < bottleneck.WAITED and slow["limit"] == bottleneck.STEP
+
+
+def test_the_receivers_cpu_leaves_out_the_time_of_children_this_process_reaped():
+    # A thread's /proc stat carries its process's reaped children's CPU time: counted per
+    # grpc thread, a training script that had run (and reaped) servers read as hundreds of
+    # receiver CPU seconds per second.
+    from remoteloader.client import cpu
+
+    burn = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    with open("/proc/self/comm") as f:
+        every_thread = (f.read().strip(),)  # threads inherit the process's name
+    own = time.process_time()  # this process's threads, without its children
+    assert cpu.process_cpu(os.getpid()) >= own + 0.9  # the process's figure does count them
+    assert cpu.named_threads_cpu(every_thread) <= own + 0.1
 
 
 def test_bench_names_a_slow_link_as_the_limit(tmp_path):
