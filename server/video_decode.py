@@ -62,13 +62,20 @@ class VideoIndex:
         return int(keys[-1]) if len(keys) else 0
 
 
+# FFmpeg's stream probe on opening (avformat_find_stream_info) decodes frames until it has guessed
+# H.264's reordering delay: 7 to 20 of them, about 10 ms at 640x480, a sixth of a clip's CPU. With
+# its probe decoder skipping all but keyframes it reads the streams' parameters without that (0.3
+# ms). The option reaches only the probe's decoder: the container's own decoders skip nothing.
+_PROBE = {"skip_frame": "nonkey"}
+
+
 def _open(source: Source):
     import av
 
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):
-            return av.open(io.BytesIO(bytes(source)), "r")
-        return av.open(source, "r")
+            source = io.BytesIO(bytes(source))
+        return av.open(source, "r", options=_PROBE)
     except av.FFmpegError as exc:
         raise VideoError(f"not a video this server can read ({_reason(exc)})") from None
 

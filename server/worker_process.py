@@ -17,6 +17,7 @@ import os
 import signal
 from collections import OrderedDict
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -197,6 +198,16 @@ class _Pipelines:
         return pipeline
 
 
+class _Read(NamedTuple):
+    """A sample's encoded bytes; whether they decoded whole before, unchanged since (a crop may
+    then decode its region only); and, read from a file, which bytes they are: (path, offset,
+    length, mtime_ns), None from the cache."""
+
+    data: bytes
+    verified: bool
+    identity: tuple[str, int, int, int] | None
+
+
 class _Samples:
     """Renders a task's samples with one pipeline (or its error message)."""
 
@@ -230,8 +241,8 @@ class _Samples:
                 if with_targets or sample.source >= 0:  # (a --source's sample comes with its targets)
                     record = self._with_targets(out, masks, i, sample, seed)
                 else:
-                    data, verified = self._read(sample)
-                    out[i] = self.pipeline(data, seed, verified=verified)
+                    read = self._read(sample)
+                    out[i] = self.pipeline(read.data, seed, verified=read.verified)
             except (DecodeError, OSError, tg.TargetError) as exc:
                 errors.append((i, str(exc)))
             except Exception as exc:  # a transform failing on odd input must not kill the worker
@@ -245,13 +256,12 @@ class _Samples:
                 targets.append(record)
         return errors, targets
 
-    def _read(self, sample: TaskSample) -> tuple[bytes, bool]:
-        """The sample's encoded bytes (from the cache or its file), and whether it has decoded
-        whole without error before and is unchanged since (a crop may then decode its region only)."""
+    def _read(self, sample: TaskSample) -> _Read:
+        """The sample's encoded bytes, from the cache or its file (see ``_Read``)."""
         cache, start, length = self.cache, sample.cache_offset, sample.length
         if sample.cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
             assert cache is not None, "cache modes come only from a server with a cache"
-            return cache[start : start + length], sample.verified
+            return _Read(cache[start : start + length], sample.verified, None)
         data, mtime_ns = read_sample(sample.path, sample.offset, length)
         # A file written since the server indexed it may differ from the bytes that
         # decoded whole before (same length, new content): decode it whole again.
@@ -259,14 +269,15 @@ class _Samples:
         if sample.cache_mode == CACHE_FILL:
             assert cache is not None, "cache modes come only from a server with a cache"
             cache[start : start + length] = data
-        return data, verified
+        return _Read(data, verified, (sample.path, sample.offset, length, mtime_ns))
 
     def _clip_targets(self, out: np.ndarray, i: int, sample: TaskSample, seed: int) -> bytes:
         """Renders video sample ``i``; returns its targets: the clip's source frames (FRAME_INDICES)."""
         assert isinstance(self.pipeline, VideoPipeline)
         if sample.source >= 0:
             raise tg.TargetError("a --source's samples are images, not videos")
-        out[i], numbers = self.pipeline.render(self._read(sample)[0], seed)
+        read = self._read(sample)
+        out[i], numbers = self.pipeline.render(read.data, seed, identity=read.identity)
         fields = self.pipeline.spec.fields
         arrays = {FRAME_INDICES: numbers[0] if len(numbers) == 1 else numbers} if FRAME_INDICES in fields else {}
         return tg.check_size(tg.to_message(arrays), "its")
@@ -285,7 +296,7 @@ class _Samples:
             image, arrays = source_sample(self.sources[source], sample.offset)
             stored = loader_pb2.Targets()
         else:
-            image, verified = self._read(sample)
+            image, verified, _ = self._read(sample)
             stored = loader_pb2.Targets.FromString(sample.targets)
             if stored.error:
                 raise tg.TargetError(stored.error)
