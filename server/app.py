@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from remoteloader.protos import limits, malloc
 from remoteloader.protos.same_host import host_id
-from remoteloader.server.catalog import Shard, SyntheticShard
+from remoteloader.server.catalog import Shard, SyntheticShard, media_of
 from remoteloader.server.config import (
     CANNOT_BIND,
     HEALTH_ON,
@@ -107,6 +107,7 @@ class RenderResources:
                 config.min_image_size,
                 config.max_image_size,
                 config.slot_bytes,
+                media_of(shards),
             )
             undo.callback(checks.close)
             if config.synthetic:

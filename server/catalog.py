@@ -25,6 +25,7 @@ import numpy as np
 from remoteloader.server import targets as tg
 from remoteloader.server.seeds import shard_key
 from remoteloader.server.storage import Entry, Storage
+from remoteloader.server.video_decode import VIDEO_EXTENSIONS
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 CLASSES_FILE = "classes.txt"
@@ -277,6 +278,13 @@ def _bytes(values: Any) -> bytes | memoryview:
     if isinstance(values, np.ndarray):
         return memoryview(values.data).cast("B") if len(values) else b""
     return bytes(values)
+
+
+def media_of(shards: Iterable[Shard]) -> str:
+    """What a server's samples are, by each shard's first key: "images", "videos" or "both" (a
+    video is a file of ``VIDEO_EXTENSIONS``, in a folder or a tar; no samples: "images")."""
+    kinds = {s.key(0).lower().endswith(VIDEO_EXTENSIONS) for s in shards if len(s)}
+    return "both" if len(kinds) == 2 else "videos" if True in kinds else "images"
 
 
 class Catalog:

@@ -46,12 +46,23 @@ class PipelineChecks:
         max_pixels: Largest image the pipelines decode.
         min_image_size / max_image_size: Output sizes clients may ask for (pixels per side).
         slot_bytes: Bytes of a chunk slot, which a sample with its mask must fit.
+        media: What the server's samples are (``catalog.media_of``): a stream's pipeline must make
+            that ("both": either).
 
     ``wires``: the wire encodings beside raw it offers (protos.wire.offered), as Describe says.
     """
 
-    def __init__(self, allow_custom: bool, max_pixels: int, min_image_size: int, max_image_size: int, slot_bytes: int):
+    def __init__(
+        self,
+        allow_custom: bool,
+        max_pixels: int,
+        min_image_size: int,
+        max_image_size: int,
+        slot_bytes: int,
+        media: str = "images",
+    ):
         self.allow_custom = allow_custom
+        self.media = media
         self.slot_bytes = slot_bytes
         self.max_pixels = max_pixels
         self.min_image_size = min_image_size
@@ -78,6 +89,7 @@ class PipelineChecks:
         if spec.name not in OFFERED and spec.name != CUSTOM_PIPELINE:
             custom = (CUSTOM_PIPELINE,) if self.allow_custom else ()
             raise PipelineError(f"unknown pipeline {spec.name!r}; this server offers {', '.join(OFFERED + custom)}")
+        self._for_media(spec)
         frame_height = self._clip_height(spec)
         for name, value in (("height", frame_height), ("width", setup.width)):
             if not self.min_image_size <= value <= self.max_image_size:
@@ -122,6 +134,16 @@ class PipelineChecks:
                 f"({self.slot_bytes} bytes); start it with a larger --chunk-bytes"
             )
         return fields
+
+    def _for_media(self, spec: PipelineSpec) -> None:
+        """PipelineError for clips from a server of images only, or images from one of videos only."""
+        if is_video(spec) and self.media == "images":
+            raise PipelineError(f"pipeline {spec.name!r} makes clips: this server's data are images, not videos")
+        if not is_video(spec) and self.media == "videos":
+            raise PipelineError(
+                f"pipeline {spec.name!r} makes images: this server's data are videos; ask for clips "
+                f"(clip_frames=T, pipeline {' or '.join(repr(p) for p in VIDEO_PRESETS)})"
+            )
 
     def _clip_height(self, spec: PipelineSpec) -> int:
         """A frame's height (the spec's height for images); PipelineError for clip parameters out of

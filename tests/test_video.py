@@ -4,6 +4,7 @@ PyAV's bundled encoders (tests/videos.py), checked against PyAV's own plain deco
 from __future__ import annotations
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -303,6 +304,20 @@ def test_a_clip_larger_than_a_chunk_slot_is_refused_at_setup(video_server):
             next(iter(loader))
 
 
+def test_a_pipeline_that_cannot_make_what_a_server_serves_is_refused_at_setup(video_server, cluster, tmp_path):
+    from remoteloader.client import LoaderError, RemoteLoader
+    from remoteloader.tools.textures import make_imagefolder
+
+    images = cluster.add(make_imagefolder(tmp_path / "images", ["a"], 4, size=(40, 40)))
+    for target, options, says in (
+        (video_server.target, {}, "this server's data are videos; ask for clips (clip_frames=T"),
+        (cluster.address(images), CLIP, "this server's data are images, not videos"),
+    ):
+        with pytest.raises(LoaderError, match=re.escape(says)):
+            with RemoteLoader(target, batch_size=1, image_size=32, connect_timeout=30, **options) as loader:
+                next(iter(loader))
+
+
 def test_webdataset_tars_with_video_members_serve_clips(cluster, video_folder, tmp_path):
     import tarfile
 
@@ -323,6 +338,38 @@ def test_webdataset_tars_with_video_members_serve_clips(cluster, video_folder, t
         assert label == "ab".index(path.parent.name)
         expected = _eval_clip(path, 32).astype(np.int16)
         assert np.abs(video.numpy().astype(np.int16) - expected).mean() < 2.5
+
+
+def test_a_video_folder_in_an_object_store_serves_the_clips_it_serves_from_disk(cluster, video_folder, tmp_path):
+    import obstore
+    from obstore.store import from_url
+
+    from remoteloader.tools.local_s3 import LocalS3
+
+    with LocalS3(tmp_path / "s3").start() as s3:
+        store = from_url("s3://data", client_options={"allow_http": "true"}, endpoint=s3.endpoint,
+                         access_key_id=s3.access_key, secret_access_key=s3.secret_key, region="us-east-1")
+        for path in sorted(video_folder.glob("*/*")):
+            obstore.put(store, f"videos/{path.relative_to(video_folder).as_posix()}", path.read_bytes())
+        disk = cluster.add(video_folder)
+        bucket = cluster.add("s3://data/videos", "--cache-dir", str(tmp_path / "cache"), env=s3.env())
+
+        class One:
+            def __init__(self, i: int):
+                self.target = cluster.address(i)
+
+        served = []
+        for server in (One(disk), One(bucket)):
+            failures = []
+            batches = _epoch(server, pipeline="video-eval", shuffle=False, on_error=failures.extend)
+            served.append(({k: v.numpy() for b in batches for k, v in zip(b["keys"], b["video"])},
+                           [(f.key, f.reason) for f in failures]))
+    (from_disk, disk_failures), (from_bucket, bucket_failures) = served
+    assert len(from_bucket) == 7 and from_bucket.keys() == from_disk.keys()
+    for key in from_disk:
+        np.testing.assert_array_equal(from_bucket[key], from_disk[key], err_msg=key)
+    assert [k for k, _ in bucket_failures] == [k for k, _ in disk_failures] == ["c/c2_truncated.mp4"]
+    assert "not a video" in bucket_failures[0][1], bucket_failures
 
 
 def test_two_replicas_one_killed_mid_epoch_serve_every_clip_once_and_the_same(cluster, video_folder):

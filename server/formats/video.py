@@ -7,7 +7,10 @@ read from its packets without decoding) and the result kept in one file for the 
 where the data cannot be written: a later start re-reads only the videos whose size or time
 changed. A video that cannot be read is kept as a sample that fails with the reason when served
 (one start-up warning names how many and which); the server serves the rest. Audio is ignored.
-On this machine only (an object store's videos: not yet).
+
+In an object store the folder is listed, not read, at start (indexing would download every
+video): each video is indexed by the worker that first decodes it, as a tar's video members
+are, and one that cannot be read fails with the reason when served.
 """
 
 from __future__ import annotations
@@ -34,27 +37,28 @@ _INDEX_VERSION = 1
 
 class VideoFolderShard(Shard):
     """``root/<class>/<video>``: one sample per video file; ``frames`` holds each video's frame
-    count (0 for one that cannot be read, which fails with its reason when served)."""
+    count (0 for one that cannot be read, which fails with its reason when served, and for every
+    video in an object store, whose frames are counted when first decoded)."""
 
     def __init__(self, storage: Storage, name: str, options: FormatOptions):
-        if storage.remote:
-            raise CatalogError(
-                f"{storage.location(name)}: video folders are read on this machine only (not yet from an object store)"
-            )
         root = storage.location(name)
         self._base = root + "/"
-        self.storage, self.remote = storage, False
+        self.storage, self.remote = storage, storage.remote
         classes = [c for c in storage.children(name)[0] if not c.startswith(".")]
-        files: list[tuple[str, int, int, int]] = []  # (key, label, size, mtime_ns)
+        files: list[tuple[str, int, int, int]] = []  # (key, label, size, mtime_ns: 0 in a store)
         for label, cls in enumerate(classes):
             for entry in storage.children(storage.join(name, cls))[1]:
                 file = entry.name.rpartition("/")[2]
                 if file.lower().endswith(VIDEO_EXTENSIONS) and utf8(f"{cls}/{file}"):
-                    stat = os.stat(self._base + f"{cls}/{file}")
-                    files.append((f"{cls}/{file}", label, stat.st_size, stat.st_mtime_ns))
+                    mtime = 0 if storage.remote else os.stat(self._base + f"{cls}/{file}").st_mtime_ns
+                    files.append((f"{cls}/{file}", label, entry.size, mtime))
         if not files:
             raise CatalogError(f"{root} holds no videos ({', '.join(VIDEO_EXTENSIONS)}) in class folders")
-        frames, errors = _index_all(root, files, options.index_folder)
+        if storage.remote:
+            log.info("%s: %s videos, each indexed when first decoded (an object store's)", root, f"{len(files):,}")
+            frames, errors = np.zeros(len(files), np.int64), [""] * len(files)
+        else:
+            frames, errors = _index_all(root, files, options.index_folder)
         table = KeyTable()
         digest = hashlib.sha256(("\0".join(classes) + "\n").encode("utf-8", "surrogateescape"))
         for key, label, size, _ in files:
@@ -187,7 +191,7 @@ def holds_videos(storage: Storage, name: str) -> bool:
 
 def shards_at(storage: Storage, name: str, found: Found, options: FormatOptions) -> list[Shard] | None:
     """A folder whose class folders hold videos."""
-    if found.kind != "folder" or storage.remote or not holds_videos(storage, name):
+    if found.kind != "folder" or not holds_videos(storage, name):
         return None
     try:
         import av  # noqa: F401
