@@ -16,7 +16,10 @@ draw for the whole clip, uint8 [B, T, P, P, 3]):
   pyav     torch DataLoader(num_workers=K) doing what a PyAV user writes: open the file, seek to
            the clip's start time, decode forward keeping every S-th frame, each converted to
            full-size RGB, then albumentations' RandomResizedCrop + HorizontalFlip on ``images=``
-  torchcodec  the same with torchcodec's VideoDecoder.get_frames_at, when it is importable
+  torchcodec  the same with torchcodec's VideoDecoder.get_frames_at, when it is importable (it
+           needs the system's FFmpeg libraries; on Debian 12 with torch 2.13.0:
+           apt-get install libavcodec59 libavformat59 libavutil57 libswscale6 libswresample4
+           libavdevice59 libavfilter8, and pip install --no-deps torchcodec==0.12.0 in a venv)
 
 Rounds alternate (remote, pyav[, torchcodec], remote, ...) after one warm-up epoch each, so
 drift and neighbours' load hit them alike. Reported per loader: clips/s (median of rounds) and

@@ -67,16 +67,19 @@ def test_bench_measures_each_server_and_all_together_and_names_their_limit(two_s
     assert (tmp_path / "bench.png").read_bytes().startswith(PNG_MAGIC)
 
 
-def test_a_models_step_is_timed(tmp_path, monkeypatch):
-    (tmp_path / "tinymodel.py").write_text(
+@pytest.mark.parametrize(("clip_frames", "pool"), [(0, "AdaptiveAvgPool2d"), (4, "AdaptiveAvgPool3d")])
+def test_a_models_step_is_timed(tmp_path, monkeypatch, clip_frames, pool):
+    module = f"tinymodel{clip_frames}"  # (one module per case: an imported one is kept in sys.modules)
+    (tmp_path / f"{module}.py").write_text(  # (a video model takes [B, 3, T, H, W]: a 2-D pool refuses it)
         "import torch\n"
         "def make():\n"
-        "    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))\n"
+        f"    return torch.nn.Sequential(torch.nn.{pool}(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))\n"
     )
     monkeypatch.chdir(tmp_path)  # where bench looks for the model's module, as from a training script's folder
-    args = argparse.Namespace(step_time=None, model="tinymodel:make", device="cpu", batch_size=32, image_size=32)
+    args = argparse.Namespace(step_time=None, model=f"{module}:make", device="cpu", batch_size=32, image_size=32,
+                              clip_frames=clip_frames)
     rate, how = remoteloader_bench.step_images_per_s(args)
-    assert rate > 0 and "tinymodel:make on cpu" in how and "batch of 32" in how
+    assert rate > 0 and f"{module}:make on cpu" in how and "batch of 32" in how
 
 
 def run_of(rates: list[float], limit: str) -> remoteloader_bench.Run:

@@ -415,3 +415,66 @@ def test_a_crops_region_converted_at_the_output_size_is_close_to_a_full_conversi
     # the whole frame at its own size: the conversion alone
     whole = vd.decode_frames(str(path), index, [3], (48, 64), crop=(0, 0, 64, 48))
     assert np.abs(whole.astype(np.int16) - full[:1]).mean() < 2
+
+
+def _clips(loader, batches: int | None = None) -> list[tuple[list[int], np.ndarray]]:
+    """(ids, clips) of each batch, up to ``batches`` of them."""
+    out = []
+    for batch in loader:
+        out.append((batch["ids"].tolist(), batch["video"].numpy().copy()))
+        if len(out) == batches:
+            break
+    return out
+
+
+def _train_loader(server, **options):
+    from remoteloader.client import RemoteLoader
+
+    settings = {"batch_size": 2, "image_size": 32, "pipeline": "video-train", "seed": 9, "return_ids": True,
+                "drop_last": False, "on_error": lambda failures: None, "connect_timeout": 30, **CLIP}
+    return RemoteLoader(server.target, **{**settings, **options})
+
+
+def test_a_clip_epoch_resumed_mid_way_in_a_fresh_loader_continues_bit_for_bit(video_server):
+    with _train_loader(video_server) as whole:
+        whole.set_epoch(1)
+        uninterrupted = _clips(whole)
+    with _train_loader(video_server) as first:
+        first.set_epoch(1)
+        before = _clips(first, 2)
+        state = first.state_dict()
+    with _train_loader(video_server) as fresh:
+        fresh.load_state_dict(state)
+        after = _clips(fresh)
+    assert len(uninterrupted) == 4 and len(before) == 2
+    for (ids, clips), (ids_again, clips_again) in zip(uninterrupted, before + after, strict=True):
+        assert ids == ids_again
+        np.testing.assert_array_equal(clips, clips_again)
+
+
+def test_ddp_ranks_split_the_videos_and_jobs_on_one_plan_share_each_clips_decode(video_server):
+    import threading
+
+    ranks = []
+    for rank in (0, 1):
+        with _train_loader(video_server, rank=rank, world_size=2) as loader:
+            ranks.append({i for ids, _ in _clips(loader) for i in ids})
+    assert ranks[0] | ranks[1] == set(range(7)) and not ranks[0] & ranks[1]
+
+    loaders = [_train_loader(video_server, job=f"sweep-{k}") for k in range(2)]
+    results: list = [None, None]
+    try:
+        threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, _clips(loaders[k]))) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        shared = [lo.stats()["images_shared"] for lo in loaders]
+    finally:
+        for lo in loaders:
+            lo.close()
+    assert results[0] is not None and results[1] is not None
+    for (ids, clips), (ids_b, clips_b) in zip(results[0], results[1], strict=True):
+        assert ids == ids_b
+        np.testing.assert_array_equal(clips, clips_b)
+    assert sum(shared) > 0, shared  # clips one job's decode served to both (how many: the start's timing)

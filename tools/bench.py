@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="default 256")
     parser.add_argument("--image-size", type=int, default=224, help="default 224")
     parser.add_argument("--pipeline", default="train", help="a preset the servers offer (default train)")
+    parser.add_argument(
+        "--clip-frames",
+        type=int,
+        default=0,
+        help="read clips of this many frames from video servers (docs/video.md); each clip counts as one image",
+    )
+    parser.add_argument("--frame-stride", type=int, default=1, help="with --clip-frames: frames between a clip's")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured per configuration (default 10)")
     parser.add_argument(
         "--warmup",
@@ -110,8 +117,8 @@ def measure(servers: list[str], args: argparse.Namespace, loader_args: dict) -> 
             loader.set_epoch(epoch)
             if not len(loader):
                 raise SystemExit(f"{', '.join(servers)}: no batch of {args.batch_size} to read")
-            for _, labels in loader:
-                images += len(labels)
+            for batch in loader:
+                images += len(batch["label"] if isinstance(batch, dict) else batch[1])  # (clips: dict batches)
                 now = time.perf_counter()
                 if measuring is None and now - start >= args.warmup:
                     measuring = (now, images, loader.stats(), host_cpu())
@@ -184,7 +191,8 @@ def step_images_per_s(args: argparse.Namespace) -> tuple[float, str] | None:
         device = torch.device(args.device)
     model = model.to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    batch = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    clip = (args.clip_frames,) if args.clip_frames else ()  # a video model's input: [B, C, T, H, W]
+    batch = torch.randn(args.batch_size, 3, *clip, args.image_size, args.image_size, device=device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -399,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         job=args.job,
         share=args.share,
+        **({"clip_frames": args.clip_frames, "frame_stride": args.frame_stride} if args.clip_frames else {}),
     )
     try:
         servers = discover(args.address)
