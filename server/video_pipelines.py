@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import NamedTuple
 
 import albumentations as A
 import numpy as np
@@ -35,29 +36,66 @@ MAX_CLIP_FRAMES = 512  # frames of one clip
 MAX_FRAME_STRIDE = 1024
 MAX_CLIPS_PER_VIDEO = 64
 _IMAGE_PRESET = {"video-train": "train", "video-eval": "eval"}
-MAX_KEPT_FRAMES = 2_000_000  # frames of the video indexes a process keeps (9 bytes a frame: about 18 MB)
+MAX_KEPT_BYTES = 64 << 20  # of the video indexes a worker keeps: about 100,000 constant-rate videos
+
+
+class _Regular(NamedTuple):
+    """A constant frame rate's index, kept in about 600 bytes with its key (measured) whatever its
+    length: frame k at ``first + k * step``; ``keys``: the keyframes' numbers."""
+
+    first: int
+    step: int
+    count: int
+    keys: np.ndarray
+    time_base: tuple[int, int]
+    height: int
+    width: int
+
+
+def _pack(index: vd.VideoIndex) -> vd.VideoIndex | _Regular:
+    pts = index.pts
+    step = int(pts[1] - pts[0]) if len(pts) > 1 else 1
+    if len(pts) > 1 and not np.all(np.diff(pts) == step):
+        return index  # a variable frame rate: kept whole
+    keys = np.flatnonzero(index.keyframe).astype(np.int32)
+    return _Regular(int(pts[0]), step, len(pts), keys, index.time_base, index.height, index.width)
+
+
+def _unpack(kept: vd.VideoIndex | _Regular) -> vd.VideoIndex:
+    if isinstance(kept, vd.VideoIndex):
+        return kept
+    keyframe = np.zeros(kept.count, bool)
+    keyframe[kept.keys] = True
+    pts = kept.first + kept.step * np.arange(kept.count, dtype=np.int64)
+    return vd.VideoIndex(pts, keyframe, kept.time_base, kept.height, kept.width)
+
+
+def _kept_bytes(kept: vd.VideoIndex | _Regular) -> int:
+    return 600 + (kept.keys.nbytes if isinstance(kept, _Regular) else 9 * len(kept))
 
 
 class _RecentIndexes:
-    """A process's recently read video indexes (a long video's packets take longer to read than a
-    clip takes to decode), up to ``MAX_KEPT_FRAMES`` frames, by which bytes the video is: read
-    from a file, (path, offset, length, mtime_ns); else a digest of its bytes (which costs a
-    twentieth of a 640x480 clip's decode)."""
+    """A process's recently read video indexes (reading a video's packets costs a twentieth to a
+    tenth of a clip's decode, more for a long video), up to ``MAX_KEPT_BYTES``, by which bytes the
+    video is: read from a file, (path, offset, length, mtime_ns); else a digest of its bytes
+    (which costs a twentieth of a 640x480 clip's decode). A constant frame rate's index is kept
+    as its rate and keyframes (``_Regular``), so a worker keeps those of a Kinetics-sized set."""
 
     def __init__(self):
-        self._kept: OrderedDict[object, vd.VideoIndex] = OrderedDict()
-        self._frames = 0
+        self._kept: OrderedDict[object, vd.VideoIndex | _Regular] = OrderedDict()
+        self._bytes = 0
 
     def get(self, data: bytes, identity: tuple | None = None) -> vd.VideoIndex:
         key = identity if identity is not None else hashlib.blake2b(data, digest_size=16).digest()
-        index = self._kept.get(key)
-        if index is not None:
+        kept = self._kept.get(key)
+        if kept is not None:
             self._kept.move_to_end(key)
-            return index
-        index = self._kept[key] = vd.index_video(data)
-        self._frames += len(index)
-        while self._frames > MAX_KEPT_FRAMES and len(self._kept) > 1:
-            self._frames -= len(self._kept.popitem(last=False)[1])
+            return _unpack(kept)
+        index = vd.index_video(data)
+        kept = self._kept[key] = _pack(index)
+        self._bytes += _kept_bytes(kept)
+        while self._bytes > MAX_KEPT_BYTES and len(self._kept) > 1:
+            self._bytes -= _kept_bytes(self._kept.popitem(last=False)[1])
         return index
 
 

@@ -478,3 +478,18 @@ def test_ddp_ranks_split_the_videos_and_jobs_on_one_plan_share_each_clips_decode
         assert ids == ids_b
         np.testing.assert_array_equal(clips, clips_b)
     assert sum(shared) > 0, shared  # clips one job's decode served to both (how many: the start's timing)
+
+
+def test_a_workers_kept_index_of_a_constant_rate_video_is_small_and_gives_back_the_same_frames(videos):
+    from remoteloader.server import video_pipelines as vp
+
+    for name in ("h264_gop4", "vp9_vfr"):
+        index = vd.index_video(str(videos[name][1]))
+        kept = vp._pack(index)
+        again = vp._unpack(kept)
+        np.testing.assert_array_equal(again.pts, index.pts)
+        np.testing.assert_array_equal(again.keyframe, index.keyframe)
+        assert (again.time_base, again.height, again.width) == (index.time_base, index.height, index.width)
+        regular = name != "vp9_vfr"
+        assert isinstance(kept, vp._Regular) == regular, name
+        assert vp._kept_bytes(kept) < 1000 if regular else vp._kept_bytes(kept) >= 9 * len(index)
