@@ -16,7 +16,6 @@ sample's failure, naming the reason).
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -283,9 +282,3 @@ def clip_frames(
         starts = np.round(np.linspace(0, room, clips)).astype(np.int64)
     numbers = starts[:, None] + stride * np.arange(length, dtype=np.int64)[None, :]
     return np.minimum(numbers, frame_count - 1)
-
-
-def decoder_threads(workers: int, cores: int | None = None) -> int:
-    """FFmpeg threads per decoder so that workers x threads fit the cores (at least 1)."""
-    cores = cores or os.cpu_count() or 1
-    return max(1, cores // max(1, workers))

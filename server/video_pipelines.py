@@ -132,7 +132,7 @@ class VideoPipeline:
     Args:
         spec: The stream's spec (its height: K x T x the frame height).
         allow_custom / max_pixels: As for ``pipelines.Pipeline``.
-        threads: FFmpeg threads per decoder (``video_decode.decoder_threads``).
+        threads: FFmpeg threads per decoder (1: the workers are the parallelism, one per core).
     """
 
     def __init__(self, spec: PipelineSpec, allow_custom: bool = False, max_pixels: int = 100_000_000, threads: int = 1):
