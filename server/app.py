@@ -42,6 +42,8 @@ from remoteloader.server.jobs import Jobs
 from remoteloader.server.local_socket import LocalSocket
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.pipeline_checks import PipelineChecks
+from remoteloader.server.read_ahead import ReadAhead
+from remoteloader.server.read_ahead import available as read_ahead_available
 from remoteloader.server.sample_reads import read_sample
 from remoteloader.server.security import TokenInterceptor, read_token, server_credentials
 from remoteloader.server.service import LoaderService
@@ -78,6 +80,7 @@ class RenderResources:
     pool: WorkerPool
     checks: PipelineChecks
     objects: ObjectCache | None = None  # object-store samples on local disk, where shards are in a store
+    read_ahead: ReadAhead | None = None  # where shards are on this machine's disk
 
     @classmethod
     def start(cls, config: ServerConfig, shards: list[Shard], indexed_ns: int) -> RenderResources:
@@ -120,8 +123,12 @@ class RenderResources:
             objects = _object_cache(config, shards)
             if objects is not None:
                 undo.callback(objects.close)
+            read_ahead = None
+            if config.read_ahead and read_ahead_available() and any(not s.remote for s in shards):
+                read_ahead = ReadAhead()
+                undo.callback(read_ahead.close)
             undo.pop_all()
-        return cls(arena, cache, pool, checks, objects)
+        return cls(arena, cache, pool, checks, objects, read_ahead)
 
     def close(self) -> None:
         """Stops the pipeline checks and the workers, then closes the shared memory (idempotent)."""
@@ -132,6 +139,8 @@ class RenderResources:
             self.cache.close()
         if self.objects is not None:
             self.objects.close()
+        if self.read_ahead is not None:
+            self.read_ahead.close()
 
 
 def _object_cache(config: ServerConfig, shards: list[Shard]) -> ObjectCache | None:
@@ -254,7 +263,14 @@ async def _serve_on(
     started: float,
 ) -> LoaderServer:
     service = LoaderService(
-        config, shards, resources.pool, resources.arena, resources.cache, resources.checks, resources.objects
+        config,
+        shards,
+        resources.pool,
+        resources.arena,
+        resources.cache,
+        resources.checks,
+        resources.objects,
+        resources.read_ahead,
     )
     limit = max(config.max_message_bytes, limits.MAX_DESCRIBE_BYTES)  # a chunk, or a page of Describe
     interceptors = [TokenInterceptor(token)] if token else []

@@ -193,6 +193,9 @@ class ServerConfig:
     # Rebuilt from albumentations' registry only (A.from_dict): no client code runs.
     allow_custom_pipelines: bool = _setting(False, "accept albumentations pipelines serialized by clients")
     cache_bytes: int = _setting(0, "shared memory for caching encoded samples after their first read (0: off)")
+    read_ahead: bool = _setting(
+        True, "ask the kernel to read each order's samples from local disk as the order arrives (server/read_ahead.py)"
+    )
     # Concurrent jobs: their shares of the decode (server.fair_queue); a client names its job with
     # RemoteLoader(job=...). A job not listed weighs 1 for each stream it has open (as do streams
     # that name no job): naming a job changes its share only once it is listed here. Kept parsed:

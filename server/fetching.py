@@ -1,4 +1,5 @@
-"""Fetching a chunk's object-store bytes, the step before it is rendered.
+"""Fetching a chunk's object-store bytes, the step before it is rendered (and asking for the
+read-ahead of those on this machine's disk: server.read_ahead).
 
 Where a chunk's samples are in an object store (``Shard.remote``), their byte ranges (and, when
 the stream asks for masks, their mask members') are fetched to this machine first; the chunk is
@@ -19,11 +20,14 @@ import asyncio
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
+
 from remoteloader.protos import loader_pb2
 from remoteloader.server.catalog import Catalog, Location
 from remoteloader.server.object_cache import ObjectCache
 from remoteloader.server.order_samples import Samples
 from remoteloader.server.pipelines import PipelineSpec
+from remoteloader.server.read_ahead import ReadAhead
 from remoteloader.server.targets import MASK
 from remoteloader.server.worker_pool import Rendered
 
@@ -38,18 +42,28 @@ class Fetcher:
     Args:
         catalog: The server's shards.
         objects: The local copies of object-store samples; None where no shard is in a store.
+        read_ahead: Asks the kernel to read local samples' bytes; None: they are read when rendered.
     """
 
-    def __init__(self, catalog: Catalog, objects: ObjectCache | None):
+    def __init__(self, catalog: Catalog, objects: ObjectCache | None, read_ahead: ReadAhead | None = None):
         self.catalog = catalog
         self.objects = objects
+        self.read_ahead = read_ahead
 
     def prefetch(self, spec: PipelineSpec, samples: Samples) -> None:
         """An order arrived: starts fetching its samples' bytes from their object store (those
-        that are in one), so that they are on this machine when its chunks are rendered."""
-        if self.objects is not None and samples.remote:
-            located = self.catalog.locate(samples.which, samples.indices)
+        that are in one), and the read-ahead of the others, so that they are on this machine
+        (in its page cache) when its chunks are rendered."""
+        remote = samples.remote
+        if (self.objects is None or not remote) and (self.read_ahead is None or samples.synthetic):
+            return
+        located = self.catalog.locate(samples.which, samples.indices)
+        if self.objects is not None and remote:
             self.objects.prefetch(_fetches(spec, samples, located).ranges)
+        if self.read_ahead is not None:
+            elsewhere = self.catalog.remote[samples.which] | self.catalog.generated[samples.which]
+            if not elsewhere.all():
+                self.read_ahead.ask([located[pos] for pos in np.flatnonzero(~elsewhere).tolist()])
 
     def then_render(self, spec: PipelineSpec, samples: Samples, render: RenderFrom) -> asyncio.Future[Rendered]:
         """Starts ``render`` once ``samples``' bytes are on this machine: at once with (None,

@@ -31,6 +31,7 @@ from remoteloader.server.order_stream import OrderStream, StreamRooms, serialize
 from remoteloader.server.pipeline_checks import OFFERED, PipelineChecks
 from remoteloader.server.pipelines import PipelineError
 from remoteloader.server.rate_limit import RateLimiter
+from remoteloader.server.read_ahead import ReadAhead
 from remoteloader.server.render import Renderer
 from remoteloader.server.shared_memory import Arena, SampleCache
 from remoteloader.server.sharing import SharedRenders
@@ -66,6 +67,7 @@ class LoaderService:
         cache: SampleCache | None,
         checks: PipelineChecks,
         objects: ObjectCache | None = None,
+        read_ahead: ReadAhead | None = None,
     ):
         self.config = config
         self.catalog = Catalog(shards)
@@ -75,7 +77,7 @@ class LoaderService:
         self.slots = Slots(arena, pool.jobs)
         self.renders = SharedRenders(self.slots)
         self._streams = itertools.count(1)  # numbers the streams: a stream that names no job is "#n"
-        self.fetcher = Fetcher(self.catalog, objects)
+        self.fetcher = Fetcher(self.catalog, objects, read_ahead)
         self.renderer = Renderer(self.catalog, pool, cache)
         self.limiter = RateLimiter(config.max_rate) if config.max_rate else None
         self.metrics = Metrics()

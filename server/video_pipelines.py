@@ -45,7 +45,7 @@ class _Regular(NamedTuple):
 
     first: int
     step: int
-    count: int
+    frames: int
     keys: np.ndarray
     time_base: tuple[int, int]
     height: int
@@ -64,9 +64,9 @@ def _pack(index: vd.VideoIndex) -> vd.VideoIndex | _Regular:
 def _unpack(kept: vd.VideoIndex | _Regular) -> vd.VideoIndex:
     if isinstance(kept, vd.VideoIndex):
         return kept
-    keyframe = np.zeros(kept.count, bool)
+    keyframe = np.zeros(kept.frames, bool)
     keyframe[kept.keys] = True
-    pts = kept.first + kept.step * np.arange(kept.count, dtype=np.int64)
+    pts = kept.first + kept.step * np.arange(kept.frames, dtype=np.int64)
     return vd.VideoIndex(pts, keyframe, kept.time_base, kept.height, kept.width)
 
 

@@ -1,0 +1,73 @@
+"""Read-ahead: the kernel asked to read upcoming samples' bytes from the local disk.
+
+An order arrives well before its chunks render (a client keeps ``prefetch`` batches of orders in
+flight), so the kernel is asked then (``posix_fadvise(WILLNEED)``) to start reading each sample's
+byte range from its file into the page cache: in an epoch whose data is not cached (a dataset
+larger than the memory, or the first read of it) the disk works while earlier chunks decode,
+instead of each worker stalling on each sample's read. Invariants:
+* The asking happens on one thread of its own: on a busy disk the call may wait for a slot in
+  the disk's queue, and the event loop must not.
+* Nothing is read into this process; the kernel fills its page cache, which it may also drop.
+  Bytes cached already cost a look-up.
+* A file that cannot be opened (gone, or not a file: an LMDB's record) is passed over: the
+  worker's own read reports it, as without read-ahead.
+* At most ``OPEN_FILES`` files are held open (a tar's samples share one).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections import OrderedDict
+
+from remoteloader.server.catalog import Location
+
+OPEN_FILES = 64
+
+
+class ReadAhead:
+    """Asks the kernel, off the event loop, to read samples' byte ranges into the page cache."""
+
+    def __init__(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
+        self._files: OrderedDict[str, int] = OrderedDict()  # path -> descriptor (the thread's alone)
+
+    def ask(self, located: list[Location]) -> concurrent.futures.Future[None]:
+        """Starts reading ``located``'s ranges; the future is done once every range was asked for."""
+        return self._executor.submit(self._advise, located)
+
+    def close(self) -> None:
+        self._executor.submit(self._close_files)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _advise(self, located: list[Location]) -> None:
+        for location in located:
+            fd = self._open(location.path)
+            if fd is not None:
+                try:
+                    os.posix_fadvise(fd, location.offset, location.length, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+
+    def _open(self, path: str) -> int | None:
+        fd = self._files.get(path)
+        if fd is not None:
+            self._files.move_to_end(path)
+            return fd
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        self._files[path] = fd
+        while len(self._files) > OPEN_FILES:
+            os.close(self._files.popitem(last=False)[1])
+        return fd
+
+    def _close_files(self) -> None:
+        while self._files:
+            os.close(self._files.popitem()[1])
+
+
+def available() -> bool:
+    """Whether this system can ask for read-ahead (Linux and most Unixes: posix_fadvise)."""
+    return hasattr(os, "posix_fadvise")
