@@ -5,7 +5,8 @@ seed derived from (seed, epoch, shard, index), so the same order gives the same 
 any server. When its first transform is a random-resized crop, the crop is chosen on the
 JPEG header's dimensions and the JPEG is decoded at the smallest DCT scale that keeps the
 crop at least the output size, only the crop's region (with the rest of the file read too, as
-a whole decode reads it, until the file is known to decode: decode.decode_crop); a first resize likewise decodes no larger than it needs. A first fit
+a whole decode reads it, until the file is known to decode: decode.decode_crop); a first
+resize likewise decodes no larger than it needs. A first fit
 (Longest/SmallestMaxSize) followed by a RandomScale, as the detection and segmentation
 training presets start, resizes the image once, to the size the two give (``DeferredFit``).
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
