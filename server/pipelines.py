@@ -516,10 +516,8 @@ class Pipeline:
         # Smallest decode that keeps the crop at least the output size.
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
-        region = dec.decode_crop(
-            data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width),
-            native=self.region_decode, whole=not verified,
-        )
+        box, mins = (x1, y1, x2, y2), (min(min_h, height), min(min_w, width))
+        region = dec.decode_crop(data, fmt, height, width, box, *mins, native=self.region_decode, whole=not verified)
         if region.shape[:2] != (out_h, out_w):
             # As albumentations picks it: on the crop's size in the source (area_for_downscale).
             pick = getattr(crop, "_get_interpolation_for_resize", None)

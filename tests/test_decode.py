@@ -253,10 +253,10 @@ def damaged_below_the_top(data: bytes) -> dict[str, bytes]:
     }
 
 
-def reason(decode) -> str | None:
-    """The DecodeError a decode raises (its message), or None when it returns pixels."""
+def reason(crop: tuple, **kwargs) -> str | None:
+    """The DecodeError decode_crop(*crop, **kwargs) raises (its message), or None when it returns pixels."""
     try:
-        decode()
+        dec.decode_crop(*crop, **kwargs)
     except dec.DecodeError as exc:
         return str(exc)
     return None
@@ -274,10 +274,11 @@ def test_damage_outside_the_crop_fails_as_a_whole_decode_fails(monkeypatch):
         for damage, data in damaged_below_the_top(clean).items():
             for min_h, min_w in ((0, 0), (h // 4, w // 4)):
                 top = (5, 3, 57, 41)
+                crop = (data, "jpeg", h, w, top, min_h, min_w)
                 with monkeypatch.context() as m:
                     m.setattr(dec, "_jpeg", None)
-                    expected = reason(lambda: dec.decode_crop(data, "jpeg", h, w, top, min_h, min_w))
-                got = reason(lambda: dec.decode_crop(data, "jpeg", h, w, top, min_h, min_w, native=True, whole=True))
+                    expected = reason(crop)
+                got = reason(crop, native=True, whole=True)
                 assert got == expected, f"{name}, {damage}, min {min_h}: {got!r} != whole decode's {expected!r}"
                 if expected is None:
                     continue
@@ -289,7 +290,7 @@ def test_damage_outside_the_crop_fails_as_a_whole_decode_fails(monkeypatch):
                 out = np.empty((box[3] - box[1], box[2] - box[0] + 31, 3), np.uint8)
                 with pytest.raises(ValueError):  # refused natively, not only by the whole decode after it
                     dec._jpeg.decode_region(*args, out, dec.MAX_SCANS, out.shape[1], True)
-                blind += reason(lambda: dec.decode_crop(data, "jpeg", h, w, top, min_h, min_w, native=True)) is None
+                blind += reason(crop, native=True) is None
     assert refused > 40 and blind > 20, (refused, blind)  # the damage is refused, and unseen by the region alone
 
 
