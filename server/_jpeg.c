@@ -1,6 +1,6 @@
 /* Decode only a region of a JPEG, at a reduced DCT scale, with libjpeg-turbo.
  *
- * decode_region(data, denom, x, y, w, h, out[, max_scans, pitch]) decodes the rectangle (x, y, w, h) of the
+ * decode_region(data, denom, x, y, w, h, out[, max_scans, pitch, whole]) decodes the rectangle (x, y, w, h) of the
  * image scaled by 1/denom (denom in 1, 2, 4, 8) into `out`, a writable C-contiguous buffer of
  * h rows of `pitch` pixels (default w), 3 bytes each (RGB), from a baseline (sequential) JPEG, and
  * returns the column where the region starts in each row: libjpeg decodes from the iMCU column
@@ -13,7 +13,15 @@
  *   - columns outside it are not transformed, upsampled or converted (jpeg_crop_scanline).
  * Since rows below the region are never read, damage there goes unseen, and libjpeg notices
  * much damage only at the end of a scan: use it on files that have decoded whole without
- * error before. Any libjpeg warning is an error (as simplejpeg's strict mode).
+ * error before, or pass whole=True. Any libjpeg warning is an error (as simplejpeg's strict mode).
+ *
+ * decode_region(..., whole=True) also reads the rest of the file as a whole decode does, so that
+ * it fails exactly where one fails, for a file not known to decode: every failure of a whole
+ * decode comes from reading the file (its markers and entropy-coded data, up to EOI), never from
+ * the inverse DCT, upsampling or colour conversion, which cannot fail. The rows below the region
+ * are entropy-decoded (jpeg_skip_scanlines) but not transformed, the last row is decoded (a skip
+ * to the very end reads nothing), then jpeg_finish_decompress reads up to EOI. The restart-marker
+ * cut (below) is not used then: it reads only the region's MCUs.
  * Raises ValueError with libjpeg's message, or with ": decode it whole" for what it does not
  * handle (progressive, CMYK/YCCK, lossless...): the caller decodes those some other way.
  * The GIL is released while decoding. With max_scans > 0, a JPEG of more scans is refused
@@ -203,10 +211,37 @@ static int cut_mcus(const unsigned char *data, size_t size, const layout *lay, u
     return 1;
 }
 
+/* decode(..., whole=1)'s end: reads the rest of the file as a whole decode would (see the
+ * comment on top), the rows below the region entropy-decoded only. On failure it sets *problem
+ * (or libjpeg's message is in err) and jumps to decode()'s handler, which frees *row. */
+static void read_rest(j_decompress_ptr cinfo, unsigned char *volatile *row, const char *volatile *problem,
+                      error_mgr *err) {
+    const JDIMENSION rest = cinfo->output_height - cinfo->output_scanline;
+    if (rest > 1 && jpeg_skip_scanlines(cinfo, rest - 1) != rest - 1) {
+        *problem = "could not read past the region";
+        longjmp(err->jump, 1);
+    }
+    if (rest > 0) { /* skipping to the very end would read nothing: the last row is decoded */
+        *row = malloc((size_t)cinfo->output_width * 3);
+        if (*row == NULL) {
+            *problem = "out of memory";
+            longjmp(err->jump, 1);
+        }
+        JSAMPROW last = *row;
+        if (jpeg_read_scanlines(cinfo, &last, 1) != 1) {
+            *problem = "truncated JPEG";
+            longjmp(err->jump, 1);
+        }
+        free(*row);
+        *row = NULL;
+    }
+    jpeg_finish_decompress(cinfo); /* the markers up to EOI, as a whole decode reads them */
+}
+
 /* Returns NULL on success, else a static message or err->message. */
 static const char *decode(const unsigned char *data, size_t size, int denom, JDIMENSION x,
                           JDIMENSION y, JDIMENSION w, JDIMENSION h, unsigned char *out, size_t pitch,
-                          JDIMENSION *column, error_mgr *err) {
+                          JDIMENSION *column, int whole, error_mgr *err) {
     struct jpeg_decompress_struct cinfo;
     /* volatile: modified after setjmp and read after longjmp */
     unsigned char *volatile row = NULL;
@@ -288,8 +323,11 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
     }
     free(row);
     row = NULL;
-    /* The rows below the region are never decoded. */
-    jpeg_abort_decompress(&cinfo);
+    if (whole) {
+        read_rest(&cinfo, &row, &problem, err);
+    } else {
+        jpeg_abort_decompress(&cinfo); /* the rows below the region are never decoded */
+    }
     jpeg_destroy_decompress(&cinfo);
     return NULL;
 }
@@ -297,11 +335,11 @@ static const char *decode(const unsigned char *data, size_t size, int denom, JDI
 /* decode(), from the region's MCUs only when the JPEG has a restart marker after each MCU. */
 static const char *decode_cut(const unsigned char *data, size_t size, int denom, JDIMENSION x, JDIMENSION y,
                               JDIMENSION w, JDIMENSION h, unsigned char *out, size_t pitch, JDIMENSION *column,
-                              error_mgr *err) {
+                              int whole, error_mgr *err) {
     layout lay = {0};
     unsigned char *cut = NULL;
     size_t cut_size = 0;
-    if (w > 0 && h > 0 && read_layout(data, size, &lay)) {
+    if (!whole && w > 0 && h > 0 && read_layout(data, size, &lay)) {
         /* In the image scaled by 1/denom, an MCU is mcu_w / denom x mcu_h / denom pixels. */
         const unsigned sw = lay.mcu_w / denom, sh = lay.mcu_h / denom;
         const unsigned out_w = (lay.width + denom - 1) / denom, out_h = (lay.height + denom - 1) / denom;
@@ -309,20 +347,20 @@ static const char *decode_cut(const unsigned char *data, size_t size, int denom,
             const unsigned c0 = x / sw, r0 = y / sh;
             if (cut_mcus(data, size, &lay, c0, (x + w + sw - 1) / sw, r0, (y + h + sh - 1) / sh, &cut, &cut_size)) {
                 const char *problem =
-                    decode(cut, cut_size, denom, x - c0 * sw, y - r0 * sh, w, h, out, pitch, column, err);
+                    decode(cut, cut_size, denom, x - c0 * sw, y - r0 * sh, w, h, out, pitch, column, 0, err);
                 free(cut);
                 return problem;
             }
         }
     }
-    return decode(data, size, denom, x, y, w, h, out, pitch, column, err);
+    return decode(data, size, denom, x, y, w, h, out, pitch, column, whole, err);
 }
 
 static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data, out;
-    int denom, max_scans = 0;
+    int denom, max_scans = 0, whole = 0;
     Py_ssize_t x, y, w, h, pitch = -1; /* "n" checks for overflow; "I" would silently wrap */
-    if (!PyArg_ParseTuple(args, "y*innnnw*|in", &data, &denom, &x, &y, &w, &h, &out, &max_scans, &pitch)) {
+    if (!PyArg_ParseTuple(args, "y*innnnw*|inp", &data, &denom, &x, &y, &w, &h, &out, &max_scans, &pitch, &whole)) {
         return NULL;
     }
     if (pitch < 0) pitch = w;
@@ -343,7 +381,7 @@ static PyObject *decode_region(PyObject *Py_UNUSED(self), PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         problem = decode_cut((const unsigned char *)data.buf, (size_t)data.len, denom, (JDIMENSION)x,
                              (JDIMENSION)y, (JDIMENSION)w, (JDIMENSION)h, (unsigned char *)out.buf, (size_t)pitch,
-                             &column, &err);
+                             &column, whole, &err);
         Py_END_ALLOW_THREADS
         if (problem) {
             PyErr_SetString(PyExc_ValueError, problem);
@@ -493,10 +531,12 @@ static PyObject *cuts(PyObject *Py_UNUSED(self), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
-     "decode_region(data, denom, x, y, w, h, out, max_scans=0, pitch=w) -> int: decode the region (x, y, w, h) "
-     "of the JPEG scaled by 1/denom into out (h rows of pitch pixels, RGB) and return the column where it "
-     "starts in each row (0 unless pitch > w: then libjpeg's rows, widened to the iMCU column left of x, "
-     "are written in place when they fit); a JPEG of more than max_scans scans (0: any) is refused."},
+     "decode_region(data, denom, x, y, w, h, out, max_scans=0, pitch=w, whole=False) -> int: decode the region "
+     "(x, y, w, h) of the JPEG scaled by 1/denom into out (h rows of pitch pixels, RGB) and return the column "
+     "where it starts in each row (0 unless pitch > w: then libjpeg's rows, widened to the iMCU column left of "
+     "x, are written in place when they fit); a JPEG of more than max_scans scans (0: any) is refused. "
+     "whole=True also reads the rest of the file (entropy-decoded, not transformed, up to EOI), so that it "
+     "fails wherever a whole decode fails."},
     {"cuts", cuts, METH_VARARGS,
      "cuts(data) -> bool: whether decode_region decodes only a region's MCUs of this JPEG (baseline, "
      "one scan of all its components, a restart marker after every MCU, as transcode() writes it)."},

@@ -188,7 +188,9 @@ class ServerConfig:
     max_pixels: int = _setting(100_000_000, "largest image (width x height) the server decodes")
     # Native region decoding when it was built (decode.decode_crop); the pixels are the same either way.
     region_decode: bool = _setting(
-        True, "after a file decoded whole once, decode only the region a random-resized crop keeps (same pixels)"
+        True,
+        "decode only the region a random-resized crop keeps (same pixels); until a file has decoded without error, "
+        "the rest of it is entropy-decoded too, to refuse it as a whole decode would",
     )
     # Rebuilt from albumentations' registry only (A.from_dict): no client code runs.
     allow_custom_pipelines: bool = _setting(False, "accept albumentations pipelines serialized by clients")

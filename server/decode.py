@@ -9,8 +9,13 @@ Everything returns RGB uint8 HWC.
 in a JPEG with a restart marker after every MCU (as ``remoteloader pack`` writes them) only
 the crop's MCUs. It gives the same pixels as a whole decode, but it does not read what lies
 outside the crop (at least the rows below it), so it cannot refuse damage there: the server
-uses it only for files that have decoded whole without error before, or that ``remoteloader
-pack`` rewrote (see render.Renderer and Shard.verified).
+uses it alone only for files that have decoded without error before, or that ``remoteloader
+pack`` rewrote (see render.Renderer and Shard.verified). A file not known to decode is
+region-decoded with its rest read too (``whole=True``: the rows below the crop entropy-decoded,
+not transformed, up to the end of the image), which fails wherever a whole decode fails: every
+failure of a whole decode comes from reading the file, none from the inverse DCT, upsampling or
+colour conversion. Where it fails, the whole decode is run and decides, so the reason reported
+is the whole decode's, whatever the server's history.
 """
 
 from __future__ import annotations
@@ -228,8 +233,8 @@ def region_decoder() -> str:
         return "whole images (simplejpeg; the native region decoder was not built, see setup.py)"
     v = _jpeg.LIBJPEG_TURBO_VERSION_NUMBER
     return (
-        f"crop regions only, once a file has decoded whole without error (from the start for those "
-        f"`remoteloader pack` rewrote); only the crop's MCUs in "
+        f"crop regions only, with the rest of a file entropy-decoded too until it has decoded without error "
+        f"(not those `remoteloader pack` rewrote); only the crop's MCUs in "
         f"JPEGs with a restart marker per MCU, as `remoteloader pack` writes them (native, libjpeg-turbo "
         f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000})"
     )
@@ -244,6 +249,7 @@ def decode_crop(
     min_height: int,
     min_width: int,
     native: bool = False,
+    whole: bool = False,
 ) -> np.ndarray:
     """The region ``box`` = (x1, y1, x2, y2) of a ``height`` x ``width`` image (header coordinates).
 
@@ -255,7 +261,9 @@ def decode_crop(
     decoded, and rows above and columns beside it are only entropy-decoded, or not at all
     with a restart marker after every MCU (see ``_jpeg.c``). Damage in a file
     can then go unseen (see the module's docstring): pass it only for files known to decode.
-    Whatever the region decoder refuses is decoded whole, which decides.
+    ``whole=True`` (with ``native``) reads the rest of the file too, as a whole decode does, for
+    a file not known to decode: it fails wherever a whole decode would.
+    Whatever the region decoder refuses is decoded whole, which decides (and gives the reason).
     """
     factor = _decode_factor(fmt, height, width, min_height, min_width)
     if native and _jpeg is not None and fmt == "jpeg":
@@ -264,7 +272,7 @@ def decode_crop(
         # them in place, and the region is a view of them.
         out = np.empty((y2 - y1, x2 - x1 + _IMCU_SLACK, 3), np.uint8)
         try:
-            column = _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out, MAX_SCANS, out.shape[1])
+            column = _jpeg.decode_region(data, factor, x1, y1, x2 - x1, y2 - y1, out, MAX_SCANS, out.shape[1], whole)
             return out[:, column : column + x2 - x1]
         except ValueError:  # progressive, CMYK, damaged...: the whole decode below decides
             pass

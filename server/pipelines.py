@@ -4,8 +4,9 @@ A pipeline is an ``A.Compose`` whose randomness is reseeded for every sample fro
 seed derived from (seed, epoch, shard, index), so the same order gives the same pixels on
 any server. When its first transform is a random-resized crop, the crop is chosen on the
 JPEG header's dimensions and the JPEG is decoded at the smallest DCT scale that keeps the
-crop at least the output size, only the crop's region once the file is known to decode
-(decode.decode_crop); a first resize likewise decodes no larger than it needs. A first fit
+crop at least the output size, only the crop's region (with the rest of the file read too, as
+a whole decode reads it, until the file is known to decode: decode.decode_crop); a first
+resize likewise decodes no larger than it needs. A first fit
 (Longest/SmallestMaxSize) followed by a RandomScale, as the detection and segmentation
 training presets start, resizes the image once, to the size the two give (``DeferredFit``).
 The rest of the pipeline runs unchanged in albumentations. The fused and the plain path
@@ -366,12 +367,13 @@ class Pipeline:
                 )
 
     def __call__(self, data: bytes, seed: int, fused: bool = True, verified: bool = False) -> np.ndarray:
-        """The sample's pixels; ``verified``: the file has decoded whole without error before,
-        so a fused crop may decode its region only (when the server's region_decode is on)."""
+        """The sample's pixels; ``verified``: the file has decoded without error before, so a
+        fused crop may decode its region only; else the rest of the file is read too, to fail as
+        a whole decode would (both only when the server's region_decode is on)."""
         fmt, height, width = dec.read_size(data, self.max_pixels)
         self.reseed(seed)
         if fused and self._crop is not None:
-            return self._fused_crop(data, fmt, height, width, native=verified and self.region_decode)
+            return self._fused_crop(data, fmt, height, width, verified)
         min_h = min_w = 0
         if fused and self._resize_target is not None:
             th, tw, cover = self._resize_target
@@ -423,8 +425,7 @@ class Pipeline:
             fmt, height, width = dec.read_size(image, self.max_pixels)
             self.reseed(seed)
             if isinstance(self._crop, RegionCrop):  # decoded by the crop, by region: a placeholder
-                native = verified and self.region_decode
-                self._crop.render = lambda coords: self._region(image, fmt, height, width, coords, native)
+                self._crop.render = lambda coords: self._region(image, fmt, height, width, coords, verified)
                 pixels = np.empty((height, width, 0), np.uint8)
             else:
                 pixels = dec.decode(image, fmt, 0, 0, height, width)
@@ -494,19 +495,20 @@ class Pipeline:
             targets[tg.KEYPOINTS] = rows
         return out, targets, (result["mask"] if mask is not None else None)
 
-    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int, native: bool) -> np.ndarray:
+    def _fused_crop(self, data: bytes, fmt: str, height: int, width: int, verified: bool) -> np.ndarray:
         crop, rest = self._crop, self._rest
         assert crop is not None and rest is not None, "only for a pipeline that starts with a random-resized crop"
         params = crop.get_params()
         params["shape"] = (height, width, 3)
         coords = crop.get_params_dependent_on_data(params, {})["crop_coords"]
-        region = self._region(data, fmt, height, width, coords, native)
+        region = self._region(data, fmt, height, width, coords, verified)
         return rest(image=region)["image"] if rest.transforms else region
 
     def _region(
-        self, data: bytes, fmt: str, height: int, width: int, coords: tuple[int, int, int, int], native: bool
+        self, data: bytes, fmt: str, height: int, width: int, coords: tuple[int, int, int, int], verified: bool
     ) -> np.ndarray:
-        """The crop ``coords`` of the image, decoded as small as it may be and resized to the output."""
+        """The crop ``coords`` of the image, decoded as small as it may be and resized to the output;
+        ``verified``: the file decoded without error before (see ``__call__``)."""
         crop = self._crop
         assert crop is not None, "only for a pipeline that starts with a random-resized crop"
         x1, y1, x2, y2 = coords
@@ -514,9 +516,8 @@ class Pipeline:
         # Smallest decode that keeps the crop at least the output size.
         min_h = math.ceil(height * out_h / max(y2 - y1, 1))
         min_w = math.ceil(width * out_w / max(x2 - x1, 1))
-        region = dec.decode_crop(
-            data, fmt, height, width, (x1, y1, x2, y2), min(min_h, height), min(min_w, width), native=native
-        )
+        box, mins = (x1, y1, x2, y2), (min(min_h, height), min(min_w, width))
+        region = dec.decode_crop(data, fmt, height, width, box, *mins, native=self.region_decode, whole=not verified)
         if region.shape[:2] != (out_h, out_w):
             # As albumentations picks it: on the crop's size in the source (area_for_downscale).
             pick = getattr(crop, "_get_interpolation_for_resize", None)

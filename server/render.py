@@ -7,9 +7,10 @@ task pipe holds.
 A chunk's samples are split into tasks for the worker pool so that all workers share it;
 the chunk's future completes only when every task has, so its slot is never given back
 while a worker may still write into it. Invariants kept here:
-* Only a sample that has decoded whole without error may have just its crop's region
-  decoded next time (decode.decode_crop cannot see damage outside the region); a sample
-  that fails is decoded whole again next time.
+* Only a sample that has decoded without error may have just its crop's region decoded
+  next time (a region alone cannot see damage outside it); until then, and again after
+  it fails, the rest of the file is read with the region (decode.decode_crop(whole=True)),
+  which refuses what a whole decode refuses.
 * A cache fill stands only if its sample rendered without error; a failed fill keeps its
   space for the next try (shared_memory.SampleCache).
 """
@@ -46,7 +47,7 @@ class Renderer:
         self.catalog = catalog
         self.pool = pool
         self.cache = cache
-        # Samples that have decoded whole without error, a byte per sample (by server-wide id): at
+        # Samples that have decoded without error, a byte per sample (by server-wide id): at
         # first those the shard's index knows (Shard.verified), then as samples decode.
         self._decoded = catalog.verified()
 
@@ -128,7 +129,7 @@ class Renderer:
         future = _merge(parts, spans, len(tasks), bool(spec.fields))
 
         def done(f: asyncio.Future[Rendered]) -> None:
-            # What decoded cleanly may be region-decoded next time (what failed is decoded whole
+            # What decoded cleanly may be region-decoded alone next time (what failed is read whole
             # again), and its cache fill stands.
             failed = {pos for pos, _ in f.result().errors} if not f.cancelled() else None
             if failed is not None:

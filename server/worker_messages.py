@@ -43,7 +43,7 @@ class WorkerSettings:
         cache_bytes: Size of the sample cache (0: none).
         region_decode: Whether the pipelines decode only a crop's region (decode.decode_crop).
         indexed_ns: When the server started indexing its data (time.time_ns()): files written
-            later are always decoded whole.
+            later are always read whole (never region-decoded alone).
         sources: The server's ``--source`` (spec, JSON arguments), which each worker loads.
     """
 
@@ -65,7 +65,7 @@ class TaskSample(NamedTuple):
     length: int  # its bytes' length
     cache_mode: int  # shared_memory.PLAIN_READ, CACHE_READ (from cache_offset) or CACHE_FILL (at cache_offset)
     cache_offset: int
-    verified: bool  # it has decoded whole without error before: its crop's region alone may be decoded
+    verified: bool  # it has decoded without error before: its crop's region alone may be decoded
     targets: bytes  # its stored targets (a serialized loader_pb2.Targets); b"" when the stream asked for none
     source: int  # the index of the server's --source object it comes from; -1 for a file
     failure: str  # why its bytes could not be fetched (an object store); "" when they were

@@ -191,7 +191,7 @@ class WorkerPool:
         max_pixels: Decode size cap passed to the pipelines.
         region_decode: Whether the pipelines decode only a crop's region (decode.decode_crop).
         indexed_ns: When the server started indexing its data (time.time_ns()): files written
-            later are always decoded whole.
+            later are always read whole (never region-decoded alone).
         cache: Shared cache of encoded samples, if any.
         sources: The server's ``--source`` (spec, JSON arguments), which each worker loads.
         busy_window: Seconds over which ``busy_share`` is measured (default 5).

@@ -199,7 +199,7 @@ class _Pipelines:
 
 
 class _Read(NamedTuple):
-    """A sample's encoded bytes; whether they decoded whole before, unchanged since (a crop may
+    """A sample's encoded bytes; whether they decoded without error before, unchanged since (a crop may
     then decode its region only); and, read from a file, which bytes they are: (path, offset,
     length, mtime_ns), None from the cache."""
 
@@ -264,7 +264,7 @@ class _Samples:
             return _Read(cache[start : start + length], sample.verified, None)
         data, mtime_ns = read_sample(sample.path, sample.offset, length)
         # A file written since the server indexed it may differ from the bytes that
-        # decoded whole before (same length, new content): decode it whole again.
+        # decoded before (same length, new content): read it whole again.
         verified = sample.verified and mtime_ns < self.indexed_ns
         if sample.cache_mode == CACHE_FILL:
             assert cache is not None, "cache modes come only from a server with a cache"

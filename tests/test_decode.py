@@ -220,6 +220,80 @@ def test_whole_decode_refuses_damage_the_region_decoder_cannot_see(decoder):
         dec.decode_crop(progressive[:len(progressive) // 2], "jpeg", h, w, top, 0, 0, native=True)
 
 
+@needs_region_decoder
+def test_region_decode_reading_the_rest_gives_the_pixels_of_a_whole_decode(monkeypatch):
+    """decode_crop(native=True, whole=True), a first epoch's decode of a file not yet known to
+    decode: the same pixels as a whole decode's crop, in every layout, box and scale."""
+    rng = np.random.default_rng(3)
+    for name, (data, h, w) in jpeg_variants().items():
+        for box in random_boxes(rng, h, w, 8):
+            for min_h, min_w in ((0, 0), (h // 2, w // 2), (h // 4, 1), (1, 1)):  # scales 1, 2, 4, 8
+                region = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w, native=True, whole=True)
+                with monkeypatch.context() as m:
+                    m.setattr(dec, "_jpeg", None)
+                    whole = dec.decode_crop(data, "jpeg", h, w, box, min_h, min_w)
+                assert np.array_equal(region, whole), f"{name}: box {box} at min {min_h}x{min_w}"
+
+
+def damaged_below_the_top(data: bytes) -> dict[str, bytes]:
+    """A JPEG damaged only in its last rows or after them, where a crop of its top does not reach."""
+    start, segments = entropy_segments(data)
+    end = segments[-1][1]  # the EOI marker
+    late = start + (end - start) * 9 // 10
+    flipped = bytearray(data)
+    for i in range(late, end, 97):
+        flipped[i] ^= 0x5A if flipped[i] != 0xFF and flipped[i] ^ 0x5A != 0xFF else 0
+    return {
+        "cut at 9/10": data[: len(data) * 9 // 10],
+        "cut before EOI": data[:-2],
+        "last tenth zeroed": data[:late] + bytes(end - late) + data[end:],
+        "bytes flipped in the last tenth": bytes(flipped),
+        "garbage before EOI": data[:end] + b"\x12\x34\x56" + data[end:],
+        "EOI as a restart marker": data[:end] + b"\xff\xd3",
+    }
+
+
+def reason(crop: tuple, **kwargs) -> str | None:
+    """The DecodeError decode_crop(*crop, **kwargs) raises (its message), or None when it returns pixels."""
+    try:
+        dec.decode_crop(*crop, **kwargs)
+    except dec.DecodeError as exc:
+        return str(exc)
+    return None
+
+
+@needs_region_decoder
+def test_damage_outside_the_crop_fails_as_a_whole_decode_fails(monkeypatch):
+    """What keeps the first epoch's region decode honest: for a file damaged outside the crop
+    (below it, or after the last row), reading the rest refuses exactly what a whole decode
+    refuses, with the same reason, at every scale; the region alone (a verified file's decode)
+    would have taken some of them."""
+    blind = refused = 0
+    for name in ("420", "422", "444", "grey", "restarts", "restart-per-mcu"):
+        clean, h, w = jpeg_variants()[name]
+        for damage, data in damaged_below_the_top(clean).items():
+            for min_h, min_w in ((0, 0), (h // 4, w // 4)):
+                top = (5, 3, 57, 41)
+                crop = (data, "jpeg", h, w, top, min_h, min_w)
+                with monkeypatch.context() as m:
+                    m.setattr(dec, "_jpeg", None)
+                    expected = reason(crop)
+                got = reason(crop, native=True, whole=True)
+                assert got == expected, f"{name}, {damage}, min {min_h}: {got!r} != whole decode's {expected!r}"
+                if expected is None:
+                    continue
+                refused += 1
+                assert "corrupt" in expected.lower(), expected
+                factor = dec._decode_factor("jpeg", h, w, min_h, min_w)
+                box = dec._scale_box(top, h, w, -(-h // factor), -(-w // factor))
+                args = (data, factor, box[0], box[1], box[2] - box[0], box[3] - box[1])
+                out = np.empty((box[3] - box[1], box[2] - box[0] + 31, 3), np.uint8)
+                with pytest.raises(ValueError):  # refused natively, not only by the whole decode after it
+                    dec._jpeg.decode_region(*args, out, dec.MAX_SCANS, out.shape[1], True)
+                blind += reason(crop, native=True) is None
+    assert refused > 40 and blind > 20, (refused, blind)  # the damage is refused, and unseen by the region alone
+
+
 def test_region_decoder_leaves_cmyk_to_the_whole_decode(monkeypatch):
     """CMYK JPEGs (which the region decoder refuses) give the same pixels by either decoder."""
     from PIL import Image

@@ -391,3 +391,83 @@ def test_region_decoder_survives_mutated_jpegs():
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
     calls, refused = map(int, re.findall(r"(\d+) decodes of mutated JPEGs, (\d+) refused", result.stdout)[0])
     assert calls > 100 and 0 < refused < calls, result.stdout  # both outcomes were exercised
+
+
+# ---- the first epoch's region decode: what it refuses against what a whole decode refuses ----
+REST_FUZZ = r"""
+import random, sys, time
+import cv2, numpy as np
+from remoteloader.server import decode as dec
+from remoteloader.tools.textures import make_image
+
+seconds, seed = float(sys.argv[1]), int(sys.argv[2])
+r = random.Random(seed)
+image = make_image(0, 5, np.random.default_rng(seed), 97, 131)
+seeds = [cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 85] + extra)[1].tobytes()
+         for extra in ([], [cv2.IMWRITE_JPEG_RST_INTERVAL, 2], [cv2.IMWRITE_JPEG_RST_INTERVAL, 1],
+                       [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444])]
+seeds.append(cv2.imencode(".jpg", image[..., 0])[1].tobytes())
+calls = refused = blind = 0
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    data = bytearray(r.choice(seeds))
+    for _ in range(r.randint(1, 3)):  # mostly in the second half: below a crop of the top
+        i = r.randrange(len(data) // 2, len(data))
+        op = r.randrange(4)
+        if op == 0:
+            data[i] = r.randrange(256)
+        elif op == 1:
+            data[i:i + 2] = bytes([0xFF, r.choice([0xD0, 0xD5, 0xD9, 0xDA, 0xC4, 0xDB, 0xDD])])
+        elif op == 2:
+            del data[i:i + r.randint(1, 64)]
+        else:
+            data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 16)))
+    data = bytes(data)
+    try:
+        fmt, h, w = dec.read_size(data, 10**7)
+    except dec.DecodeError:
+        continue
+    factor = r.choice([1, 2, 4, 8]) if fmt == "jpeg" else 1
+    sh, sw = -(-h // factor), -(-w // factor)
+    x1, y1 = r.randrange(sw), r.randrange(max(1, sh // 3))
+    x2, y2 = r.randint(x1 + 1, sw), r.randint(y1 + 1, max(y1 + 1, sh // 2))
+    calls += 1
+    try:
+        dec.decode(data, fmt, sh if factor > 1 else 0, sw if factor > 1 else 0, h, w)
+        whole = None
+    except dec.DecodeError as exc:
+        whole = str(exc)
+    out = np.empty((y2 - y1, x2 - x1 + 31, 3), np.uint8)
+    region = (data, factor, x1, y1, x2 - x1, y2 - y1, out, dec.MAX_SCANS, out.shape[1])
+    try:
+        dec._jpeg.decode_region(*region, True)
+        rest = None
+    except ValueError as exc:
+        rest = str(exc)
+    assert whole is None or rest is not None, f"a whole decode refuses it ({whole}), the region + rest takes it"
+    if whole is not None:
+        refused += 1
+        try:
+            dec._jpeg.decode_region(*region)
+            blind += 1
+        except ValueError:
+            pass
+print(f"{calls} decodes of mutated JPEGs, {refused} refused whole, {blind} of them taken by the region alone")
+"""
+
+
+def test_reading_the_rest_refuses_what_a_whole_decode_refuses():
+    """The first epoch's decode of a file not known to decode (the region, then the rest of the
+    file read, _jpeg.decode_region(..., whole=True)) refuses every mutated JPEG a whole decode
+    refuses, also where the region alone (a verified file's decode) takes it."""
+    from remoteloader.server import decode as dec
+
+    if dec._jpeg is None:
+        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
+    seconds = min(FUZZ_SECONDS, 6.0)
+    result = subprocess.run([sys.executable, "-c", REST_FUZZ, str(seconds), str(FUZZ_SEED)],
+                            capture_output=True, text=True, timeout=60 + seconds)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
+    calls, refused, blind = map(int, re.findall(r"(\d+) decodes of mutated JPEGs, (\d+) refused whole, (\d+) of",
+                                                result.stdout)[0])
+    assert calls > 100 and refused > 10 and blind > 5, result.stdout  # damage the region alone misses was made

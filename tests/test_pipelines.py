@@ -43,6 +43,23 @@ def test_fused_equals_plain_on_imagenet_sized_images(name, decoder, imagenet_lik
             assert np.array_equal(fused, plain), f"{name} seed {seed} on {w}x{h}: fused != plain"
 
 
+def test_a_first_epoch_decodes_only_the_crops_region_as_later_epochs_do(decoder, imagenet_like, monkeypatch):
+    """A file not yet known to decode (verified=False: its first epoch on a server) is not decoded
+    whole: its crop's region is, as in later epochs (the rest of the file is read, not
+    transformed: decode.decode_crop(whole=True)), with the same pixels."""
+    pipeline = Pipeline(PipelineSpec("train", 224, 224))
+    spy = DecodeSpy(monkeypatch)
+    for data in imagenet_like[:4]:
+        _, h, w = dec.read_size(data, 10**8)
+        for seed in range(6):
+            first = pipeline(data, seed, verified=False)
+            decoded = [shape for _, shape in spy.take(h, w)]
+            assert np.array_equal(first, pipeline(data, seed, verified=True)), f"seed {seed}"
+            assert [shape for _, shape in spy.take(h, w)] == decoded
+            x1, y1, x2, y2 = crop_geometry(pipeline, seed, h, w)
+            assert decoded == ([(y2 - y1, x2 - x1)] if decoder == "region" else [(h, w)]), f"seed {seed}"
+
+
 @pytest.mark.parametrize("name", ["train", "eval"])
 def test_fused_on_large_photos_is_within_rounding_and_decodes_smaller(name, decoder, large_photos, monkeypatch):
     pipeline = Pipeline(PipelineSpec(name, 224, 224))

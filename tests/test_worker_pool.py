@@ -174,7 +174,8 @@ def test_region_decode_off_serves_the_same_pixels(servers, run_bounded):
     """--region-decode false is taken (and logged); whole-image decoding serves the same pixels."""
     c, index = servers["cluster"], servers["index"]
     assert "JPEG crops: whole images (--region-decode off)" in c.stderr(index["plain"])
-    built = "crop regions only, once a file has decoded" if dec._jpeg is not None else "whole images (simplejpeg"
+    built = "crop regions only, with the rest of a file entropy-decoded too until it has decoded" if dec._jpeg \
+        is not None else "whole images (simplejpeg"
     assert f"JPEG crops: {built}" in c.stderr(index["workers"])
     root = servers["cached"]
     with loader(servers["address"]["plain"]) as ld:
@@ -244,6 +245,59 @@ def test_a_damaged_file_fails_in_every_epoch_though_the_region_decoder_would_tak
                         pass
     if dec._jpeg is not None:
         assert all(served.values()), f"some file's crops all reached its damage: the test shows nothing {served}"
+
+
+def test_first_epoch_region_decodes_serve_and_fail_as_whole_decodes(cluster, tmp_path, run_bounded):
+    """A file not yet known to decode has its crop's region decoded with the rest of the file read
+    (decode.decode_crop(whole=True)): its pixels are a whole decode's from the first epoch on, and
+    a file damaged only outside its crops fails with a whole decode's reason in the first epoch
+    and in the next, though the region alone would take it in both."""
+    root = make_imagefolder(tmp_path / "data", ["a", "b"], 4, size=(120, 160), seed=5)
+    spec = PipelineSpec("train", SIZE, SIZE)
+    whole, region_alone = Pipeline(spec, region_decode=False), Pipeline(spec)
+    cluster.add(root)
+    failures = []
+    with loader(cluster.address(0), batch_size=4, on_error=failures.extend) as ld:
+        (shard,) = ld.catalog.shards
+        ids = {ld.sample_key(i): i for i in range(ld.num_samples)}
+
+        def seed(key: str, epoch: int) -> int:
+            return sample_seeds(SEED, epoch, shard_key(shard.id), np.asarray([ids[key] - shard.offset]))[0]
+
+        def damaged(key: str) -> bytes:  # its last tenth zeroed, EOI included: the same length
+            data = (root / key).read_bytes()
+            return data[: len(data) * 9 // 10] + bytes(len(data) - len(data) * 9 // 10)
+
+        def reason(data: bytes, key: str, epoch: int) -> str | None:
+            try:
+                whole(data, seed(key, epoch))
+            except dec.DecodeError as exc:
+                return str(exc)
+            return None
+
+        def blind(key: str) -> bool:  # both epochs' crops miss the damage
+            try:
+                return all(region_alone(damaged(key), seed(key, e), verified=True) is not None for e in (0, 1))
+            except dec.DecodeError:
+                return False
+
+        if dec._jpeg is not None:
+            bad = next((k for k in ids if blind(k)), None)
+            assert bad is not None, "every file's crops reach the damage: the test would show nothing"
+        else:
+            bad = next(iter(ids))
+        expected = [reason(damaged(bad), bad, e) for e in (0, 1)]
+        assert all(expected), expected
+        (root / bad).write_bytes(damaged(bad))
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            failures.clear()
+            got = collect(run_bounded, ld)
+            assert [(f.key, f.reason) for f in failures] == [(bad, expected[epoch])], f"epoch {epoch}"
+            for key, i in ids.items():
+                if key != bad:
+                    reference = whole((root / key).read_bytes(), seed(key, epoch))
+                    assert np.array_equal(got[i][0], reference), f"epoch {epoch}, {key}: not a whole decode's pixels"
 
 
 def eval_epoch(run_bounded, address: str, **kwargs) -> dict[str, tuple[np.ndarray, int]]:
