@@ -281,6 +281,37 @@ def markdown_table(summary: dict[str, dict], order: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(path: pathlib.Path, records: list[dict], order: list[str], title: str, first_is_cold: bool) -> None:
+    """A bar chart of images/s by loader: the first epoch (when nothing was warmed up) beside the
+    median of the later ones."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steady, first = [], []
+    for name in order:
+        rates = [r["images_per_s"] for r in records if r["loader"] == name]
+        first.append(rates[0])
+        steady.append(statistics.median(rates[1:] if first_is_cold and len(rates) > 1 else rates))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ys = range(len(order))
+    if first_is_cold:
+        ax.barh([y + 0.2 for y in ys], first, 0.4, label="first epoch", color="#9ecae1")
+    ax.barh([y - 0.2 * first_is_cold for y in ys], steady, 0.4, label="steady state (median of later epochs)",
+            color="#3182bd")
+    for y, value in zip(ys, steady):
+        ax.text(value, y - 0.2 * first_is_cold, f" {value:,.0f}", va="center", fontsize=8)
+    ax.set_yticks(list(ys), [TITLES[n] for n in order], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("images/s delivered to the training loop")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     cores = _common.default_cores()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -302,6 +333,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "with ImageNet's mean/std (ToTensor + Normalize, the usual torchvision pipeline; "
                              "RemoteLoader(normalize=...) does it in the training process)")
     parser.add_argument("--json", type=pathlib.Path, help="also write every measurement to this JSON file")
+    parser.add_argument("--plot", type=pathlib.Path,
+                        help="also draw images/s by loader to this PNG (with --warmup 0: the first epoch beside "
+                             "the steady state)")
     parser.add_argument("--server-args", action="append", default=[], metavar="FLAG",
                         help="a further remoteloader-server flag, =-joined, once per flag: e.g. "
                              "--server-args=--region-decode=false --server-args=--chunk-bytes=4194304")
@@ -483,6 +517,11 @@ def main(argv=None) -> int:
               + " (should be ~0: nothing leaks across epochs)")
 
 
+    if args.plot:
+        plot(args.plot, records, order, f"{stats['images']} JPEGs, server on {args.remote_data} "
+             f"({'packed shards' if args.remote_data == 'packed' else 'the original files'}), "
+             f"DataLoaders on the original files; {args.workers} workers each, {cores} cores", args.warmup == 0)
+        print(f"\nwrote {args.plot}")
     if args.json:
         document = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
                     "host": {"cores": cores, "cpu_count": os.cpu_count(), "load_average_start": load,
