@@ -31,17 +31,6 @@ from remoteloader.client import RemoteLoader  # noqa: E402
 from remoteloader.tools.local import LocalServer  # noqa: E402
 
 
-def drop_from_page_cache(root: pathlib.Path) -> None:
-    """Drops every file's pages under ``root`` (a file system that keeps files in memory keeps them)."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def epoch(loader: RemoteLoader, number: int) -> float:
     """Images/s of one epoch."""
     loader.set_epoch(number)
@@ -64,7 +53,7 @@ def one_round(served: pathlib.Path, read_ahead: bool, log_dir: str) -> tuple[flo
             epoch(loader, 0)
             epoch(loader, 1)
             cached = epoch(loader, 2)
-            drop_from_page_cache(served)
+            _common.evict([p for p in served.rglob("*") if p.is_file()])
             cold = epoch(loader, 3)
         return cached, cold
     finally:

@@ -52,7 +52,7 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from _common import DEFAULT_DATA, default_cores, ensure_dataset, ensure_packed  # noqa: E402
+from _common import DEFAULT_DATA, default_cores, ensure_dataset, ensure_packed, evict  # noqa: E402
 
 from remoteloader.client import cpu  # noqa: E402
 from remoteloader.tools import shaped_links  # noqa: E402
@@ -73,17 +73,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def evict(files: list[pathlib.Path]) -> None:
-    """Drops ``files`` from the page cache (a first epoch from local disk then reads the disk)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def epochs(server: LocalServer, args: argparse.Namespace, metrics_port: int, remote: bool, store: int) -> list[dict]:

@@ -331,7 +331,27 @@ def test_fuzz_every_rpc_then_serve_a_correct_epoch(cluster, tmp_path, run_bounde
 
 
 # ---- the native region decoder: mutated JPEGs, in a child process so that a crash is a failure ----
-REGION_FUZZ = r"""
+# The fuzzers' mutation of a JPEG (part of each child's script): up to ``most`` edits from ``start``
+# (a share of its length) on: a byte changed, a marker written, bytes cut or inserted.
+MUTATE = r"""
+def mutate(r, data, most, start, markers):
+    data = bytearray(data)
+    for _ in range(r.randint(1, most)):
+        i = r.randrange(int(len(data) * start), len(data))
+        op = r.randrange(4)
+        if op == 0:
+            data[i] = r.randrange(256)
+        elif op == 1:
+            data[i:i + 2] = bytes([0xFF, r.choice(markers)])
+        elif op == 2:
+            del data[i:i + r.randint(1, 64)]
+        else:
+            data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 16)))
+    return bytes(data)
+"""
+
+
+REGION_FUZZ = MUTATE + r"""
 import random, sys, time
 import cv2, numpy as np
 from remoteloader.server import decode as dec
@@ -348,19 +368,7 @@ seeds.append(cv2.imencode(".jpg", image[..., 0])[1].tobytes())
 calls = refused = 0
 deadline = time.monotonic() + seconds
 while time.monotonic() < deadline:
-    data = bytearray(r.choice(seeds))
-    for _ in range(r.randint(1, 6)):
-        i = r.randrange(len(data))
-        op = r.randrange(4)
-        if op == 0:
-            data[i] = r.randrange(256)
-        elif op == 1:
-            data[i:i + 2] = bytes([0xFF, r.choice([0xD0, 0xD7, 0xD8, 0xD9, 0xDA, 0xC0, 0xC4, 0xDB, 0xDD])])
-        elif op == 2:
-            del data[i:i + r.randint(1, 64)]
-        else:
-            data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 16)))
-    data = bytes(data)
+    data = mutate(r, r.choice(seeds), 6, 0, [0xD0, 0xD7, 0xD8, 0xD9, 0xDA, 0xC0, 0xC4, 0xDB, 0xDD])
     try:
         fmt, h, w = dec.read_size(data, 10**7)
     except dec.DecodeError:
@@ -394,7 +402,7 @@ def test_region_decoder_survives_mutated_jpegs():
 
 
 # ---- the first epoch's region decode: what it refuses against what a whole decode refuses ----
-REST_FUZZ = r"""
+REST_FUZZ = MUTATE + r"""
 import random, sys, time
 import cv2, numpy as np
 from remoteloader.server import decode as dec
@@ -410,19 +418,7 @@ seeds.append(cv2.imencode(".jpg", image[..., 0])[1].tobytes())
 calls = refused = blind = 0
 deadline = time.monotonic() + seconds
 while time.monotonic() < deadline:
-    data = bytearray(r.choice(seeds))
-    for _ in range(r.randint(1, 3)):  # mostly in the second half: below a crop of the top
-        i = r.randrange(len(data) // 2, len(data))
-        op = r.randrange(4)
-        if op == 0:
-            data[i] = r.randrange(256)
-        elif op == 1:
-            data[i:i + 2] = bytes([0xFF, r.choice([0xD0, 0xD5, 0xD9, 0xDA, 0xC4, 0xDB, 0xDD])])
-        elif op == 2:
-            del data[i:i + r.randint(1, 64)]
-        else:
-            data[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 16)))
-    data = bytes(data)
+    data = mutate(r, r.choice(seeds), 3, 0.5, [0xD0, 0xD5, 0xD9, 0xDA, 0xC4, 0xDB, 0xDD])  # below a crop of the top
     try:
         fmt, h, w = dec.read_size(data, 10**7)
     except dec.DecodeError:
