@@ -387,18 +387,25 @@ print(f"{calls} decodes of mutated JPEGs, {refused} refused")
 """
 
 
-def test_region_decoder_survives_mutated_jpegs():
-    """Every call on a mutated JPEG returns an RGB region or raises DecodeError: no crash, no hang."""
+def _fuzz_in_a_child(script: str, most_seconds: float) -> str:
+    """Runs a fuzz script in a child process (a crash is a failure, not the suite's end); its stdout.
+    Skips where the native region decoder was not built."""
     from remoteloader.server import decode as dec
 
     if dec._jpeg is None:
         pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
-    seconds = min(FUZZ_SECONDS, 8.0)
-    result = subprocess.run([sys.executable, "-c", REGION_FUZZ, str(seconds), str(FUZZ_SEED)],
+    seconds = min(FUZZ_SECONDS, most_seconds)
+    result = subprocess.run([sys.executable, "-c", script, str(seconds), str(FUZZ_SEED)],
                             capture_output=True, text=True, timeout=60 + seconds)
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
-    calls, refused = map(int, re.findall(r"(\d+) decodes of mutated JPEGs, (\d+) refused", result.stdout)[0])
-    assert calls > 100 and 0 < refused < calls, result.stdout  # both outcomes were exercised
+    return result.stdout
+
+
+def test_region_decoder_survives_mutated_jpegs():
+    """Every call on a mutated JPEG returns an RGB region or raises DecodeError: no crash, no hang."""
+    stdout = _fuzz_in_a_child(REGION_FUZZ, 8.0)
+    calls, refused = map(int, re.findall(r"(\d+) decodes of mutated JPEGs, (\d+) refused", stdout)[0])
+    assert calls > 100 and 0 < refused < calls, stdout  # both outcomes were exercised
 
 
 # ---- the first epoch's region decode: what it refuses against what a whole decode refuses ----
@@ -456,14 +463,7 @@ def test_reading_the_rest_refuses_what_a_whole_decode_refuses():
     """The first epoch's decode of a file not known to decode (the region, then the rest of the
     file read, _jpeg.decode_region(..., whole=True)) refuses every mutated JPEG a whole decode
     refuses, also where the region alone (a verified file's decode) takes it."""
-    from remoteloader.server import decode as dec
-
-    if dec._jpeg is None:
-        pytest.skip("the native region decoder was not built (no compiler or libjpeg-turbo headers)")
-    seconds = min(FUZZ_SECONDS, 6.0)
-    result = subprocess.run([sys.executable, "-c", REST_FUZZ, str(seconds), str(FUZZ_SEED)],
-                            capture_output=True, text=True, timeout=60 + seconds)
-    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr[-3000:]}"
+    stdout = _fuzz_in_a_child(REST_FUZZ, 6.0)
     calls, refused, blind = map(int, re.findall(r"(\d+) decodes of mutated JPEGs, (\d+) refused whole, (\d+) of",
-                                                result.stdout)[0])
-    assert calls > 100 and refused > 10 and blind > 5, result.stdout  # damage the region alone misses was made
+                                                stdout)[0])
+    assert calls > 100 and refused > 10 and blind > 5, stdout  # damage the region alone misses was made
