@@ -285,6 +285,10 @@ class Pipeline:
             transforms[0] = first
             self.compose = A.Compose(transforms, p=self.compose.p, **_processor_params(self.compose))
         self._rest = A.Compose(transforms[1:]) if self._crop is not None else None
+        # After the crop, the "train" preset has one horizontal flip: drawn from its own generator
+        # and applied as albumentations would, without a Compose call (a twentieth of an image's CPU).
+        rest = transforms[1:]
+        self._flip_only = rest[0] if len(rest) == 1 and type(rest[0]) is A.HorizontalFlip else None
         # A fit (Longest/SmallestMaxSize) then a RandomScale: one resize, of the source (ResizeOnce).
         self._fit: DeferredFit | None = None
         if self._crop is None and len(transforms) > 1 and DeferredFit.fits(transforms[0], transforms[1]):
@@ -502,6 +506,8 @@ class Pipeline:
         params["shape"] = (height, width, 3)
         coords = crop.get_params_dependent_on_data(params, {})["crop_coords"]
         region = self._region(data, fmt, height, width, coords, verified)
+        if self._flip_only is not None:
+            return cv2.flip(region, 1) if self._flip_only.should_apply() else region
         return rest(image=region)["image"] if rest.transforms else region
 
     def _region(
