@@ -327,7 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"cached ImageFolder (default {_common.DEFAULT_DATA})")
     _common.add_remote_data_argument(parser)
     parser.add_argument("--loaders", default=",".join(DEFAULT_LOADERS),
-                        help=f"comma-separated subset of {','.join(LOADERS)} (default: all)")
+                        help=f"comma-separated subset of {','.join(LOADERS)} (default: {','.join(DEFAULT_LOADERS)})")
     parser.add_argument("--output", choices=OUTPUTS, default="uint8",
                         help="what every loader delivers: uint8 images (default), or float32 NCHW normalized "
                              "with ImageNet's mean/std (ToTensor + Normalize, the usual torchvision pipeline; "
