@@ -37,8 +37,10 @@ class ReadAhead:
         return self._executor.submit(self._advise, located)
 
     def close(self) -> None:
-        self._executor.submit(self._close_files)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Drops what is still to be asked, waits for the order being asked (a bounded list of
+        calls), then closes the files it held open."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._close_files()
 
     def _advise(self, located: list[Location]) -> None:
         for location in located:

@@ -95,5 +95,7 @@ def test_an_orders_samples_are_read_into_the_page_cache_when_it_arrives_and_only
         gone = Location(str(tmp_path / "gone.jpg"), 0, 100)  # a file deleted since indexing: passed over
         read_ahead.ask([gone, Location(str(path), 30 * size, size)]).result(timeout=20)
         assert becomes_resident(path, 30 * size, size) >= 0.95
+        held = len(os.listdir("/proc/self/fd"))
     finally:
         read_ahead.close()
+    assert len(os.listdir("/proc/self/fd")) == held - 1, "the shard's file was left open"
