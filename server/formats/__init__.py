@@ -13,12 +13,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import fnmatch
+import json
 import logging
 import pathlib
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -272,6 +273,27 @@ def file_shards(
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         opened = [pool.submit(contextvars.copy_context().run, one, e) for e in files]
         return [f.result() for f in opened]
+
+
+def named_strings(setting: str, spec: str | Mapping[str, str], known: Collection[str], expected: str) -> dict[str, str]:
+    """A setting that maps names among ``known`` to strings (``--tfrecord-features``,
+    ``--parquet-columns``): a JSON object, or one parsed already; {} when empty. ValueError
+    naming ``setting``: not JSON, not ``expected`` (a JSON object of strings), or a name not known."""
+    if not spec:
+        return {}
+    if isinstance(spec, str):
+        try:
+            named = json.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"{setting}={spec!r} is not JSON: {exc}") from None
+    else:
+        named = dict(spec)
+    if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+        raise ValueError(f"{setting}={spec!r}: expected {expected}")
+    unknown = sorted(set(named) - set(known))
+    if unknown:
+        raise ValueError(f"{setting}={spec!r}: {', '.join(unknown)} not among {', '.join(known)}")
+    return named
 
 
 def read_classes(storage: Storage, folder: str) -> list[str]:

@@ -38,7 +38,7 @@ import numpy as np
 
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Shard, basename
-from remoteloader.server.formats import FormatOptions, Found, file_shards
+from remoteloader.server.formats import FormatOptions, Found, file_shards, named_strings
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage
@@ -55,20 +55,7 @@ EXTRACT_HEAD = b"remoteloader parquet images 1\n"
 def columns(spec: str | Mapping[str, str]) -> dict[str, str]:
     """The columns ``--parquet-columns`` names (a JSON object, or one parsed already; {} when
     empty), checked. ValueError: not such an object."""
-    if not spec:
-        return {}
-    if isinstance(spec, str):
-        try:
-            named = json.loads(spec)
-        except ValueError as exc:
-            raise ValueError(f"parquet_columns={spec!r} is not JSON: {exc}") from None
-    else:
-        named = dict(spec)
-    if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
-        raise ValueError(f'parquet_columns={spec!r}: expected a JSON object, e.g. {{"image": "img", "label": "y"}}')
-    unknown = sorted(set(named) - set(COLUMNS))
-    if unknown:
-        raise ValueError(f"parquet_columns={spec!r}: {', '.join(unknown)} not among {', '.join(COLUMNS)}")
+    named = named_strings("parquet_columns", spec, COLUMNS, 'a JSON object, e.g. {"image": "img", "label": "y"}')
     if named.get("bbox_format", "coco") not in BBOX_FORMATS:
         raise ValueError(f"parquet_columns={spec!r}: bbox_format is one of {', '.join(BBOX_FORMATS)}")
     return named

@@ -37,7 +37,7 @@ import numpy as np
 from remoteloader.server import targets as tg
 from remoteloader.server.catalog import CatalogError, KeyTable, Shard, basename, warn_shard
 from remoteloader.server.decode import DecodeError, read_size
-from remoteloader.server.formats import FormatOptions, Found, file_shards, protowire
+from remoteloader.server.formats import FormatOptions, Found, file_shards, named_strings, protowire
 from remoteloader.server.formats import index as shard_index
 from remoteloader.server.formats.indexed import IndexedFile
 from remoteloader.server.storage import Entry, Storage, read_up_to
@@ -69,21 +69,7 @@ _MASK_DELTA = 0xA282EAD8
 def renamed_features(spec: str | Mapping[str, str]) -> dict[str, str]:
     """The renamings of ``--tfrecord-features`` (a JSON object, or one parsed already), checked
     (ValueError: not such an object, or a key FEATURES does not have)."""
-    if isinstance(spec, str):
-        try:
-            renamed = json.loads(spec)
-        except ValueError as exc:
-            raise ValueError(f"tfrecord_features={spec!r} is not JSON: {exc}") from None
-    else:
-        renamed = dict(spec)
-    if not isinstance(renamed, dict) or not all(isinstance(v, str) for v in renamed.values()):
-        raise ValueError(
-            f'tfrecord_features={spec!r}: expected a JSON object of feature names, e.g. {{"image": "jpeg"}}'
-        )
-    unknown = sorted(set(renamed) - set(FEATURES))
-    if unknown:
-        raise ValueError(f"tfrecord_features={spec!r}: {', '.join(unknown)} not among {', '.join(FEATURES)}")
-    return renamed
+    return named_strings("tfrecord_features", spec, FEATURES, 'a JSON object of feature names, e.g. {"image": "jpeg"}')
 
 
 def masked_crc(data: bytes | memoryview) -> int:
