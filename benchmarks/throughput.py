@@ -17,6 +17,10 @@ Normalize give it):
           algorithm re-implemented on PIL, flip, pil_to_tensor, default collate
   opencv  torch DataLoader(num_workers=K): cv2.imread + cvtColor, albumentations
           RandomResizedCrop + HorizontalFlip + ToTensorV2, default collate
+  dali    (only when asked, and where nvidia-dali is installed: it is in no extra of this
+          project) NVIDIA DALI's CPU pipeline with K threads: readers.file, the ROI decode
+          decoders.image_random_crop (libjpeg-turbo decodes only the crop), resize, flip
+          (crop_mirror_normalize with --output float), uint8 NHWC like the RemoteLoader's
 
 Epochs alternate (remote, pil, opencv, remote, ...) after one warm-up epoch per loader, so
 drift and neighbours' load hit all three alike. Every epoch is read to the end, so no
@@ -55,12 +59,13 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info  # noqa: E402
 
 from remoteloader.tools.local import LocalServer  # noqa: E402
 
-LOADERS = ("remote", "grpc", "pil", "opencv")
+LOADERS = ("remote", "grpc", "pil", "opencv", "dali")
 DEFAULT_LOADERS = ("remote", "pil", "opencv")
 REMOTE = {"remote", "grpc"}  # RemoteLoaders of the one server: its same-host path, and over gRPC
 TITLES = {"remote": "RemoteLoader (1 local server)", "grpc": "RemoteLoader, shared_memory=False",
           "pil": "DataLoader + PIL",
-          "opencv": "DataLoader + OpenCV/albumentations"}
+          "opencv": "DataLoader + OpenCV/albumentations", "dali": "DALI, CPU pipeline"}
+NHWC = REMOTE | {"dali"}  # loaders whose uint8 batches are NHWC
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as in torchvision's example
@@ -168,6 +173,46 @@ class OpenCVTrainSet(Dataset):
         return self.transform(image=img)["image"], label
 
 
+class DaliLoader:
+    """NVIDIA DALI's CPU pipeline (``device_id=None``: no GPU), as its ImageNet example builds it,
+    iterated an epoch at a time: (images, labels) torch tensors, the last partial batch dropped."""
+
+    def __init__(self, samples: list[tuple[str, int]], size: int, batch_size: int, threads: int, output: str):
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=0)
+        def train():
+            jpegs, labels = fn.readers.file(files=[p for p, _ in samples], labels=[c for _, c in samples],
+                                            random_shuffle=True, name="reader")
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
+                                                   random_area=list(SCALE), random_aspect_ratio=list(RATIO))
+            images = fn.resize(images, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR,
+                               antialias=False)
+            flip = fn.random.coin_flip(probability=0.5)
+            if output == "float":
+                images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=flip,
+                                                  mean=[255 * m for m in MEAN], std=[255 * s for s in STD])
+            else:
+                images = fn.flip(images, horizontal=flip)
+            return images, labels
+
+        pipe = train()
+        pipe.build()
+        # No auto_reset: that would start the next epoch's prefetch as this one ends, decoding
+        # during the other loaders' epochs. Each epoch but the first resets when it starts.
+        self._iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader",
+                                             last_batch_policy=LastBatchPolicy.DROP, prepare_first_batch=False)
+        self._started = False
+
+    def __iter__(self):
+        if self._started:
+            self._iterator.reset()
+        self._started = True
+        for (batch,) in self._iterator:
+            yield batch["images"], batch["labels"].view(-1).long()
+
+
 def _worker_init(_worker_id: int) -> None:
     # One OpenCV thread per worker, as in the server's workers; and a distinct albumentations
     # stream per worker (a Compose seeded in the parent would repeat itself in every fork).
@@ -239,7 +284,7 @@ def run_epoch(name: str, loader, epoch: int, server_pid: int | None, expect_batc
 def _check_batch(name: str, images: torch.Tensor, labels: torch.Tensor, batch: int, size: int,
                  output: str = "uint8") -> None:
     # RemoteLoader: uint8 NHWC, or normalized NCHW (channels_last memory); DataLoaders: NCHW.
-    shape = (batch, size, size, 3) if name in REMOTE and output == "uint8" else (batch, 3, size, size)
+    shape = (batch, size, size, 3) if name in NHWC and output == "uint8" else (batch, 3, size, size)
     dtype = torch.uint8 if output == "uint8" else torch.float32
     if tuple(images.shape) != shape or images.dtype != dtype:
         raise RuntimeError(f"{name}: got a batch of {tuple(images.shape)} {images.dtype}, expected {shape} {dtype}")
@@ -442,6 +487,13 @@ def main(argv=None) -> int:
                 played_first.add(name)
                 print(f"round 1/{args.epochs} {name:>6}: {r['images_per_s']:7.0f} img/s (its first epoch, played "
                       f"before the RemoteLoaders start)", flush=True)
+        if "dali" in args.loaders:  # after the forks above: its threads start with the pipeline
+            loaders["dali"] = DaliLoader(samples, args.image_size, args.batch_size, args.workers, args.output)
+            for _ in range(args.warmup):
+                r = run_epoch("dali", loaders["dali"], epoch_no["dali"], server_pid, expect, args.image_size,
+                              per_epoch, args.output)
+                epoch_no["dali"] += 1
+                print(f"warm-up dali: {r['images_per_s']:.0f} img/s", flush=True)
         if server is not None:
             from remoteloader.client.loader import RemoteLoader
 
@@ -512,7 +564,7 @@ def main(argv=None) -> int:
               f"{p['server_workers']:.2f} |")
     ratios = {}
     for mine in (n for n in LOADERS if n in REMOTE and n in summary):
-        for other in ("pil", "opencv"):
+        for other in ("pil", "opencv", "dali"):
             if other in summary and summary[other]["median_images_per_s"] > 0:
                 ours, theirs = summary[mine], summary[other]
                 ratios[f"{mine}/{other}"] = ours["median_images_per_s"] / theirs["median_images_per_s"]
