@@ -22,6 +22,7 @@ import socket
 import struct
 
 from remoteloader.protos import loader_pb2
+from remoteloader.protos.malloc import map_now
 from remoteloader.protos.same_host import ANSWER_BYTES, OK, host_id, socket_address
 
 TIMEOUT = 2.0  # seconds: a local socket answers at once
@@ -60,6 +61,7 @@ class SharedChunks:
             if size <= 0 or size != os.fstat(fds[0]).st_size:
                 raise ValueError(f"local socket {name}: memory of {size} bytes, its file has another size")
             memory = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+            map_now(memory, write=False)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -23,6 +23,7 @@ import cv2
 import numpy as np
 
 from remoteloader.protos import limits, loader_pb2, wire
+from remoteloader.protos.malloc import map_now
 from remoteloader.server import targets as tg
 from remoteloader.server.decode import DecodeError
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
@@ -52,6 +53,7 @@ def main(tasks: Connection, results: Connection, arena_fd: int, cache_fd: int | 
     cv2.setNumThreads(1)
     arena = mmap.mmap(arena_fd, settings.slots * settings.slot_bytes)
     os.close(arena_fd)
+    map_now(arena, write=True)  # before the first task, not a fault per page during the first epoch
     cache = None
     if cache_fd is not None:
         cache = mmap.mmap(cache_fd, settings.cache_bytes)
