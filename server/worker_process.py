@@ -27,7 +27,7 @@ from remoteloader.protos.malloc import map_now
 from remoteloader.server import targets as tg
 from remoteloader.server.decode import DecodeError
 from remoteloader.server.pipelines import Pipeline, PipelineError, PipelineSpec
-from remoteloader.server.sample_reads import read_sample
+from remoteloader.server.sample_reads import SampleFiles
 from remoteloader.server.shared_memory import CACHE_FILL, CACHE_READ
 from remoteloader.server.sources import load_source, source_sample
 from remoteloader.server.video_pipelines import FRAME_INDICES, VideoPipeline, make_pipeline
@@ -220,6 +220,7 @@ class _Samples:
         self.cache = cache
         self.indexed_ns = indexed_ns
         self.sources = sources
+        self.files = SampleFiles()  # the task's (closed when it is rendered)
 
     def render(
         self,
@@ -231,6 +232,17 @@ class _Samples:
     ) -> tuple[list[tuple[int, str]], list[bytes]]:
         """Renders each sample into ``out[i]`` (and ``masks[i]``); returns [(i, reason)] for
         those that failed (zeros) and, ``with_targets``, each sample's transformed targets."""
+        with self.files:
+            return self._render(out, masks, samples, seeds, with_targets)
+
+    def _render(
+        self,
+        out: np.ndarray,
+        masks: np.ndarray | None,
+        samples: list[TaskSample],
+        seeds: list[int],
+        with_targets: bool,
+    ) -> tuple[list[tuple[int, str]], list[bytes]]:
         errors = []
         targets: list[bytes] = []
         for i, (sample, seed) in enumerate(zip(samples, seeds)):
@@ -264,7 +276,7 @@ class _Samples:
         if sample.cache_mode == CACHE_READ:  # the very bytes that decoded before, if verified
             assert cache is not None, "cache modes come only from a server with a cache"
             return _Read(cache[start : start + length], sample.verified, None)
-        data, mtime_ns = read_sample(sample.path, sample.offset, length)
+        data, mtime_ns = self.files.read(sample.path, sample.offset, length)
         # A file written since the server indexed it may differ from the bytes that
         # decoded before (same length, new content): read it whole again.
         verified = sample.verified and mtime_ns < self.indexed_ns
@@ -308,7 +320,7 @@ class _Samples:
             if tg.MASK in arrays:
                 return tg.check_mask(arrays.pop(tg.MASK), height, width)
             if stored.mask_length:
-                data, _ = read_sample(path, stored.mask_offset, stored.mask_length)
+                data, _ = self.files.read(path, stored.mask_offset, stored.mask_length)
                 return tg.read_mask_png(data, height, width)
             if stored.regions:
                 return tg.draw_regions(stored.regions, height, width)

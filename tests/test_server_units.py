@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tarfile
@@ -49,6 +50,31 @@ def test_a_sample_file_that_changed_since_indexing_is_an_error_not_other_bytes(t
             read_sample(str(path), 0, indexed_length)
     with pytest.raises(DecodeError, match="changed since"):
         read_sample(str(path), 8, 4)  # a member now past the end
+
+
+def test_a_workers_task_keeps_a_few_files_open_and_closes_them_all(tmp_path):
+    """A decode worker's task reads its samples through SampleFiles: the same bytes and checks as
+    read_sample, with at most KEEP descriptors held, and none once the task is done."""
+    from remoteloader.server.decode import DecodeError
+    from remoteloader.server.sample_reads import SampleFiles, read_sample
+
+    paths = []
+    for k in range(SampleFiles.KEEP + 3):
+        paths.append(str(tmp_path / f"shard-{k}"))
+        pathlib.Path(paths[-1]).write_bytes(bytes(range(k, k + 200)))
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = descriptors()
+    with SampleFiles() as files:
+        for _ in range(3):
+            for path in paths:
+                assert files.read(path, 5, 40) == read_sample(path, 5, 40)
+                assert descriptors() - before <= SampleFiles.KEEP
+        with pytest.raises(DecodeError, match="changed since"):
+            files.read(paths[0], 0, 150)  # a whole file that is not this size any more
+    assert descriptors() == before
 
 
 def test_classes_txt_without_a_final_newline_or_with_crlf(tmp_path):
