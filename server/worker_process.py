@@ -232,42 +232,34 @@ class _Samples:
     ) -> tuple[list[tuple[int, str]], list[bytes]]:
         """Renders each sample into ``out[i]`` (and ``masks[i]``); returns [(i, reason)] for
         those that failed (zeros) and, ``with_targets``, each sample's transformed targets."""
-        with self.files:
-            return self._render(out, masks, samples, seeds, with_targets)
-
-    def _render(
-        self,
-        out: np.ndarray,
-        masks: np.ndarray | None,
-        samples: list[TaskSample],
-        seeds: list[int],
-        with_targets: bool,
-    ) -> tuple[list[tuple[int, str]], list[bytes]]:
         errors = []
         targets: list[bytes] = []
-        for i, (sample, seed) in enumerate(zip(samples, seeds)):
-            record = b""
-            try:
-                if isinstance(self.pipeline, str):
-                    raise DecodeError(self.pipeline)
-                if sample.failure:  # its bytes could not be fetched (an object store): why
-                    raise DecodeError(sample.failure)
-                if with_targets or sample.source >= 0:  # (a --source's sample comes with its targets)
-                    record = self._with_targets(out, masks, i, sample, seed)
-                else:
-                    read = self._read(sample)
-                    out[i] = self.pipeline(read.data, seed, verified=read.verified)
-            except (DecodeError, OSError, tg.TargetError) as exc:
-                errors.append((i, str(exc)))
-            except Exception as exc:  # a transform failing on odd input must not kill the worker
-                errors.append((i, f"{type(exc).__name__}: {exc}"))
-            if errors and errors[-1][0] == i:
-                out[i] = 0
-                if masks is not None:
-                    masks[i] = 0
+        try:
+            for i, (sample, seed) in enumerate(zip(samples, seeds)):
                 record = b""
-            if with_targets:
-                targets.append(record)
+                try:
+                    if isinstance(self.pipeline, str):
+                        raise DecodeError(self.pipeline)
+                    if sample.failure:  # its bytes could not be fetched (an object store): why
+                        raise DecodeError(sample.failure)
+                    if with_targets or sample.source >= 0:  # (a --source's sample comes with its targets)
+                        record = self._with_targets(out, masks, i, sample, seed)
+                    else:
+                        read = self._read(sample)
+                        out[i] = self.pipeline(read.data, seed, verified=read.verified)
+                except (DecodeError, OSError, tg.TargetError) as exc:
+                    errors.append((i, str(exc)))
+                except Exception as exc:  # a transform failing on odd input must not kill the worker
+                    errors.append((i, f"{type(exc).__name__}: {exc}"))
+                if errors and errors[-1][0] == i:
+                    out[i] = 0
+                    if masks is not None:
+                        masks[i] = 0
+                    record = b""
+                if with_targets:
+                    targets.append(record)
+        finally:
+            self.files.close()  # the task's files: none stays open between tasks
         return errors, targets
 
     def _read(self, sample: TaskSample) -> _Read:
