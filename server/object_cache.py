@@ -348,8 +348,10 @@ class ObjectCache:
                 continue  # (sent with a neighbour, or given up)
             groups = [self._beside(first)]
             nbytes = groups[0][-1].end - groups[0][0].start
+            free = self._gate.most - self._gate.count  # (a call has up to CALL_PARALLEL requests in flight)
+            most = CALL_RANGES if free >= CALL_PARALLEL else max(free, 1)
             for plan in itertools.islice(self._planned, 4 * CALL_RANGES):
-                if len(groups) >= CALL_RANGES or nbytes >= CALL_BYTES:
+                if len(groups) >= most or nbytes >= CALL_BYTES:
                     break
                 if plan.mirror is first.mirror and self._unsent.pop(plan.future, None) is not None:
                     groups.append(self._beside(plan))

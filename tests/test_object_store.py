@@ -484,9 +484,10 @@ def test_requests_in_flight_are_bounded_in_count_and_bytes_and_start_in_turn():
 
 def test_ranges_of_one_object_come_in_few_calls_and_a_fault_fails_only_its_own_ranges(data, tmp_path, monkeypatch):
     """Ranges of one object too far apart to merge (none at offset 0: none a whole object) go to
-    the store in one call per CALL_RANGES, a request each; a call that fails is repeated range by
-    range, so that a range past the end of an object cut short fails alone, with its reason; an
-    object of another version fails all its ranges."""
+    the store in one call per CALL_RANGES (and no more than the concurrency allows), a request
+    each; a call that fails is repeated range by range, so that a range past the end of an
+    object cut short fails alone, with its reason; an object of another version fails all its
+    ranges."""
     import asyncio
 
     import obstore
@@ -504,8 +505,8 @@ def test_ranges_of_one_object_come_in_few_calls_and_a_fault_fails_only_its_own_r
     path = "s3://data/calls/blob.bin"
     apart = [Location(path, 512 + k * (COALESCE + 2000), 1000, etag) for k in range(40)]
 
-    async def fetch(locations, folder):
-        cache = ObjectCache(str(tmp_path / folder), 1 << 30, [ObjectStorage("s3://data")])
+    async def fetch(locations, folder, concurrency=64):
+        cache = ObjectCache(str(tmp_path / folder), 1 << 30, [ObjectStorage("s3://data")], concurrency)
         try:
             reasons = await cache.fetch(locations)
             held = []
@@ -520,6 +521,9 @@ def test_ranges_of_one_object_come_in_few_calls_and_a_fault_fails_only_its_own_r
     reasons, held, stats = asyncio.run(fetch(apart, "a"))
     assert reasons == [""] * 40 and held == [blob[loc.offset : loc.offset + 1000] for loc in apart]
     assert stats.requests == 40 and stats.calls == -(-40 // CALL_RANGES), (stats.requests, stats.calls)
+    reasons, held, stats = asyncio.run(fetch(apart, "a4", concurrency=4))  # (a call: no more requests than that)
+    assert reasons == [""] * 40 and held == [blob[loc.offset : loc.offset + 1000] for loc in apart]
+    assert stats.requests == 40 and stats.calls == 10, (stats.requests, stats.calls)
 
     past_end = [loc._replace(etag="") for loc in apart[:5]] + [Location(path, len(blob) - 10, 1000, "")]
     reasons, held, stats = asyncio.run(fetch(past_end, "b"))
