@@ -12,9 +12,10 @@ is packed once (``remoteloader pack``) and uploaded to the store; then:
 * a server on ``s3://bench/shards``: the first epoch cold (an empty ``--cache-dir``), the
   rest warm (the shards fit ``--disk-cache-bytes``).
 
-For every epoch it prints images/s, the bytes fetched from the store (the server's
-``remoteloader_store_fetched_bytes_total``), the server main process's CPU per image, its RSS
-and the bytes its cache holds; then the ratios the issue asks for: the median warm epoch from
+For every epoch it prints images/s, the bytes fetched from the store and the ranged GETs that
+fetched them (the server's ``remoteloader_store_fetched_bytes_total`` and
+``remoteloader_store_requests_total``), the server main process's CPU per image, its RSS and
+the bytes its cache holds; then the ratios the issue asks for: the median warm epoch from
 the bucket over the median local one (target 0.95), the cold epoch over it and over the local
 first epoch (target 0.8; every first epoch decodes whole images, later ones only a crop's
 region), and the cold epoch's bytes fetched over the shards' size (ideally 1; with drop_last an
@@ -84,6 +85,7 @@ def epochs(server: LocalServer, args: argparse.Namespace, metrics_port: int, rem
                       connect_timeout=60, shared_memory=True) as loader:
         for epoch in range(args.epochs):
             fetched = metric(metrics_port, "remoteloader_store_fetched_bytes_total") if remote else 0.0
+            requests = metric(metrics_port, "remoteloader_store_requests_total") if remote else 0.0
             main_cpu = cpu.process_cpu(server.process.pid)
             store_cpu = cpu.tree_cpu(store)
             started, images = time.perf_counter(), 0
@@ -99,6 +101,7 @@ def epochs(server: LocalServer, args: argparse.Namespace, metrics_port: int, rem
             }
             if remote:
                 row["fetched_mb"] = (metric(metrics_port, "remoteloader_store_fetched_bytes_total") - fetched) / 1e6
+                row["requests"] = metric(metrics_port, "remoteloader_store_requests_total") - requests
                 row["cache_mb"] = metric(metrics_port, "remoteloader_disk_cache_bytes") / 1e6
             out.append(row)
             print(("bucket " if remote else "local  ") + json.dumps({k: round(v, 3) for k, v in row.items()}),
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         # image whole (a crop's region only once it has decoded cleanly).
         "cold_over_local_first": cold["images_per_s"] / results["local"][0]["images_per_s"],
         "cold_fetched_over_shards": cold["fetched_mb"] * 1e6 / shard_bytes,
+        "cold_requests": cold["requests"],
         "warm_fetched_mb": sum(r["fetched_mb"] for r in results["bucket"][1:]),
         "main_cpu_ms_per_image": {
             "local": statistics.median(r["main_cpu_ms_per_image"] for r in results["local"]),

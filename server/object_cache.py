@@ -9,27 +9,38 @@ from local files as they read a local disk.
 Each object is mirrored by a sparse file in ``folder/objects``: a fetched range is written at
 the object's own offsets, so a sample's ``Location`` keeps its offset and length and only its
 path changes (a tar's mask member is read the same way). A mirror knows which ranges it holds
-(merged intervals); ranges missing in one object are fetched as few requests, neighbours
-less than ``COALESCE`` bytes apart in one, none twice at once, at most ``fetch_concurrency``
-requests at a time and, past the first, fewer than ``INFLIGHT_BYTES`` asked for and not yet
-written (they start in the order they were asked for). Only the samples' own bytes are
-fetched, in the order their orders came: a cold epoch over a slow link gets the bytes its
-next chunks need first. (Fetching whole 1 MiB blocks around them instead, as this cache once
-did, made a cold epoch wait: the first chunk alone needed half the blocks of a small dataset.
-docs/performance.md, "Object stores", has the figures.)
+(merged intervals). A range missing is planned once (none twice at once) and waits its turn:
+ranges are sent in the order they were asked for, while fewer than ``fetch_concurrency``
+requests and, past the first, fewer than ``INFLIGHT_BYTES`` are in flight and not yet written.
+When a range's turn comes, the ranges planned beside it in its object, whichever order asked
+for them, less than ``COALESCE`` bytes apart, become one range with it; and the ranges of the
+same object planned next (up to ``CALL_RANGES`` and ``CALL_BYTES``) go in the same call to the
+store client, a request each (obstore's ``get_ranges``): the server's CPU per sample fetched is
+mostly the client's per call, not per byte or per request (docs/performance.md, "Object
+stores"). Only the samples' own bytes are fetched, in the order their orders came: a cold
+epoch over a slow link gets the bytes its next chunks need first. (Fetching whole 1 MiB blocks
+around them instead, as this cache once did, made a cold epoch wait: the first chunk alone
+needed half the blocks of a small dataset; whole objects' other bytes fetched one large
+request at a time beside the orders' came as small gaps between the ranges asked for, and
+saved nothing.)
 
 The mirrors carry modification time 0: their bytes were checked against the object's ETag
-and size as they arrived, so a worker treats them as unchanged since
-indexing (and may decode a crop's region only).
+and size as they arrived, so a worker treats them as unchanged since indexing (and may decode
+a crop's region only). A request alone carries the indexed ETag (``If-Match``); a call of
+several ranges is followed by the object's version (a HEAD), and its ranges count as the
+indexed version's only if the object still has its ETag then (an object changed and changed
+back to the very same bytes within the call is the one case this misses).
 
 Faults become the failure of the samples they touch, with the reason: an object missing,
 changed (another ETag, or a whole-object read of another size) or truncated since indexing,
-or a store that still fails after the storage's retries. Nothing is retried here.
+or a store that still fails after the storage's retries. A call of several ranges that fails
+is repeated range by range, for each range's own reason; nothing else is retried here.
 
 Memory and disk: the intervals are two int64 per disjoint range held; fetched bytes wait in
-memory only until written (at most ``INFLIGHT_BYTES`` and one request); the mirrors hold at
-most ``limit`` bytes on disk, the least recently used objects going first; an object whose
-bytes a render still reads is never evicted (the limit is then exceeded until it is done).
+memory only until written (at most ``INFLIGHT_BYTES`` and one call: ``CALL_BYTES`` and one
+range of up to ``MAX_REQUEST``); the mirrors hold at most ``limit`` bytes on disk, the least
+recently used objects going first; an object whose bytes a render still reads is never evicted
+(the limit is then exceeded until it is done).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -57,6 +69,9 @@ log = logging.getLogger(__name__)
 
 COALESCE = 64 << 10  # missing ranges of one object closer than this are fetched as one request
 MAX_REQUEST = 16 << 20  # but a request stops growing at this many bytes
+CALL_RANGES = 32  # ranges of one object fetched in one call at most (obstore's get_ranges) ...
+CALL_BYTES = 4 << 20  # ... while they come to fewer bytes than this
+CALL_PARALLEL = 10  # requests of one call in flight at once (obstore's get_ranges: object_store's default)
 INFLIGHT_BYTES = 64 << 20  # requests start while fewer bytes than this are asked for and not yet written
 
 
@@ -140,7 +155,8 @@ class _Mirror:
 class CacheStats:
     """What the cache did so far (Prometheus and ``remoteloader bench``-style figures)."""
 
-    requests: int = 0
+    requests: int = 0  # ranged GETs that answered
+    calls: int = 0  # calls to the store client that made them (several ranges of one object in one)
     fetched_bytes: int = 0
     hits: int = 0  # ranges found held
     failures: int = 0
@@ -176,6 +192,10 @@ class ObjectCache:
         self.held = 0  # bytes the mirrors hold
         self.stats = CacheStats()
         self._tasks: set[asyncio.Future] = set()
+        self._planned: collections.deque[_Planned] = collections.deque()  # ranges to request, in turn
+        self._unsent: dict[asyncio.Future[str], _Planned] = {}  # those not sent yet, by their future
+        self._sending: set[asyncio.Future[None]] = set()  # the requests sent, not yet done
+        self._dispatching = False  # a _dispatch is due this turn of the loop
         self._writer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="object-cache-write")
 
     # ---- what fetching calls ---------------------------------------------------------
@@ -220,8 +240,12 @@ class ObjectCache:
         self._evict()
 
     def close(self) -> None:
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._sending]:
             task.cancel()
+        for plan in self._unsent.values():
+            plan.future.cancel()
+        self._unsent.clear()
+        self._planned.clear()
         self._writer.shutdown(wait=True)
         for mirror in self._mirrors.values():
             mirror.close()
@@ -301,15 +325,132 @@ class ObjectCache:
         return reasons
 
     def _start(self, path: str, mirror: _Mirror, start: int, end: int, etag: str, whole: bool) -> asyncio.Future[str]:
-        """Starts one request (it waits for the gate); it is on its way until done. ``whole``: it
-        ends where a whole object as indexed ends, so the object's size is checked."""
-        storage, name = self._storage_of(path)
-        future = asyncio.ensure_future(self._request(storage, name, path, mirror, start, end, etag, whole))
+        """Plans one range's request: it waits its turn (``_dispatch``); it is on its way until
+        done. ``whole``: it ends where a whole object as indexed ends, so the object's size is checked."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         mirror.on_its_way(start, end, future)
         future.add_done_callback(functools.partial(mirror.arrived, start=start, end=end))
+        self._planned.append(_Planned(path, mirror, start, end, etag, whole, future))
+        self._unsent[future] = self._planned[-1]
+        if not self._dispatching:  # (once the ranges asked for in this turn of the loop are all planned)
+            self._dispatching = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
         return future
 
-    async def _request(
+    def _dispatch(self) -> None:
+        """Sends planned ranges in the order they were asked for while the gate has room: each with
+        the ranges planned beside it in its object (``_beside``) as one range, and the ranges of
+        the same object planned next (up to ``CALL_RANGES`` and ``CALL_BYTES``) in the same call."""
+        self._dispatching = False
+        while self._planned and self._gate.room():
+            first = self._planned.popleft()
+            if self._unsent.pop(first.future, None) is None:
+                continue  # (sent with a neighbour, or given up)
+            groups = [self._beside(first)]
+            nbytes = groups[0][-1].end - groups[0][0].start
+            free = self._gate.most - self._gate.count  # (a call has up to CALL_PARALLEL requests in flight)
+            most = CALL_RANGES if free >= CALL_PARALLEL else max(free, 1)
+            for plan in itertools.islice(self._planned, 4 * CALL_RANGES):
+                if len(groups) >= most or nbytes >= CALL_BYTES:
+                    break
+                if plan.mirror is first.mirror and self._unsent.pop(plan.future, None) is not None:
+                    groups.append(self._beside(plan))
+                    nbytes += groups[-1][-1].end - groups[-1][0].start
+            self._gate.take(nbytes, min(len(groups), CALL_PARALLEL))
+            task = asyncio.ensure_future(self._request(first.path, first.mirror, first.etag, groups, nbytes))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    def _beside(self, first: _Planned) -> list[_Planned]:
+        """``first`` and the planned ranges of its object on either side of it, in offset order,
+        while each is less than ``COALESCE`` bytes from the last and the bytes between are neither
+        held nor coming, up to ``MAX_REQUEST`` in all; all taken off the plan."""
+        mirror = first.mirror
+        k = bisect.bisect_left(mirror.coming, (first.start, first.end))
+        while mirror.requests[k] is not first.future:  # (the same range twice: another request's)
+            k += 1
+        group, start, end = [first], first.start, first.end
+        for step in (1, -1):
+            j = k + step
+            while 0 <= j < len(mirror.coming):
+                plan = self._unsent.get(mirror.requests[j])
+                if plan is None:
+                    break
+                gap = (end, plan.start) if step == 1 else (plan.end, start)  # (the ranges coming are disjoint)
+                if (
+                    gap[1] - gap[0] > COALESCE
+                    or max(end, plan.end) - min(start, plan.start) > MAX_REQUEST
+                    or (gap[1] > gap[0] and not mirror.untouched(*gap))
+                ):
+                    break
+                del self._unsent[plan.future]
+                group.append(plan)
+                start, end = min(start, plan.start), max(end, plan.end)
+                j += step
+        group.sort(key=lambda plan: plan.start)
+        return group
+
+    async def _request(self, path: str, mirror: _Mirror, etag: str, groups: list[list[_Planned]], nbytes: int) -> None:
+        """Fetches one range per group of planned ranges of one object into its mirror (one call);
+        each planned range gets "" or why it failed. The call holds ``nbytes`` at the gate (in
+        memory until written) until done."""
+        storage, name = self._storage_of(path)
+        ranges = [(group[0].start, group[-1].end, group[-1].whole) for group in groups]
+        reasons = ["cancelled"] * len(ranges)
+        try:
+            if len(ranges) == 1:
+                reasons = [await self._get(storage, name, path, mirror, *ranges[0][:2], etag, ranges[0][2])]
+            else:
+                reasons = await self._get_many(storage, name, path, mirror, ranges, etag)
+        finally:
+            self._gate.leave(nbytes, min(len(groups), CALL_PARALLEL))
+            for group, reason in zip(groups, reasons):
+                for plan in group:
+                    if not plan.future.done():
+                        plan.future.set_result(reason)
+            self._dispatch()
+
+    async def _get_many(
+        self,
+        storage: ObjectStorage,
+        name: str,
+        path: str,
+        mirror: _Mirror,
+        ranges: list[tuple[int, int, bool]],
+        etag: str,
+    ) -> list[str]:
+        """Fetches several ranges of one object in one call (separate requests: obstore's
+        ``get_ranges``, about half the CPU per range of a call each), then the object's version:
+        what came is its indexed version's if it still has it. A call that fails is repeated range
+        by range (``_get``), so that each range fails with its own reason, or not at all."""
+        try:
+            datas = await storage.fetch_ranges(name, [(start, end) for start, end, _ in ranges])
+            size, got_etag = await storage.version(name)
+        except Exception:
+            return list(
+                await asyncio.gather(*(self._get(storage, name, path, mirror, s, e, etag, w) for s, e, w in ranges))
+            )
+        self.stats.requests += len(ranges)
+        self.stats.calls += 1
+        self.stats.fetched_bytes += sum(len(data) for data in datas)
+        if etag and got_etag and got_etag != etag:
+            return [f"{path} changed since the server indexed it (ETag {got_etag}, indexed {etag})"] * len(ranges)
+        reasons = [
+            f"{path} changed since the server indexed it: {size} bytes, indexed {end}"
+            if whole and size != end
+            else f"{path} is truncated: it ends at byte {size}, the sample at {end}"
+            if len(data) < end - start
+            else ""
+            for (start, end, whole), data in zip(ranges, datas)
+        ]
+        writes = [(data, start) for (start, _, _), data, reason in zip(ranges, datas, reasons) if not reason]
+        await asyncio.get_running_loop().run_in_executor(self._writer, _write_all, mirror.fd, writes)
+        for (start, end, _), reason in zip(ranges, reasons):
+            if not reason:
+                self.held += mirror.add(start, end)
+        return reasons
+
+    async def _get(
         self,
         storage: ObjectStorage,
         name: str,
@@ -320,21 +461,21 @@ class ObjectCache:
         etag: str,
         whole: bool,
     ) -> str:
-        """One ranged GET into the mirror; returns "" or why it failed."""
+        """Fetches [start, end) of one object into its mirror; returns "" or why it failed."""
         try:
-            async with self._gate.holding(end - start):  # (the bytes are in memory until written)
-                data, size, got_etag = await storage.fetch(name, start, end, etag)
-                self.stats.requests += 1
-                self.stats.fetched_bytes += len(data)
-                if whole and size != end:
-                    return f"{path} changed since the server indexed it: {size} bytes, indexed {end}"
-                if etag and got_etag and got_etag != etag:
-                    return f"{path} changed since the server indexed it (ETag {got_etag}, indexed {etag})"
-                if len(data) < end - start:
-                    return f"{path} is truncated: it ends at byte {size}, the sample at {end}"
-                # In a thread: a write that the kernel throttles (dirty pages) must not stall the
-                # loop that feeds the decode workers.
-                await asyncio.get_running_loop().run_in_executor(self._writer, _write, mirror.fd, data, start)
+            data, size, got_etag = await storage.fetch(name, start, end, etag)
+            self.stats.requests += 1
+            self.stats.calls += 1
+            self.stats.fetched_bytes += len(data)
+            if whole and size != end:
+                return f"{path} changed since the server indexed it: {size} bytes, indexed {end}"
+            if etag and got_etag and got_etag != etag:
+                return f"{path} changed since the server indexed it (ETag {got_etag}, indexed {etag})"
+            if len(data) < end - start:
+                return f"{path} is truncated: it ends at byte {size}, the sample at {end}"
+            # In a thread: a write that the kernel throttles (dirty pages) must not stall the
+            # loop that feeds the decode workers.
+            await asyncio.get_running_loop().run_in_executor(self._writer, _write, mirror.fd, data, start)
             self.held += mirror.add(start, end)
             return ""
         except FileNotFoundError:
@@ -361,6 +502,19 @@ class ObjectCache:
             self.held -= mirror.bytes
             self.stats.evicted_bytes += mirror.bytes
             mirror.close()
+
+
+@dataclass
+class _Planned:
+    """A range asked for and not held: its request waits its turn (``ObjectCache._dispatch``)."""
+
+    path: str
+    mirror: _Mirror
+    start: int
+    end: int
+    etag: str
+    whole: bool  # it ends where the whole object as indexed ends: the object's size is checked
+    future: asyncio.Future[str]  # "" once held, or why not
 
 
 class _Gate:
@@ -394,8 +548,20 @@ class _Gate:
                 self._waiting.remove(entry)
             raise
 
-    def _leave(self, nbytes: int) -> None:
-        self.count -= 1
+    def room(self) -> bool:
+        """Whether a request would get in now (none waits before it)."""
+        return not self._waiting and self._room()
+
+    def take(self, nbytes: int, requests: int = 1) -> None:
+        """Lets ``requests`` of ``nbytes`` in all in now (``room`` said so); ``leave`` when done."""
+        self.count += requests
+        self.bytes += nbytes
+
+    def leave(self, nbytes: int, requests: int = 1) -> None:
+        self._leave(nbytes, requests)
+
+    def _leave(self, nbytes: int, requests: int = 1) -> None:
+        self.count -= requests
         self.bytes -= nbytes
         self._let_in_waiting()
 
@@ -424,6 +590,12 @@ def _claim(folder: str, most: int = 256) -> tuple[str, int]:
             continue
         return os.path.join(folder, name), lock
     raise StorageError(f"--cache-dir {folder}: {most} loader servers on this machine use it already")
+
+
+def _write_all(fd: int, writes: list[tuple[Any, int]]) -> None:
+    """``_write`` for each (bytes, offset) of one mirror."""
+    for data, offset in writes:
+        _write(fd, data, offset)
 
 
 def _write(fd: int, data: Any, offset: int) -> None:

@@ -382,6 +382,22 @@ class ObjectStorage(Storage):
         meta = result.meta
         return data, meta["size"], bare_etag(meta.get("e_tag"))
 
+    async def fetch_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[Any]:
+        """The bytes of each ``[start, end)`` of ``ranges`` of one object, in one call: a request
+        each (ten at a time, none merged), for about half the CPU per range of ``fetch`` (its
+        awaits cost more than its request). No version is checked: see ``version``."""
+        import obstore
+
+        starts, ends = [start for start, _ in ranges], [end for _, end in ranges]
+        return await obstore.get_ranges_async(self.store, name, starts=starts, ends=ends, coalesce=0)
+
+    async def version(self, name: str) -> tuple[int, str]:
+        """The object's size and (bare) ETag now."""
+        import obstore
+
+        meta = await obstore.head_async(self.store, name)
+        return meta["size"], bare_etag(meta.get("e_tag"))
+
     def error(self, exc: BaseException, name: str) -> OSError:
         """What an obstore failure means for ``name``, as an OSError naming the URL, what was
         tried and, where the operator can fix it, how (for the store in the URL)."""

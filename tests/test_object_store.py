@@ -482,6 +482,59 @@ def test_requests_in_flight_are_bounded_in_count_and_bytes_and_start_in_turn():
     asyncio.run(scenario())
 
 
+def test_ranges_of_one_object_come_in_few_calls_and_a_fault_fails_only_its_own_ranges(data, tmp_path, monkeypatch):
+    """Ranges of one object too far apart to merge (none at offset 0: none a whole object) go to
+    the store in one call per CALL_RANGES (and no more than the concurrency allows), a request
+    each; a call that fails is repeated range by range, so that a range past the end of an
+    object cut short fails alone, with its reason; an object of another version fails all its
+    ranges."""
+    import asyncio
+
+    import obstore
+
+    from remoteloader.server.catalog import Location
+    from remoteloader.server.object_cache import CALL_RANGES, COALESCE, ObjectCache
+    from remoteloader.server.storage import ObjectStorage
+
+    for key, value in data.s3.env().items():
+        monkeypatch.setenv(key, value)
+    store = data.store()
+    blob = np.random.default_rng(5).integers(0, 256, 40 * (COALESCE + 2000), np.uint8).tobytes()
+    obstore.put(store, "calls/blob.bin", blob)
+    etag = obstore.head(store, "calls/blob.bin")["e_tag"].strip('"')
+    path = "s3://data/calls/blob.bin"
+    apart = [Location(path, 512 + k * (COALESCE + 2000), 1000, etag) for k in range(40)]
+
+    async def fetch(locations, folder, concurrency=64):
+        cache = ObjectCache(str(tmp_path / folder), 1 << 30, [ObjectStorage("s3://data")], concurrency)
+        try:
+            reasons = await cache.fetch(locations)
+            held = []
+            for loc, reason in zip(locations, reasons):
+                local = cache.local(loc)
+                with open(local.path, "rb") as f:
+                    held.append(os.pread(f.fileno(), loc.length, loc.offset) if not reason else b"")
+            return reasons, held, cache.stats
+        finally:
+            cache.close()
+
+    reasons, held, stats = asyncio.run(fetch(apart, "a"))
+    assert reasons == [""] * 40 and held == [blob[loc.offset : loc.offset + 1000] for loc in apart]
+    assert stats.requests == 40 and stats.calls == -(-40 // CALL_RANGES), (stats.requests, stats.calls)
+    reasons, held, stats = asyncio.run(fetch(apart, "a4", concurrency=4))  # (a call: no more requests than that)
+    assert reasons == [""] * 40 and held == [blob[loc.offset : loc.offset + 1000] for loc in apart]
+    assert stats.requests == 40 and stats.calls == 10, (stats.requests, stats.calls)
+
+    past_end = [loc._replace(etag="") for loc in apart[:5]] + [Location(path, len(blob) - 10, 1000, "")]
+    reasons, held, stats = asyncio.run(fetch(past_end, "b"))
+    assert reasons[:5] == [""] * 5 and held[:5] == [blob[loc.offset : loc.offset + 1000] for loc in apart[:5]]
+    assert reasons[5] and "calls/blob.bin" in reasons[5], reasons
+
+    another = [loc._replace(etag="not-its-etag") for loc in apart[:5]]
+    reasons, _, _ = asyncio.run(fetch(another, "c"))
+    assert all("changed since the server indexed it" in r and "calls/blob.bin" in r for r in reasons), reasons
+
+
 def test_a_loader_error_names_a_server_whose_store_is_gone_for_good(cluster, data, run_bounded, tmp_path):
     """Past --store-timeout the samples fail, named, under on_error: the server survives."""
     s3 = LocalS3(tmp_path / "gone", buckets=("gone",)).start()
