@@ -17,8 +17,8 @@ fetched them (the server's ``remoteloader_store_fetched_bytes_total`` and
 ``remoteloader_store_requests_total``), the server main process's CPU per image, its RSS and
 the bytes its cache holds; then the ratios the issue asks for: the median warm epoch from
 the bucket over the median local one (target 0.95), the cold epoch over it and over the local
-first epoch (target 0.8; every first epoch decodes whole images, later ones only a crop's
-region), and the cold epoch's bytes fetched over the shards' size (ideally 1; with drop_last an
+first epoch (target 0.8; `pack`ed shards are region-decoded from their first epoch, as
+later), and the cold epoch's bytes fetched over the shards' size (ideally 1; with drop_last an
 epoch leaves out a remainder, fetched by a later epoch). It also prints the link's ceiling: the
 images/s that ``--rate`` can carry at the shards' bytes per image; a cold epoch cannot beat it,
 whatever the server does (at 1 Gbit/s, about 1,060 ImageNet-sized images/s: fewer than two
