@@ -49,7 +49,6 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
-import contextlib
 import fcntl
 import functools
 import hashlib
@@ -58,7 +57,7 @@ import logging
 import os
 import shutil
 from array import array
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -518,39 +517,17 @@ class _Planned:
 
 
 class _Gate:
-    """Lets requests in, in turn, while fewer than ``most`` are in and, past the first, they
-    hold fewer than ``most_bytes``: a request of any size gets in, and the requests in never
-    hold more than ``most_bytes`` and one request."""
+    """The requests in flight and the bytes they hold: there is ``room`` while fewer than
+    ``most`` are in and, past the first, they hold fewer than ``most_bytes``, so a request of any
+    size gets in and those in never hold more than ``most_bytes`` and one call."""
 
     def __init__(self, most: int, most_bytes: int):
         self.most, self.most_bytes = most, most_bytes
         self.count = self.bytes = 0  # of the requests in
-        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    @contextlib.asynccontextmanager
-    async def holding(self, nbytes: int) -> AsyncIterator[None]:
-        await self._enter(nbytes)
-        try:
-            yield
-        finally:
-            self._leave(nbytes)
-
-    async def _enter(self, nbytes: int) -> None:
-        entry = (nbytes, asyncio.get_running_loop().create_future())
-        self._waiting.append(entry)
-        self._let_in_waiting()
-        try:
-            await entry[1]
-        except asyncio.CancelledError:
-            if not entry[1].cancelled():  # let in as it was cancelled: its place goes to the next
-                self._leave(nbytes)
-            elif entry in self._waiting:
-                self._waiting.remove(entry)
-            raise
 
     def room(self) -> bool:
-        """Whether a request would get in now (none waits before it)."""
-        return not self._waiting and self._room()
+        """Whether another request may go now."""
+        return self.count < self.most and (self.count == 0 or self.bytes < self.most_bytes)
 
     def take(self, nbytes: int, requests: int = 1) -> None:
         """Lets ``requests`` of ``nbytes`` in all in now (``room`` said so); ``leave`` when done."""
@@ -558,24 +535,8 @@ class _Gate:
         self.bytes += nbytes
 
     def leave(self, nbytes: int, requests: int = 1) -> None:
-        self._leave(nbytes, requests)
-
-    def _leave(self, nbytes: int, requests: int = 1) -> None:
         self.count -= requests
         self.bytes -= nbytes
-        self._let_in_waiting()
-
-    def _let_in_waiting(self) -> None:
-        while self._waiting and self._room():
-            nbytes, future = self._waiting.popleft()
-            if future.cancelled():  # (given up as it waited)
-                continue
-            self.count += 1
-            self.bytes += nbytes
-            future.set_result(None)
-
-    def _room(self) -> bool:
-        return self.count < self.most and (self.count == 0 or self.bytes < self.most_bytes)
 
 
 def _claim(folder: str, most: int = 256) -> tuple[str, int]:

@@ -420,66 +420,29 @@ def test_neighbouring_ranges_are_fetched_as_one_request():
     assert all(e - s <= MAX_REQUEST for s, e in _coalesce(big)) and len(_coalesce(big)) == 2
 
 
-def test_requests_in_flight_are_bounded_in_count_and_bytes_and_start_in_turn():
-    """What the store sends waits in memory until written: _Gate bounds it (and the requests)."""
-    import asyncio
-
-    async def scenario():
-        gate = _Gate(most=3, most_bytes=100)
-        inside, entered, most_inside, most_bytes = set(), [], [0], [0]
-        release = {k: asyncio.Event() for k in range(8)}
-
-        async def request(k: int, nbytes: int):
-            async with gate.holding(nbytes):
-                inside.add(k)
-                entered.append(k)
-                most_inside[0] = max(most_inside[0], len(inside))
-                most_bytes[0] = max(most_bytes[0], gate.bytes)
-                await release[k].wait()
-                inside.discard(k)
-
-        sizes = [60, 50, 500, 10, 10, 10, 10, 10]  # 2: over the byte bound alone
-        tasks = [asyncio.ensure_future(request(k, n)) for k, n in enumerate(sizes)]
-        await asyncio.sleep(0.01)
-        assert inside == {0, 1}, "110 bytes in: the next request waits for room"
-        tasks[3].cancel()  # a waiting request given up: it leaves no trace
-        release[0].set()
-        release[1].set()
-        await asyncio.sleep(0.01)
-        assert inside == {2}, "a request over the byte bound gets in below it; those behind wait their turn"
-        release[2].set()
-        await asyncio.sleep(0.01)
-        assert inside == {4, 5, 6}, "then three at a time (the count bound)"
-        for k in (4, 5, 6, 7):
-            release[k].set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert entered == [0, 1, 2, 4, 5, 6, 7] and gate.count == 0 and gate.bytes == 0
-        assert most_inside[0] <= 3 and most_bytes[0] <= 100 + max(sizes)
-
-        # Let in and cancelled before it ran: its place goes to the next.
-        one = _Gate(most=1, most_bytes=100)
-        first_in, first_out = asyncio.Event(), asyncio.Event()
-
-        async def hold():
-            async with one.holding(10):
-                first_in.set()
-                await first_out.wait()
-
-        async def enter():
-            async with one.holding(10):
-                return True
-
-        a = asyncio.ensure_future(hold())
-        await first_in.wait()
-        b, c = asyncio.ensure_future(enter()), asyncio.ensure_future(enter())
-        await asyncio.sleep(0.01)
-        first_out.set()
-        await asyncio.sleep(0)  # a leaves and lets b in, and b has not run yet
-        assert a.done() and one.count == 1 and not b.done()
-        b.cancel()
-        assert await asyncio.wait_for(c, 5) and b.cancelled() and one.count == 0 and one.bytes == 0
-
-    asyncio.run(scenario())
+def test_requests_in_flight_are_bounded_in_count_and_bytes():
+    """What the store sends waits in memory until written: the cache sends a request (or a call
+    of several) only while _Gate has room, so the requests in flight stay under its count, and
+    the bytes they hold under its byte bound and one call, however large that call is."""
+    gate = _Gate(most=3, most_bytes=100)
+    assert gate.room()
+    gate.take(60)
+    assert gate.room(), "60 bytes of 100 in: another may go"
+    gate.take(50)
+    assert not gate.room(), "110 bytes in: the next waits for room"
+    gate.leave(60)
+    gate.leave(50)
+    assert gate.room() and gate.count == 0 and gate.bytes == 0
+    gate.take(500, requests=2)  # a call over the byte bound goes alone when nothing is in
+    assert not gate.room() and gate.count == 2
+    gate.leave(500, requests=2)
+    for _ in range(3):
+        assert gate.room()
+        gate.take(10)
+    assert not gate.room(), "three in: the count bound, whatever their bytes"
+    for _ in range(3):
+        gate.leave(10)
+    assert gate.count == 0 and gate.bytes == 0
 
 
 def test_ranges_of_one_object_come_in_few_calls_and_a_fault_fails_only_its_own_ranges(data, tmp_path, monkeypatch):
