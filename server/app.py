@@ -428,10 +428,15 @@ async def serve(config: ServerConfig) -> None:
     serving.cancel()
     # On its way out a repeated stop signal (a supervisor's second SIGTERM) must not end the
     # process by the signal instead of exit code 0: closing the loop would restore the default
-    # action, so the handlers go now, replaced by "ignore".
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # action, so the handlers go now, replaced by "ignore". Removing a handler restores the
+    # default action for a moment, so the signals wait (blocked) until "ignore" is in place,
+    # which then discards them.
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    for sig in stops:
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     log.info("stopped")
 
 
