@@ -320,14 +320,3 @@ def cpu_split(me: int, server: int | None) -> dict[str, float]:
         out["server_main"] = table.get(server, (0, 0.0))[1]
         out["server_workers"] = below(server, None)
     return out
-
-
-def evict(files: list[pathlib.Path]) -> None:
-    """Drops ``files`` from the page cache (a first epoch from local disk then reads the disk)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)

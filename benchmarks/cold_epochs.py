@@ -36,6 +36,7 @@ import _common  # noqa: E402
 
 from remoteloader.client import RemoteLoader  # noqa: E402
 from remoteloader.tools.local import LocalServer  # noqa: E402
+from remoteloader.tools.page_cache import evict  # noqa: E402
 
 
 def epoch(loader: RemoteLoader, number: int) -> float:
@@ -93,7 +94,7 @@ def one_round(served: pathlib.Path, read_ahead: bool, log_dir: str) -> tuple[flo
             epoch(loader, 0)
             epoch(loader, 1)
             cached = epoch(loader, 2)
-            _common.evict([p for p in served.rglob("*") if p.is_file()])
+            evict([p for p in served.rglob("*") if p.is_file()])
             cold = epoch(loader, 3)
         return cached, cold
     finally:

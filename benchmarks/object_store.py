@@ -53,12 +53,13 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from _common import DEFAULT_DATA, default_cores, ensure_dataset, ensure_packed, evict  # noqa: E402
+from _common import DEFAULT_DATA, default_cores, ensure_dataset, ensure_packed  # noqa: E402
 
 from remoteloader.client import cpu  # noqa: E402
 from remoteloader.tools import shaped_links  # noqa: E402
 from remoteloader.tools.local import LocalServer  # noqa: E402
 from remoteloader.tools.local_s3 import LocalS3  # noqa: E402
+from remoteloader.tools.page_cache import evict  # noqa: E402
 
 INSIDE = "REMOTELOADER_BENCH_INSIDE"
 

@@ -17,6 +17,7 @@ from remoteloader.server.fetching import Fetcher
 from remoteloader.server.order_samples import Samples
 from remoteloader.server.pipelines import PipelineSpec
 from remoteloader.server.read_ahead import ReadAhead, available
+from remoteloader.tools.page_cache import evict
 
 pytestmark = pytest.mark.skipif(not available(), reason="no posix_fadvise on this system")
 
@@ -49,12 +50,7 @@ def resident(path, offset: int, length: int) -> float:
 
 def evicted(path) -> bool:
     """Drops the file's pages from the page cache; whether that worked (not on tmpfs, say)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict([path])
     return resident(path, 0, os.path.getsize(path)) < 0.05
 
 
