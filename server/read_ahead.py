@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from collections import OrderedDict
 
 from remoteloader.server.catalog import Location
+from remoteloader.server.sample_reads import SampleFiles
 
 OPEN_FILES = 64
 
@@ -30,7 +30,7 @@ class ReadAhead:
 
     def __init__(self) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
-        self._files: OrderedDict[str, int] = OrderedDict()  # path -> descriptor (the thread's alone)
+        self._files = SampleFiles(keep=OPEN_FILES)  # (the thread's alone)
 
     def ask(self, located: list[Location]) -> concurrent.futures.Future[None]:
         """Starts reading ``located``'s ranges; the future is done once every range was asked for."""
@@ -40,34 +40,15 @@ class ReadAhead:
         """Drops what is still to be asked, waits for the order being asked (a bounded list of
         calls), then closes the files it held open."""
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self._close_files()
+        self._files.close()
 
     def _advise(self, located: list[Location]) -> None:
         for location in located:
-            fd = self._open(location.path)
-            if fd is not None:
-                try:
-                    os.posix_fadvise(fd, location.offset, location.length, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-
-    def _open(self, path: str) -> int | None:
-        fd = self._files.get(path)
-        if fd is not None:
-            self._files.move_to_end(path)
-            return fd
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        self._files[path] = fd
-        while len(self._files) > OPEN_FILES:
-            os.close(self._files.popitem(last=False)[1])
-        return fd
-
-    def _close_files(self) -> None:
-        while self._files:
-            os.close(self._files.popitem()[1])
+            try:
+                fd, _ = self._files.opened(location.path)
+                os.posix_fadvise(fd, location.offset, location.length, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
 
 
 def available() -> bool:

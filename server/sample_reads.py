@@ -6,6 +6,7 @@ loads albumentations, so that pack starts without it).
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 from remoteloader.server.decode import DecodeError
 
@@ -23,21 +24,23 @@ def read_sample(path: str, offset: int, length: int) -> tuple[bytes, int]:
 
 
 class SampleFiles:
-    """Reads samples as ``read_sample`` does, keeping the last few files open: a decode worker's
-    task reads most of its samples from one or two shards, and opening (and fstat-ing) the shard
-    once per sample was a third of reading a sample from the page cache. Each file is opened,
-    and its modification time read, once for as long as it stays open (a task, at most)."""
+    """Reads samples as ``read_sample`` does, keeping the files last used open (at most ``keep``):
+    a decode worker's task reads most of its samples from one or two shards, and opening (and
+    fstat-ing) the shard once per sample was a third of reading a sample from the page cache.
+    Each file is opened, and its modification time read, once for as long as it stays open (a
+    task, at most, in a worker; the read-ahead's thread keeps its own)."""
 
-    KEEP = 4  # files held open at once
+    KEEP = 4  # files held open at once, by default
 
-    def __init__(self):
-        self._open: dict[str, tuple[int, int]] = {}  # path -> (descriptor, mtime_ns), oldest first
+    def __init__(self, keep: int = KEEP):
+        self.keep = keep
+        self._open: OrderedDict[str, tuple[int, int]] = OrderedDict()  # path -> (fd, mtime_ns), least recent first
 
     def read(self, path: str, offset: int, length: int) -> tuple[bytes, int]:
         """``read_sample(path, offset, length)``."""
         if length > MAX_SAMPLE_BYTES:
             raise DecodeError(f"sample is {length} bytes, over the limit of {MAX_SAMPLE_BYTES}")
-        fd, mtime_ns = self._open.get(path) or self._opened(path)
+        fd, mtime_ns = self.opened(path)
         want = length + 1 if offset == 0 else length
         data = os.pread(fd, want, offset)
         while 0 < len(data) < length:  # a short read (some network file systems): read on
@@ -49,16 +52,22 @@ class SampleFiles:
             raise DecodeError(f"file changed since the server indexed it: read {len(data)} bytes, expected {length}")
         return data, mtime_ns
 
-    def _opened(self, path: str) -> tuple[int, int]:
-        if len(self._open) >= self.KEEP:
-            os.close(self._open.pop(next(iter(self._open)))[0])
+    def opened(self, path: str) -> tuple[int, int]:
+        """The file's descriptor, open, and its modification time (ns) when it was opened; the
+        least recently used file is closed past ``keep``. Raises OSError where it cannot open."""
+        held = self._open.get(path)
+        if held is not None:
+            self._open.move_to_end(path)
+            return held
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            self._open[path] = (fd, os.fstat(fd).st_mtime_ns)
+            held = self._open[path] = (fd, os.fstat(fd).st_mtime_ns)
         except OSError:
             os.close(fd)
             raise
-        return self._open[path]
+        while len(self._open) > self.keep:
+            os.close(self._open.popitem(last=False)[1][0])
+        return held
 
     def close(self) -> None:
         for fd, _ in self._open.values():
